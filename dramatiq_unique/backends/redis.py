@@ -1,0 +1,113 @@
+"""A lock backend on Redis, standalone or Cluster.
+
+Each lock is one hash whose key carries a Cluster hash tag around the
+digest, and every script touches that one key only.  Deadlines come
+from the server's ``TIME``, so worker clocks do not matter, and
+``redis-py``'s ``Script`` reloads a script after ``NOSCRIPT``.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from typing import Any, Iterator, Optional, Sequence
+
+import redis
+
+from ..backend import Acquisition, LockBackend, LockInfo, Release
+
+_SCRIPTS = {
+    name: resources.files(__package__).joinpath("lua", f"{name}.lua").read_text()
+    for name in ("acquire", "release", "extend", "wait", "claim")
+}
+
+
+def _waiting(key: str) -> list[str]:
+    """The waiters and tickets keys of a lock key: same hash tag, same
+    Cluster slot.
+    """
+    return [f"{key}:wait", f"{key}:tickets"]
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class RedisBackend(LockBackend):
+    """A lock backend that stores locks in Redis.
+
+    Parameters:
+      client(redis.Redis): A client to use, e.g. a
+        ``redis.cluster.RedisCluster`` or one from a Sentinel.  When
+        given, all other parameters are ignored.
+      url(str): A Redis URL.  ``redis+cluster://host:port`` connects
+        to a Cluster.  When given, it wins over ``**parameters``.
+      **parameters: Passed to ``redis.Redis``.
+    """
+
+    def __init__(self, *, client: Optional[Any] = None, url: Optional[str] = None, **parameters: Any) -> None:
+        if client is None and url is not None and url.startswith("redis+cluster://"):
+            client = redis.cluster.RedisCluster.from_url("redis://" + url[len("redis+cluster://") :], **parameters)
+        elif client is None and url is not None:
+            client = redis.Redis.from_url(url, **parameters)
+        self.client = client if client is not None else redis.Redis(**parameters)
+        self.url = url
+        self.scripts = {name: self.client.register_script(source) for name, source in _SCRIPTS.items()}
+
+    def describe(self) -> str:
+        if self.url:
+            return f"RedisBackend({self.url})"
+        kwargs = getattr(getattr(self.client, "connection_pool", None), "connection_kwargs", {})
+        where = kwargs.get("path") or f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
+        return f"RedisBackend(redis at {where})"
+
+    def acquire(
+        self, key: str, owner: str, *, ttl: int, limit: int = 1, lock: str = "", lock_args: Optional[str] = None
+    ) -> Acquisition:
+        status, holder, fence = self.scripts["acquire"](
+            keys=[key], args=[owner, ttl, limit, lock, lock_args or ""], client=self.client
+        )
+        return Acquisition(status != 0, reentered=status == 2, holder=_text(holder), fence=int(fence))
+
+    def release(self, key: str, owner: str) -> Release:
+        held, promoted = self.scripts["release"](keys=[key, *_waiting(key)], args=[owner], client=self.client)
+        return Release(bool(held), promoted or None)
+
+    def wait(self, key: str, ticket: str, message: bytes, *, order: int, ttl: int) -> None:
+        self.scripts["wait"](keys=_waiting(key), args=[ticket, message, order, ttl], client=self.client)
+
+    def claim(self, key: str, ticket: str) -> bool:
+        return bool(self.scripts["claim"](keys=_waiting(key), args=[ticket], client=self.client))
+
+    def extend(self, locks: Sequence[tuple[str, str]], ttl: int) -> list[bool]:
+        if not locks:
+            return []
+        if len(locks) == 1:
+            key, owner = locks[0]
+            return [bool(self.scripts["extend"](keys=[key], args=[owner, ttl], client=self.client))]
+        pipe = self.client.pipeline(transaction=False)
+        for key, owner in locks:
+            self.scripts["extend"](keys=[key], args=[owner, ttl], client=pipe)
+        return [bool(result) for result in pipe.execute()]
+
+    def inspect(self, key: str) -> Optional[LockInfo]:
+        fields = {_text(name): _text(value) for name, value in self.client.hgetall(key).items()}
+        now = self._now_ms()
+        holders = {name: int(value) for name, value in fields.items() if not name.startswith("!") and int(value) > now}
+        if not holders:
+            return None
+        return LockInfo(key, fields.get("!lock") or None, holders, fields.get("!args"), int(fields.get("!fence", 0)))
+
+    def scan(self, pattern: str) -> Iterator[str]:
+        seen = set()
+        for key in self.client.scan_iter(match=pattern, count=1000):
+            name = _text(key)
+            if name not in seen:
+                seen.add(name)
+                yield name
+
+    def delete(self, key: str) -> bool:
+        return bool(self.client.delete(key))
+
+    def _now_ms(self) -> int:
+        seconds, micros = self.client.time()
+        return int(seconds) * 1000 + int(micros) // 1000

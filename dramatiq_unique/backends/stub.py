@@ -1,0 +1,147 @@
+"""An in-memory, thread-safe lock backend for tests and the demo."""
+
+from __future__ import annotations
+
+import fnmatch
+import threading
+import time as mod_time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence
+
+from ..backend import Acquisition, LockBackend, LockInfo, Release
+
+
+def _now_ms() -> int:
+    return mod_time.monotonic_ns() // 1_000_000
+
+
+@dataclass
+class _Ticket:
+    copies: int = 1
+    claimed: bool = False
+
+
+@dataclass
+class _Waiters:
+    order: dict[str, tuple[int, bytes]] = field(default_factory=dict)
+    tickets: dict[str, _Ticket] = field(default_factory=dict)
+
+
+@dataclass
+class _Entry:
+    holders: dict[str, int] = field(default_factory=dict)
+    lock: str = ""
+    lock_args: Optional[str] = None
+    fence: int = 0
+
+
+class StubBackend(LockBackend):
+    """An in-memory lock backend.  Locks live in this process only,
+    so it suits tests, the demo and single-process workers.
+
+    Deadlines follow ``time.monotonic``.
+    """
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._last_fence = 0
+        self._waiters: dict[str, _Waiters] = {}
+
+    def _live(self, key: str, now: int) -> Optional[_Entry]:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        entry.holders = {owner: deadline for owner, deadline in entry.holders.items() if deadline > now}
+        if not entry.holders:
+            del self._entries[key]
+            return None
+        return entry
+
+    def acquire(
+        self, key: str, owner: str, *, ttl: int, limit: int = 1, lock: str = "", lock_args: Optional[str] = None
+    ) -> Acquisition:
+        with self._mutex:
+            now = _now_ms()
+            entry = self._live(key, now) or _Entry()
+            if owner in entry.holders:
+                entry.holders[owner] = max(entry.holders[owner], now + ttl)
+                return Acquisition(True, reentered=True, fence=entry.fence)
+            if len(entry.holders) >= limit:
+                return Acquisition(False, holder=next(iter(entry.holders)), fence=entry.fence)
+            self._last_fence = entry.fence = max(self._last_fence + 1, mod_time.time_ns() // 1000)
+            entry.holders[owner] = now + ttl
+            entry.lock, entry.lock_args = lock, lock_args
+            self._entries[key] = entry
+            return Acquisition(True, fence=entry.fence)
+
+    def release(self, key: str, owner: str) -> Release:
+        with self._mutex:
+            now = _now_ms()
+            entry = self._entries.get(key)
+            deadline = entry.holders.pop(owner, None) if entry is not None else None
+            if deadline is None:
+                return Release(False)
+            self._live(key, now)  # drops the entry with its last live holder
+            return Release(deadline > now, self._promote(key))
+
+    def _promote(self, key: str) -> Optional[bytes]:
+        waiters = self._waiters.get(key)
+        if waiters is None or not waiters.order:
+            return None
+        ticket = min(waiters.order, key=lambda name: waiters.order[name][0])
+        _, message = waiters.order.pop(ticket)
+        waiters.tickets[ticket].copies = 2
+        return message
+
+    def wait(self, key: str, ticket: str, message: bytes, *, order: int, ttl: int) -> None:
+        with self._mutex:
+            waiters = self._waiters.setdefault(key, _Waiters())
+            waiters.order[ticket] = (order, message)
+            waiters.tickets[ticket] = _Ticket()
+
+    def claim(self, key: str, ticket: str) -> bool:
+        with self._mutex:
+            waiters = self._waiters.get(key)
+            record = waiters.tickets.get(ticket) if waiters is not None else None
+            if waiters is None or record is None:
+                return True
+            waiters.order.pop(ticket, None)
+            record.copies -= 1
+            first, record.claimed = not record.claimed, True
+            if record.copies <= 0:
+                del waiters.tickets[ticket]
+            if not waiters.tickets:
+                del self._waiters[key]
+            return first
+
+    def extend(self, locks: Sequence[tuple[str, str]], ttl: int) -> list[bool]:
+        with self._mutex:
+            now = _now_ms()
+            held = []
+            for key, owner in locks:
+                entry = self._live(key, now)
+                if entry is not None and owner in entry.holders:
+                    entry.holders[owner] = now + ttl
+                held.append(entry is not None and owner in entry.holders)
+            return held
+
+    def inspect(self, key: str) -> Optional[LockInfo]:
+        with self._mutex:
+            now = _now_ms()
+            entry = self._live(key, now)
+            if entry is None:
+                return None
+            offset = mod_time.time_ns() // 1_000_000 - now
+            holders = {owner: deadline + offset for owner, deadline in entry.holders.items()}
+            return LockInfo(key, entry.lock or None, holders, entry.lock_args, entry.fence)
+
+    def scan(self, pattern: str) -> Iterator[str]:
+        with self._mutex:
+            now = _now_ms()
+            keys = [key for key in list(self._entries) if self._live(key, now) and fnmatch.fnmatchcase(key, pattern)]
+        return iter(sorted(keys))
+
+    def delete(self, key: str) -> bool:
+        with self._mutex:
+            return self._entries.pop(key, None) is not None

@@ -1,0 +1,64 @@
+"""Per-delivery state, and the fencing token of the running message."""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+from .leases import Lease
+from .spec import ActorSpec
+
+if TYPE_CHECKING:
+    from dramatiq.broker import MessageProxy
+
+_fence: ContextVar[Optional[int]] = ContextVar("dramatiq_unique_fence", default=None)
+
+
+@dataclass(eq=False)
+class Delivery:
+    """What the middleware did for one delivery of a message.  It lives
+    on the ``MessageProxy``, never in ``message.options``: Retries
+    copies options into the retried message.
+    """
+
+    spec: ActorSpec
+    digest: str
+    run_key: Optional[str] = None
+    run_owner: Optional[str] = None
+    lease: Optional[Lease] = None
+    fence: Optional[int] = None
+    keeps_queue_lock: bool = False
+    queue_released: bool = False
+
+
+def delivery(message: "MessageProxy") -> Optional[Delivery]:
+    """The middleware's state for ``message``, if it has any."""
+    return getattr(message, "_unique_delivery", None)
+
+
+def attach(message: "MessageProxy", state: Delivery) -> Delivery:
+    message._unique_delivery = state  # type: ignore[attr-defined]
+    return state
+
+
+def fence_token(message: Any = None) -> Optional[int]:
+    """The fencing token of the run lock held for the current message,
+    or for ``message`` when given.
+
+    The token grows every time a new holder takes the key.  Pass it to
+    the system you write to and have it refuse writes carrying a token
+    lower than one it has seen; that keeps a paused or partitioned
+    holder whose lease ran out from overwriting newer work.
+
+    Returns:
+      int: or None when no run lock is held.
+    """
+    if message is None:
+        return _fence.get()
+    state = delivery(message)
+    return state.fence if state is not None else None
+
+
+def set_fence(value: Optional[int]) -> None:
+    _fence.set(value)

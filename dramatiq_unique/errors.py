@@ -1,0 +1,69 @@
+"""Errors raised by dramatiq-unique.
+
+Dramatiq swallows every exception a ``before_*`` hook raises unless it
+is a ``MiddlewareError``, so every error that must stop an enqueue, a
+declaration or a delivery derives from it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from dramatiq.errors import DramatiqError
+from dramatiq.middleware import MiddlewareError, SkipMessage
+
+
+class UniqueError(DramatiqError):
+    """Base class for all dramatiq-unique errors."""
+
+
+class ConfigurationError(UniqueError, MiddlewareError, ValueError):
+    """Raised for an invalid actor option, constructor argument or
+    environment variable.
+    """
+
+
+class DuplicateMessage(UniqueError, MiddlewareError):
+    """Raised by ``send()`` when ``on_conflict="raise"`` and the key is
+    already held.  Nothing was enqueued.
+
+    Attributes:
+      key(str): The lock key that is held.
+      holder(str): The message id of the message that holds it.
+    """
+
+    def __init__(self, message: str, *, key: str, holder: Optional[str]) -> None:
+        super().__init__(message)
+        self.key = key
+        self.holder = holder
+
+
+class LockConflict(UniqueError, MiddlewareError):
+    """Raised in the worker when ``on_conflict={"server": "raise"}``
+    and the run lock is held.  The delivery fails and goes through
+    Retries.
+    """
+
+    def __init__(self, message: str, *, key: str, holder: Optional[str]) -> None:
+        super().__init__(message)
+        self.key = key
+        self.holder = holder
+
+
+class LockBackendError(UniqueError, MiddlewareError):
+    """Raised when the lock backend cannot be reached or fails.  The
+    message is never enqueued or run without its lock.
+
+    Attributes:
+      backend(str): A description of the backend, e.g. its URL.
+    """
+
+    def __init__(self, message: str, *, backend: str) -> None:
+        super().__init__(message)
+        self.backend = backend
+
+
+class Rescheduled(UniqueError, SkipMessage):
+    """Raised to skip a delivery that was re-enqueued for later because
+    its key was held.  It does not count against ``max_retries``.
+    """

@@ -1,0 +1,129 @@
+"""Keeps the run leases of one worker process alive.
+
+One daemon thread per process renews every held lease every lease/3,
+all due leases in one round trip.  A lease is lost when the backend
+says its owner no longer holds it, or when renewals have failed until
+the lease's last known deadline has passed.  A lost lease is reported
+once and never silently treated as held.
+
+Timeline of a lost lease, with a 60 s lease::
+
+  t=0    worker A takes the lease (deadline t=60 on the server)
+  t=20   renewal fails: Redis unreachable; A retries every second
+  t=60   still failing: A's deadline has passed, so A reports the
+         lease lost (ERROR log, ``lock_lost`` event); another worker
+         may take the key from now on
+"""
+
+from __future__ import annotations
+
+import threading
+import time as mod_time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from dramatiq.logging import get_logger
+
+from .backend import LockBackend
+
+#: How soon a failed renewal is tried again, in milliseconds.
+RETRY_INTERVAL = 1_000
+
+
+def _now_ms() -> float:
+    return mod_time.monotonic() * 1000
+
+
+@dataclass(eq=False)
+class Lease:
+    """A run lease held by this process."""
+
+    key: str
+    owner: str
+    actor: str
+    expires_at: float
+    renew_at: float
+    lost: bool = False
+
+
+class LeaseKeeper:
+    """Renews leases of ``lease`` milliseconds on ``backend``.
+
+    Parameters:
+      backend(LockBackend): Where the leases live.
+      lease(int): The lease, in milliseconds.
+      on_lost(callable): Called once with each lost :class:`Lease`.
+    """
+
+    def __init__(self, backend: LockBackend, *, lease: int, on_lost: Callable[[Lease], None]) -> None:
+        self.logger = get_logger(__name__, type(self))
+        self.backend = backend
+        self.lease = lease
+        self.on_lost = on_lost
+        self._leases: dict[int, Lease] = {}
+        self._wakeup = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+
+    def hold(self, key: str, owner: str, taken_at: float, *, actor: str = "") -> Lease:
+        """Start renewing a lease taken at monotonic ``taken_at`` ms."""
+        lease = Lease(key, owner, actor, taken_at + self.lease, taken_at + self.lease / 3)
+        with self._wakeup:
+            self._leases[id(lease)] = lease
+            if self._thread is None or not self._thread.is_alive():
+                self._stopping = False
+                self._thread = threading.Thread(target=self._run, name="dramatiq-unique-leases", daemon=True)
+                self._thread.start()
+        return lease
+
+    def drop(self, lease: Lease) -> None:
+        """Stop renewing ``lease``."""
+        with self._wakeup:
+            self._leases.pop(id(lease), None)
+
+    def stop(self) -> None:
+        """Stop the renewal thread; held leases then run out."""
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            with self._wakeup:
+                if self._stopping:
+                    return
+                due = [lease for lease in self._leases.values() if lease.renew_at <= _now_ms()]
+                if not due:
+                    following = min((lease.renew_at for lease in self._leases.values()), default=None)
+                    wait = self.lease / 3 if following is None else following - _now_ms()
+                    self._wakeup.wait(timeout=max(wait, 1) / 1000)
+                    continue
+            self.renew(due)
+
+    def renew(self, due: list[Lease]) -> None:
+        """Renew ``due`` leases now, in one round trip."""
+        started = _now_ms()
+        try:
+            held = self.backend.extend([(lease.key, lease.owner) for lease in due], self.lease)
+        except Exception as e:
+            self.logger.warning("Could not renew %d lease(s): %r. Trying again.", len(due), e)
+            for lease in due:
+                lease.renew_at = _now_ms() + RETRY_INTERVAL
+                if _now_ms() >= lease.expires_at:
+                    self._lose(lease)
+            return
+        for lease, still_held in zip(due, held):
+            if still_held:
+                lease.expires_at = started + self.lease
+                lease.renew_at = started + self.lease / 3
+            else:
+                self._lose(lease)
+
+    def _lose(self, lease: Lease) -> None:
+        with self._wakeup:
+            if self._leases.pop(id(lease), None) is None:
+                return
+        lease.lost = True
+        self.on_lost(lease)

@@ -1,0 +1,150 @@
+"""Fixtures on real services.
+
+Redis comes from ``REDIS_URL``, else 127.0.0.1:6379 when it answers,
+else a private ``redis-server`` started here; failing all three, the
+tests that need it fail with a message saying how to get one.  Tests
+use their own database number and never flush anything else.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from typing import Iterator
+
+import dramatiq
+import pytest
+import redis
+from dramatiq import Worker
+from dramatiq.brokers.stub import StubBroker
+
+from dramatiq_unique import StubBackend, UniqueMiddleware
+from dramatiq_unique.backends.redis import RedisBackend
+
+#: The Redis database the suite owns and flushes.
+TEST_DB = 11
+
+RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _answers(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+    except redis.RedisError:
+        return False
+
+
+def start_redis_server(port: int, *extra: str) -> subprocess.Popen[bytes]:
+    """Start a throw-away ``redis-server`` on ``port`` and wait for it."""
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.fail("redis-server is not installed: run `apt-get install redis-server`, or set REDIS_URL.")
+    workdir = tempfile.mkdtemp(prefix="dramatiq-unique-redis-")
+    process = subprocess.Popen(
+        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir, *extra],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 10
+    while not _answers(f"redis://127.0.0.1:{port}/0"):
+        if time.monotonic() > deadline or process.poll() is not None:
+            process.kill()
+            pytest.fail(f"redis-server did not start on port {port}.")
+        time.sleep(0.05)
+    return process
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """A URL of a Redis database reserved for the suite."""
+    if os.environ.get("REDIS_URL"):
+        url = os.environ["REDIS_URL"]
+        if not _answers(url):
+            pytest.fail(f"REDIS_URL={url} does not answer. Start Redis there, or unset REDIS_URL.")
+        yield url
+        return
+    default = f"redis://127.0.0.1:6379/{TEST_DB}"
+    if _answers(default):
+        yield default
+        return
+    port = free_port()
+    process = start_redis_server(port)
+    try:
+        yield f"redis://127.0.0.1:{port}/{TEST_DB}"
+    finally:
+        process.terminate()
+        process.wait()
+
+
+@pytest.fixture
+def redis_client(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
+
+
+@pytest.fixture
+def rabbitmq_url() -> str:
+    """The RabbitMQ of this machine; fails with how to start it."""
+    host, port = "127.0.0.1", 5672
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+    except OSError:
+        pytest.fail(f"RabbitMQ is not reachable at {host}:{port}. Start it with `rabbitmq-server -detached`.")
+    return RABBITMQ_URL
+
+
+@pytest.fixture
+def stub_broker() -> Iterator[StubBroker]:
+    broker = StubBroker()
+    broker.emit_after("process_boot")
+    dramatiq.set_broker(broker)
+    yield broker
+    broker.flush_all()
+    broker.close()
+
+
+def make_worker(broker: dramatiq.Broker, threads: int = 8) -> Worker:
+    worker = Worker(broker, worker_timeout=50, worker_threads=threads)
+    worker.start()
+    return worker
+
+
+@pytest.fixture
+def redis_backend(redis_client: redis.Redis) -> RedisBackend:
+    return RedisBackend(client=redis_client)
+
+
+@pytest.fixture(params=["stub", "redis"])
+def backend(request: pytest.FixtureRequest) -> object:
+    """Each backend in turn, for contract tests."""
+    if request.param == "stub":
+        return StubBackend()
+    return request.getfixturevalue("redis_backend")
+
+
+def unique(backend: object = None, **options: object) -> UniqueMiddleware:
+    """A middleware with test-friendly timings."""
+    options.setdefault("reschedule_delay", 200)
+    return UniqueMiddleware(backend=backend, **options)  # type: ignore[arg-type]
+
+
+def wait_for(condition, timeout: float = 10.0, interval: float = 0.01, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
+    """Poll ``condition`` until it is true, or fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)

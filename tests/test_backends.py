@@ -1,0 +1,171 @@
+"""The backend contract, run against every backend."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import redis
+
+from dramatiq_unique.backends.redis import RedisBackend
+
+KEY = "test:actor:{abc}:run"
+
+
+def test_acquire_then_refuse_another_owner(backend):
+    # Given a key held by one owner
+    first = backend.acquire(KEY, "a", ttl=10_000)
+    # When another owner tries
+    second = backend.acquire(KEY, "b", ttl=10_000)
+    # Then the first holds it and the second learns who does
+    assert first.acquired and not first.reentered
+    assert not second.acquired and second.holder == "a"
+
+
+def test_acquire_is_reentrant_for_the_same_owner(backend):
+    backend.acquire(KEY, "a", ttl=10_000)
+    again = backend.acquire(KEY, "a", ttl=10_000)
+    assert again.acquired and again.reentered
+
+
+def test_release_checks_the_owner(backend):
+    backend.acquire(KEY, "a", ttl=10_000)
+    assert not backend.release(KEY, "b").held
+    assert not backend.acquire(KEY, "b", ttl=10_000).acquired
+    assert backend.release(KEY, "a").held
+    assert not backend.release(KEY, "a").held
+    assert backend.acquire(KEY, "b", ttl=10_000).acquired
+
+
+def test_a_lock_expires(backend):
+    backend.acquire(KEY, "a", ttl=100)
+    time.sleep(0.15)
+    assert backend.acquire(KEY, "b", ttl=10_000).acquired
+    assert not backend.release(KEY, "a").held
+
+
+def test_extend_keeps_a_lease_alive_and_refuses_strangers(backend):
+    backend.acquire(KEY, "a", ttl=300)
+    for _ in range(4):
+        time.sleep(0.1)
+        assert backend.extend([(KEY, "a"), (KEY, "b")], 300) == [True, False]
+    assert not backend.acquire(KEY, "b", ttl=1000).acquired
+
+
+def test_a_lapsed_lease_cannot_be_extended_or_released_after_takeover(backend):
+    # Given a holder whose lease ran out and a new holder
+    backend.acquire(KEY, "old", ttl=100)
+    time.sleep(0.15)
+    assert backend.acquire(KEY, "new", ttl=10_000).acquired
+    # Then the stale holder can neither extend nor release it
+    assert backend.extend([(KEY, "old")], 10_000) == [False]
+    assert not backend.release(KEY, "old").held
+    assert backend.inspect(KEY).holders.keys() == {"new"}
+
+
+def test_limit_admits_n_holders_each_with_its_own_deadline(backend):
+    assert backend.acquire(KEY, "a", ttl=100, limit=3).acquired
+    assert backend.acquire(KEY, "b", ttl=10_000, limit=3).acquired
+    assert backend.acquire(KEY, "c", ttl=10_000, limit=3).acquired
+    assert not backend.acquire(KEY, "d", ttl=10_000, limit=3).acquired
+    time.sleep(0.15)
+    # only the dead holder's slot comes back
+    assert backend.acquire(KEY, "d", ttl=10_000, limit=3).acquired
+    assert not backend.acquire(KEY, "e", ttl=10_000, limit=3).acquired
+
+
+def test_fence_tokens_grow_with_every_new_holder(backend):
+    tokens = []
+    for owner in "abcde":
+        tokens.append(backend.acquire(KEY, owner, ttl=10_000).fence)
+        backend.release(KEY, owner)
+    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens)
+    assert backend.acquire(KEY, "x", ttl=10_000).fence > tokens[-1]
+
+
+def test_inspect_and_scan(backend):
+    backend.acquire(KEY, "a", ttl=10_000, lock="while_executing", lock_args='{"x":1}')
+    backend.acquire("test:other:{def}:queue", "b", ttl=10_000)
+    info = backend.inspect(KEY)
+    assert info.lock == "while_executing" and info.lock_args == '{"x":1}'
+    assert set(info.holders) == {"a"} and info.holders["a"] > time.time() * 1000
+    assert list(backend.scan("test:actor:*")) == [KEY]
+    assert backend.inspect("test:none:{x}:run") is None
+    assert backend.delete(KEY) and backend.inspect(KEY) is None
+
+
+def test_release_promotes_the_longest_waiter_once(backend):
+    backend.acquire(KEY, "holder", ttl=10_000)
+    backend.wait(KEY, "late:1", b"late", order=2, ttl=10_000)
+    backend.wait(KEY, "early:1", b"early", order=1, ttl=10_000)
+    assert backend.release(KEY, "holder").promoted == b"early"
+    backend.acquire(KEY, "holder2", ttl=10_000)
+    assert backend.release(KEY, "holder2").promoted == b"late"
+    backend.acquire(KEY, "holder3", ttl=10_000)
+    assert backend.release(KEY, "holder3").promoted is None
+
+
+def test_claim_lets_only_the_first_copy_of_a_promoted_ticket_run(backend):
+    backend.acquire(KEY, "holder", ttl=10_000)
+    backend.wait(KEY, "m:1", b"m", order=1, ttl=10_000)
+    backend.release(KEY, "holder")
+    assert backend.claim(KEY, "m:1") is True
+    assert backend.claim(KEY, "m:1") is False
+    # once both copies arrived the record is gone
+    assert backend.claim(KEY, "m:1") is True
+
+
+def test_a_waiter_that_arrives_by_its_delay_is_not_promoted_later(backend):
+    backend.acquire(KEY, "holder", ttl=10_000)
+    backend.wait(KEY, "m:1", b"m", order=1, ttl=10_000)
+    assert backend.claim(KEY, "m:1") is True
+    assert backend.release(KEY, "holder").promoted is None
+
+
+def test_acquire_is_atomic_under_contention(backend):
+    # Given 16 threads racing for a key with limit 2
+    barrier = threading.Barrier(16)
+    wins = []
+
+    def race(owner):
+        barrier.wait()
+        if backend.acquire(KEY, owner, ttl=10_000, limit=2).acquired:
+            wins.append(owner)
+
+    threads = [threading.Thread(target=race, args=(f"o{i}",)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(wins) == 2
+
+
+def test_redis_keeps_one_key_per_held_lock_with_a_deadline(redis_backend, redis_client):
+    redis_backend.acquire(KEY, "a", ttl=10_000)
+    assert redis_client.keys("*") == [KEY.encode()]
+    assert 9_000 < redis_client.pttl(KEY) <= 10_000
+    redis_backend.release(KEY, "a")
+    assert redis_client.keys("*") == []
+
+
+def test_redis_survives_a_flushed_script_cache(redis_backend, redis_client):
+    redis_backend.acquire(KEY, "a", ttl=10_000)
+    redis_client.script_flush()
+    assert redis_backend.release(KEY, "a").held
+    assert redis_backend.acquire(KEY, "b", ttl=10_000).acquired
+
+
+def test_redis_deadlines_follow_the_server_clock(redis_backend, redis_client):
+    seconds, micros = redis_client.time()
+    redis_backend.acquire(KEY, "a", ttl=5_000)
+    deadline = int(redis_client.hget(KEY, "a"))
+    assert abs(deadline - (seconds * 1000 + micros // 1000 + 5_000)) < 1_000
+
+
+def test_redis_backend_errors_surface(redis_url):
+    from tests.conftest import free_port
+
+    dead = RedisBackend(url=f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.5)
+    with pytest.raises(redis.ConnectionError):
+        dead.acquire(KEY, "a", ttl=1000)

@@ -1,0 +1,69 @@
+"""Environment variables: both spellings, constructor wins, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from dramatiq_unique import DEFAULT_LEASE, ConfigurationError, UniqueMiddleware
+from dramatiq_unique.settings import from_environment
+
+
+def test_defaults():
+    settings = from_environment({})
+    assert settings.lease == DEFAULT_LEASE and settings.enabled and settings.redis_url is None
+
+
+@pytest.mark.parametrize("name", ["dramatiq_unique_lease", "DRAMATIQ_UNIQUE_LEASE"])
+def test_both_spellings_are_read(name):
+    assert from_environment({name: "3000"}).lease == 3000
+
+
+def test_every_variable_is_read():
+    settings = from_environment(
+        {
+            "dramatiq_unique_redis_url": "redis://example:1/2",
+            "dramatiq_unique_prefix": "p",
+            "dramatiq_unique_lock_ttl": "1000",
+            "dramatiq_unique_lease": "2000",
+            "dramatiq_unique_reschedule_delay": "0",
+            "dramatiq_unique_enabled": "false",
+            "dramatiq_unique_on_backend_error": "run_unlocked",
+        }
+    )
+    assert (settings.redis_url, settings.prefix, settings.lock_ttl, settings.lease) == ("redis://example:1/2", "p", 1000, 2000)
+    assert (settings.reschedule_delay, settings.enabled, settings.on_backend_error) == (0, False, "run_unlocked")
+
+
+@pytest.mark.parametrize(
+    "name, value, says",
+    [
+        ("dramatiq_unique_lease", "60s", "dramatiq_unique_lease='60s' is invalid: expected a whole number of milliseconds"),
+        ("DRAMATIQ_UNIQUE_LOCK_TTL", "-5", "DRAMATIQ_UNIQUE_LOCK_TTL=-5 is invalid"),
+        ("dramatiq_unique_enabled", "maybe", "dramatiq_unique_enabled='maybe' is invalid: expected 1/0 or true/false"),
+        ("dramatiq_unique_on_backend_error", "ignore", "expected one of fail, run_unlocked"),
+        ("dramatiq_unique_reschedule_delay", "1.5", "dramatiq_unique_reschedule_delay='1.5'"),
+    ],
+)
+def test_a_bad_value_names_the_variable(monkeypatch, name, value, says):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigurationError) as info:
+        UniqueMiddleware()
+    assert says in str(info.value)
+
+
+def test_constructor_arguments_win(monkeypatch):
+    monkeypatch.setenv("dramatiq_unique_lease", "3000")
+    monkeypatch.setenv("dramatiq_unique_enabled", "0")
+    middleware = UniqueMiddleware(lease=9000, enabled=True)
+    assert middleware.settings.lease == 9000 and middleware.enabled
+
+
+def test_the_environment_is_read_at_construction(monkeypatch):
+    monkeypatch.setenv("dramatiq_unique_prefix", "from-env")
+    assert UniqueMiddleware().settings.prefix == "from-env"
+
+
+@pytest.mark.parametrize("kwargs", [{"lease": 0}, {"lock_ttl": "1"}, {"prefix": "a{b}"}, {"on_backend_error": "x"}])
+def test_bad_constructor_arguments(kwargs):
+    with pytest.raises(ConfigurationError):
+        UniqueMiddleware(**kwargs)
