@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from dramatiq.worker import ConsumerThread
 
 from .errors import DuplicateMessage
+from .events import LockEvent
 from .spec import ActorSpec
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ class EnqueueGuard:
             except _Refused as refused:
                 return message.copy(options={"unique_duplicate_of": refused.holder})
             except BaseException:
-                release(taken)
+                release(taken, message.actor_name)
                 raise
             finally:
                 _taken.reset(token)
@@ -66,13 +67,16 @@ class EnqueueGuard:
         enqueue._unique_guard = self  # type: ignore[attr-defined]
         broker.enqueue = enqueue  # type: ignore[method-assign]
 
-    def _release_all(self, taken: list[tuple[str, str]]) -> None:
+    def _release_all(self, taken: list[tuple[str, str]], actor: str) -> None:
+        events = self.middleware.events
         for key, owner in taken:
             try:
                 self.middleware.backend.release(key, owner)  # type: ignore[union-attr]
                 self.middleware.logger.info("Released %r: its message was not enqueued.", key)
+                events.emit(LockEvent("released", actor, key, owner))
             except Exception as e:
                 self.middleware.logger.error("Could not release %r after a failed enqueue: %r", key, e)
+                events.emit(LockEvent("backend_error", actor, key, owner))
 
     def before_enqueue(self, broker: "Broker", message: Any, delay: Optional[int], spec: ActorSpec) -> None:
         """Stamp the digest on a new message and take its enqueue lock.
@@ -112,6 +116,7 @@ class EnqueueGuard:
             return
         if not fresh:
             middleware.logger.warning("Lock %r of %s lapsed and is held by %s; enqueueing it anyway.", key, message, got.holder)
+            middleware.emit("lock_lost", spec, key, message, got.holder)
             return
         self._refuse(message, spec, key, got.holder)
 

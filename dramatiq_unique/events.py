@@ -1,5 +1,20 @@
 """Lifecycle events: what happened to which lock, for listeners,
-counters and metrics.
+counters and metrics; and the log lines that tell the same story.
+
+Subscribe a callable taking a :class:`LockEvent`, when the middleware
+is built or later::
+
+  def on_lock_event(event: LockEvent) -> None:
+      if event.name == "lock_lost":
+          alert(f"{event.actor}: {event.key} lost by {event.message_id}")
+
+  unique = UniqueMiddleware(listeners=[on_lock_event])
+  # or, on a middleware built elsewhere:
+  unique.events.subscribe(on_lock_event)
+
+Listeners run on the thread where the event happened (the sender's, a
+worker thread, or the lease renewal thread for ``lock_lost``), so they
+must be quick and thread-safe.  One that raises is logged and ignored.
 """
 
 from __future__ import annotations
@@ -7,7 +22,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 from dramatiq.logging import get_logger
 
@@ -19,7 +34,63 @@ EVENTS = (
     "rescheduled",  # a delivery met a held run lock and was re-enqueued for later
     "released",  # a lock was released by its owner
     "lock_lost",  # a lock expired or was taken before its owner released it
-    "backend_error",  # the lock backend failed
+    "backend_error",  # the lock backend failed, including a failed lease renewal
+)
+
+
+class LogLine(NamedTuple):
+    """One line of :data:`LOG_LINES`."""
+
+    level: str
+    logger: str
+    template: str
+    meaning: str
+
+
+_MIDDLEWARE = "dramatiq_unique.middleware.UniqueMiddleware"
+
+#: Every line the middleware logs while it enqueues and runs messages.
+#: Levels and templates are stable: filter and alert on them.  An
+#: ordinary duplicate is INFO; a message dropped, or a lock that lapsed,
+#: is WARNING; a lost run lock or a failing backend is ERROR.
+LOG_LINES: tuple[LogLine, ...] = (
+    LogLine("DEBUG", "dramatiq_unique.spec", "Digest %s of %s is made of %s.",
+            "the inputs of a digest, to answer why two sends share a key"),
+    LogLine("DEBUG", _MIDDLEWARE, "Moved UniqueMiddleware before %s.",
+            "worker boot placed the middleware before TimeLimit and Retries"),
+    LogLine("DEBUG", _MIDDLEWARE, "Rescheduled %s: run lock %r is held.",
+            "a delivery met a held run lock and will be tried again (event rescheduled)"),
+    LogLine("INFO", _MIDDLEWARE, "Duplicate %s not enqueued: lock %r is held by message %s.",
+            "a send was refused as a duplicate (event duplicate, client strategy log)"),
+    LogLine("INFO", _MIDDLEWARE, "Released %r: its message was not enqueued.",
+            "the broker failed to publish, so the lock the send took was given back"),
+    LogLine("WARNING", _MIDDLEWARE, "Dropping %s: run lock %r is held by message %s.",
+            "a delivery was dropped (event conflict, server strategy log)"),
+    LogLine("WARNING", _MIDDLEWARE, "Dead-lettering %s: run lock %r is held by message %s.",
+            "a delivery was dead-lettered (event conflict, server strategy reject)"),
+    LogLine("WARNING", _MIDDLEWARE, "Lock %r of %s lapsed and is held by %s; enqueueing it anyway.",
+            "a retry or delayed message outlived its enqueue lock, which another send took (event lock_lost)"),
+    LogLine("WARNING", _MIDDLEWARE, "Lock %r of message %s lapsed before it was released: raise its lock_ttl.",
+            "an enqueue lock expired while its message waited or ran (event lock_lost)"),
+    LogLine("WARNING", _MIDDLEWARE, "Enqueueing %s without its lock %r.",
+            "on_backend_error=run_unlocked: the backend failed and the send went ahead unlocked"),
+    LogLine("WARNING", _MIDDLEWARE, "Running %s without its lock %r.",
+            "on_backend_error=run_unlocked: the backend failed and the actor runs unlocked"),
+    LogLine("WARNING", _MIDDLEWARE, "Could not register %s as waiting for %r (%r); it runs after its delay.",
+            "a rescheduled message gets no fast hand-off (event backend_error)"),
+    LogLine("WARNING", _MIDDLEWARE, "Could not hand %r to its next waiter (%r); it runs after its delay.",
+            "the broker refused the promoted waiter; its rescheduled copy still runs"),
+    LogLine("WARNING", "dramatiq_unique.leases.LeaseKeeper", "Could not renew %d lease(s): %r. Trying again.",
+            "lease renewal failed; it is retried every second until the lease runs out (event backend_error)"),
+    LogLine("ERROR", _MIDDLEWARE,
+            "Lock %r was lost: message %s no longer holds it (its lease expired or it was taken over).",
+            "a running message lost its run lock; another may run alongside it (event lock_lost)"),
+    LogLine("ERROR", _MIDDLEWARE, "Lock backend %s failed to %s %r: %r",
+            "the backend failed to take or release a lock (event backend_error)"),
+    LogLine("ERROR", _MIDDLEWARE, "Could not release %r after a failed enqueue: %r",
+            "the backend failed while giving back the lock of an unpublished send (event backend_error)"),
+    LogLine("ERROR", "dramatiq_unique.events.EventHub", "Lock event listener %r failed on %r.",
+            "a listener raised; locking went on"),
 )
 
 

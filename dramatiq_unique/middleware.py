@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from dramatiq.logging import get_logger
 from dramatiq.middleware import Middleware, MiddlewareError, Retries, SkipMessage
@@ -29,7 +29,7 @@ from .backends.stub import StubBackend
 from .delivery import Delivery, attach, delivery, set_fence
 from .enqueue import EnqueueGuard
 from .errors import ConfigurationError, LockBackendError, LockConflict, Rescheduled
-from .events import EventHub, LockEvent
+from .events import EventHub, Listener, LockEvent
 from .leases import Lease, LeaseKeeper
 from .spec import ACTOR_OPTIONS, ActorSpec, actor_spec
 
@@ -61,6 +61,8 @@ class UniqueMiddleware(Middleware):
         without its lock; ``"run_unlocked"`` carries on without it.
       record_lock_args(bool): Store the lock args JSON with each enqueue
         lock, for operators.
+      listeners(list[callable]): Called with every :class:`LockEvent`,
+        like ``middleware.events.subscribe(listener)``.
 
     Every argument left as None is read from its ``dramatiq_unique_*``
     environment variable, or takes its ``DEFAULT_*`` value.
@@ -83,6 +85,7 @@ class UniqueMiddleware(Middleware):
         enabled: Optional[bool] = None,
         on_backend_error: Optional[str] = None,
         record_lock_args: bool = False,
+        listeners: Iterable[Listener] = (),
     ) -> None:
         self.logger = get_logger(__name__, type(self))
         self.settings = config.from_environment().merge(
@@ -94,11 +97,17 @@ class UniqueMiddleware(Middleware):
             enabled=enabled,
             on_backend_error=on_backend_error,
         )
-        if "{" in self.settings.prefix or "}" in self.settings.prefix:
-            raise ConfigurationError(f"prefix={self.settings.prefix!r} must not contain braces.")
+        if backend is not None and not isinstance(backend, LockBackend):
+            raise ConfigurationError(
+                f"backend={backend!r} is invalid: expected a LockBackend, e.g. RedisBackend(url=...)."
+            )
+        if not isinstance(record_lock_args, bool):
+            raise ConfigurationError(f"record_lock_args={record_lock_args!r} is invalid: expected True or False.")
         self.enabled = self.settings.enabled
         self.record_lock_args = record_lock_args
         self.events = EventHub()
+        for listener in listeners:
+            self.events.subscribe(listener)
         self.specs: dict[str, ActorSpec] = {}
         self.backend = backend if backend is not None else self._backend_from_url()
         self._leases: Optional[LeaseKeeper] = None
@@ -145,7 +154,9 @@ class UniqueMiddleware(Middleware):
     def leases(self) -> LeaseKeeper:
         if self._leases is None:
             assert self.backend is not None
-            self._leases = LeaseKeeper(self.backend, lease=self.settings.lease, on_lost=self._lease_lost)
+            self._leases = LeaseKeeper(
+                self.backend, lease=self.settings.lease, on_lost=self._lease_lost, on_error=self._renewal_failed
+            )
         return self._leases
 
     def key(self, spec: ActorSpec, digest: str, phase: str) -> str:
@@ -215,9 +226,11 @@ class UniqueMiddleware(Middleware):
             raise self.backend_error("lock", message.options.get("unique_digest", "?"), spec, message, e) from e
 
     def _start(self, broker: "Broker", message: "MessageProxy", spec: ActorSpec) -> None:
-        digest = message.options.get("unique_digest") or spec.digest(message.args, message.kwargs)
+        stamped = message.options.get("unique_digest")
+        digest = stamped or spec.digest(message.args, message.kwargs)
         message.options["unique_digest"] = digest  # so a retry re-enters, even if the sender had no middleware
-        state = attach(message, Delivery(spec, digest))
+        # An unstamped message took no enqueue lock (sent while disabled, or without the middleware): none to release.
+        state = attach(message, Delivery(spec, digest, queue_released=not stamped))
         if spec.lock.run_lock:
             self._take_run_lock(broker, message, state)
         if spec.lock.queue_release == "run_start":
@@ -252,6 +265,15 @@ class UniqueMiddleware(Middleware):
             return True
         return self.backend.claim(key, f"{message.message_id}:{attempt}")  # type: ignore[union-attr]
 
+    def _withdraw(self, key: str, ticket: str, spec: ActorSpec, message: "MessageProxy") -> None:
+        """Take back a waiter whose delayed copy was never enqueued, so
+        no hand-off runs it beside the retry of the original.
+        """
+        try:
+            self.backend.claim(key, ticket)  # type: ignore[union-attr]
+        except Exception as e:
+            self.backend_error("withdraw the waiter of", key, spec, message, e)
+
     def _on_run_conflict(
         self, broker: "Broker", message: "MessageProxy", state: Delivery, key: str, holder: Optional[str]
     ) -> None:
@@ -276,19 +298,24 @@ class UniqueMiddleware(Middleware):
         attempt = message.options.get("unique_reschedules", 0) + 1
         base = spec.reschedule_delay if spec.reschedule_delay is not None else self.settings.reschedule_delay
         copy = message.copy(options={"unique_reschedules": attempt, "unique_digest": state.digest})
+        ticket = f"{message.message_id}:{attempt}"
+        # Register before enqueueing: a delayed copy that arrived first
+        # would find no ticket to claim, and the hand-off would run it again.
         try:
-            broker.enqueue(copy, delay=int(base * random.uniform(0.8, 1.2)))
-        except Exception as e:
-            raise self.backend_error("reschedule a message waiting for", key, spec, message, e) from e
-        try:
-            ticket = f"{message.message_id}:{attempt}"
             order = int(message.message_timestamp)
             self.backend.wait(key, ticket, copy.encode(), order=order, ttl=self.settings.lock_ttl)  # type: ignore[union-attr]
         except Exception as e:
+            self.emit("backend_error", spec, key, message)
             self.logger.warning("Could not register %s as waiting for %r (%r); it runs after its delay.", message, key, e)
+        try:
+            broker.enqueue(copy, delay=int(base * random.uniform(0.8, 1.2)))
+        except Exception as e:
+            self._withdraw(key, ticket, spec, message)
+            raise self.backend_error("reschedule a message waiting for", key, spec, message, e) from e
         state.keeps_queue_lock = True
         message.options["store_results"] = False
         self.emit("rescheduled", spec, key, message)
+        self.logger.debug("Rescheduled %s: run lock %r is held.", message, key)
         raise Rescheduled(f"run lock {key!r} is held; rescheduled")
 
     def after_process_message(
@@ -350,6 +377,11 @@ class UniqueMiddleware(Middleware):
         state.queue_released = True
         if released.held:
             self.emit("released", state.spec, key, message)
+        else:
+            self.logger.warning(
+                "Lock %r of message %s lapsed before it was released: raise its lock_ttl.", key, message.message_id
+            )
+            self.emit("lock_lost", state.spec, key, message)
 
     def _end_run(self, broker: "Broker", message: "MessageProxy", state: Delivery) -> None:
         if state.run_key is None or state.run_owner is None:
@@ -381,6 +413,9 @@ class UniqueMiddleware(Middleware):
 
     def _lease_lost(self, lease: Lease) -> None:
         self._report_lost(lease.actor, lease.key, lease.owner)
+
+    def _renewal_failed(self, lease: Lease) -> None:
+        self.events.emit(LockEvent("backend_error", lease.actor, lease.key, lease.owner.split("/")[0]))
 
     def _report_lost(self, actor: str, key: str, owner: str) -> None:
         self.logger.error(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Mapping, Optional, TypeVar
+from urllib.parse import urlsplit
 
 from .errors import ConfigurationError
 
@@ -33,6 +34,15 @@ DEFAULT_RESCHEDULE_DELAY = 5_000
 DEFAULT_ON_BACKEND_ERROR = "fail"
 
 BACKEND_ERROR_POLICIES = ("fail", "run_unlocked")
+
+#: The longest duration any setting or actor option takes: 100 years,
+#: in milliseconds.  Durations are added to Unix milliseconds in Lua
+#: doubles and Redis expiry times, which lose precision or overflow
+#: far beyond it.
+MAX_DURATION = 100 * 365 * 86_400_000
+
+#: The URL schemes ``RedisBackend`` connects to.
+REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://")
 
 T = TypeVar("T")
 
@@ -59,22 +69,71 @@ class Settings:
         return replace(self, **given)
 
 
+def is_duration(value: Any, minimum: int) -> bool:
+    """Whether ``value`` is a whole number of milliseconds from
+    ``minimum`` to :data:`MAX_DURATION`.
+    """
+    return isinstance(value, int) and not isinstance(value, bool) and minimum <= value <= MAX_DURATION
+
+
 def _positive_int(what: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigurationError(f"{what}{value!r} is invalid: expected a positive whole number of milliseconds.")
-    return value
+    if not is_duration(value, 1):
+        raise ConfigurationError(
+            f"{what}{value!r} is invalid: expected a positive whole number of milliseconds, at most {MAX_DURATION}."
+        )
+    return int(value)
 
 
 def _non_negative_int(what: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigurationError(f"{what}{value!r} is invalid: expected a whole number of milliseconds, 0 or more.")
-    return value
+    if not is_duration(value, 0):
+        raise ConfigurationError(
+            f"{what}{value!r} is invalid: expected a whole number of milliseconds, 0 or more, at most {MAX_DURATION}."
+        )
+    return int(value)
 
 
 def _text(what: str, value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ConfigurationError(f"{what}{value!r} is invalid: expected a non-empty string.")
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        # e.g. undecodable bytes in an environment variable: Redis
+        # would refuse the key at every send instead.
+        raise ConfigurationError(f"{what}{value!r} is invalid: expected UTF-8 text, without lone surrogates.") from None
     return value
+
+
+def _prefix(what: str, value: Any) -> str:
+    prefix = _text(what, value)
+    if "{" in prefix or "}" in prefix:
+        raise ConfigurationError(f"{what}{value!r} is invalid: expected no braces, which mark the digest's hash tag.")
+    return prefix
+
+
+def _redis_url(what: str, value: Any) -> str:
+    url = _text(what, value)
+    if not url.startswith(REDIS_URL_SCHEMES):
+        raise ConfigurationError(
+            f"{what}{value!r} is invalid: expected a URL starting with {', '.join(REDIS_URL_SCHEMES)}."
+        )
+    try:
+        _parse_redis_url(url)
+    except ValueError as e:
+        raise ConfigurationError(
+            f"{what}{value!r} is invalid: {str(e).rstrip('.')}; expected a URL like redis://host:6379/0."
+        ) from None
+    return url
+
+
+def _parse_redis_url(url: str) -> None:
+    """Parse ``url`` as ``RedisBackend`` will, raising ValueError."""
+    urlsplit(url).port  # a port that is no number from 0 to 65535 raises
+    try:
+        from redis.connection import parse_url
+    except ImportError:  # pragma: no cover - RedisBackend then says what to install
+        return
+    parse_url("redis://" + url.split("://", 1)[1] if url.startswith("redis+cluster://") else url)
 
 
 def _flag(what: str, value: Any) -> bool:
@@ -90,8 +149,8 @@ def _policy(what: str, value: Any) -> str:
 
 
 _CHECKS: dict[str, Callable[[str, Any], Any]] = {
-    "redis_url": _text,
-    "prefix": _text,
+    "redis_url": _redis_url,
+    "prefix": _prefix,
     "lock_ttl": _positive_int,
     "lease": _positive_int,
     "reschedule_delay": _non_negative_int,

@@ -17,6 +17,7 @@ from dramatiq.logging import get_logger
 
 from .errors import ConfigurationError
 from .locks import LockType, lock_type, strategies
+from .settings import MAX_DURATION, is_duration
 
 if TYPE_CHECKING:
     from dramatiq import Actor
@@ -115,12 +116,32 @@ class ActorSpec:
         round-trip exactly.
         """
         try:
-            return json.dumps(material, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-        except (TypeError, ValueError, RecursionError) as e:
+            text = json.dumps(material, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+            _require_str_keys(material)
+            text.encode()  # a lone surrogate is not text JSON carries exactly
+            return text
+        except Exception as e:
+            # Whatever fails, even inside a custom container: Dramatiq
+            # swallows all but MiddlewareErrors, and would send unlocked.
             raise ConfigurationError(
                 f"Lock args of actor {self.actor_name!r} must be JSON-serialisable "
                 f"(str, int, float, bool, None, lists and dicts with str keys): {e}."
             ) from None
+
+
+def _require_str_keys(value: Any) -> None:
+    """Raise TypeError for a dict key that is not a str: JSON would
+    silently turn ``1``, ``True`` or ``None`` into ``"1"``, ``"true"``,
+    ``"null"`` and merge keys that differ.
+    """
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"dict key {key!r} is not a str")
+            _require_str_keys(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _require_str_keys(item)
 
 
 def _signature(fn: Callable[..., Any]) -> Optional[inspect.Signature]:
@@ -179,6 +200,11 @@ def actor_spec(actor: "Actor[Any, Any]") -> Optional[ActorSpec]:
         raise ConfigurationError("Give either lock_args or lock_args_method, not both.")
     if options.get("reschedule_delay") is not None and sides.get("server") != "reschedule":
         raise ConfigurationError("reschedule_delay only applies with the server strategy 'reschedule'.")
+    if options.get("lock_ttl") is not None and not lock.queue_lock:
+        raise ConfigurationError(
+            f"lock_ttl only applies to lock types with an enqueue lock, not lock={lock.name!r}: "
+            "a run lock lives as long as its lease (dramatiq_unique_lease)."
+        )
     is_bool = lambda v: isinstance(v, bool)  # noqa: E731
     return ActorSpec(
         actor_name=actor.actor_name,
@@ -189,11 +215,19 @@ def actor_spec(actor: "Actor[Any, Any]") -> Optional[ActorSpec]:
         lock_args=_lock_args(options, signature),
         lock_args_method=_optional(options, "lock_args_method", callable, "a callable"),
         signature=signature,
-        lock_ttl=_optional(options, "lock_ttl", lambda v: _is_int(v, 1), "a positive whole number of milliseconds"),
+        lock_ttl=_optional(
+            options,
+            "lock_ttl",
+            lambda v: is_duration(v, 1),
+            f"a positive whole number of milliseconds, at most {MAX_DURATION}",
+        ),
         lock_limit=_optional(options, "lock_limit", lambda v: _is_int(v, 1), "a whole number, 1 or more") or 1,
         across_queues=bool(_optional(options, "unique_across_queues", is_bool, "True or False")),
         across_actors=bool(_optional(options, "unique_across_actors", is_bool, "True or False")),
         reschedule_delay=_optional(
-            options, "reschedule_delay", lambda v: _is_int(v, 0), "a whole number of milliseconds, 0 or more"
+            options,
+            "reschedule_delay",
+            lambda v: is_duration(v, 0),
+            f"a whole number of milliseconds, 0 or more, at most {MAX_DURATION}",
         ),
     )

@@ -31,6 +31,19 @@ TEST_DB = 11
 RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--soak", action="store_true", help="also run the full-size load and soak tests (marker soak)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--soak"):
+        return
+    later = pytest.mark.skip(reason="full-size run: give --soak to run it")
+    for item in items:
+        if "soak" in item.keywords:
+            item.add_marker(later)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

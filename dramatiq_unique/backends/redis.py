@@ -20,6 +20,9 @@ _SCRIPTS = {
     for name in ("acquire", "release", "extend", "wait", "claim")
 }
 
+#: The URL scheme that connects to a Cluster.
+CLUSTER_SCHEME = "redis+cluster://"
+
 
 def _waiting(key: str) -> list[str]:
     """The waiters and tickets keys of a lock key: same hash tag, same
@@ -40,23 +43,50 @@ class RedisBackend(LockBackend):
         ``redis.cluster.RedisCluster`` or one from a Sentinel.  When
         given, all other parameters are ignored.
       url(str): A Redis URL.  ``redis+cluster://host:port`` connects
-        to a Cluster.  When given, it wins over ``**parameters``.
-      **parameters: Passed to ``redis.Redis``.
+        to a Cluster through any one of its nodes (for TLS, pass a
+        ``RedisCluster(..., ssl=True)`` as ``client``).  When given, it
+        wins over ``**parameters``.
+      **parameters: Passed to ``redis.Redis``, or to
+        ``redis.cluster.RedisCluster`` with a cluster URL.
+
+    Every script touches the keys of one lock only, and they share a
+    hash tag, so each call goes to one Cluster node.  With Sentinel,
+    pass the client of the primary; it follows failovers::
+
+      from redis.sentinel import Sentinel
+
+      sentinel = Sentinel([("sentinel-1", 26379), ("sentinel-2", 26379)], socket_timeout=0.5)
+      backend = RedisBackend(client=sentinel.master_for("mymaster", socket_timeout=0.5))
+
+    Warning:
+      Redis replicates asynchronously: a lock written to a primary that
+      fails before its replica saw it is gone after the failover, on
+      Sentinel and Cluster alike, and a second holder may take it.
+      Guard writes that must never overlap with
+      :func:`dramatiq_unique.fence_token`.
     """
 
     def __init__(self, *, client: Optional[Any] = None, url: Optional[str] = None, **parameters: Any) -> None:
-        if client is None and url is not None and url.startswith("redis+cluster://"):
-            client = redis.cluster.RedisCluster.from_url("redis://" + url[len("redis+cluster://") :], **parameters)
+        if client is None and url is not None and url.startswith(CLUSTER_SCHEME):
+            client = redis.cluster.RedisCluster.from_url("redis://" + url[len(CLUSTER_SCHEME) :], **parameters)
         elif client is None and url is not None:
             client = redis.Redis.from_url(url, **parameters)
-        self.client = client if client is not None else redis.Redis(**parameters)
+        self.client: Any = client if client is not None else redis.Redis(**parameters)
         self.url = url
+        self.cluster = isinstance(self.client, redis.cluster.RedisCluster)
         self.scripts = {name: self.client.register_script(source) for name, source in _SCRIPTS.items()}
 
     def describe(self) -> str:
         if self.url:
             return f"RedisBackend({self.url})"
-        kwargs = getattr(getattr(self.client, "connection_pool", None), "connection_kwargs", {})
+        if self.cluster:
+            node = self.client.get_default_node()
+            return f"RedisBackend(cluster at {node.host}:{node.port})"
+        pool = getattr(self.client, "connection_pool", None)
+        service = getattr(pool, "service_name", None)
+        if service:
+            return f"RedisBackend(sentinel service {service})"
+        kwargs = getattr(pool, "connection_kwargs", {})
         where = kwargs.get("path") or f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
         return f"RedisBackend(redis at {where})"
 
@@ -86,12 +116,16 @@ class RedisBackend(LockBackend):
             return [bool(self.scripts["extend"](keys=[key], args=[owner, ttl], client=self.client))]
         pipe = self.client.pipeline(transaction=False)
         for key, owner in locks:
-            self.scripts["extend"](keys=[key], args=[owner, ttl], client=pipe)
+            if self.cluster:
+                # A Cluster pipeline refuses EVALSHA but sends EVAL, one batch per node.
+                pipe.execute_command("EVAL", _SCRIPTS["extend"], 1, key, owner, ttl)
+            else:
+                self.scripts["extend"](keys=[key], args=[owner, ttl], client=pipe)
         return [bool(result) for result in pipe.execute()]
 
     def inspect(self, key: str) -> Optional[LockInfo]:
         fields = {_text(name): _text(value) for name, value in self.client.hgetall(key).items()}
-        now = self._now_ms()
+        now = self._now_ms(key)
         holders = {name: int(value) for name, value in fields.items() if not name.startswith("!") and int(value) > now}
         if not holders:
             return None
@@ -108,6 +142,8 @@ class RedisBackend(LockBackend):
     def delete(self, key: str) -> bool:
         return bool(self.client.delete(key))
 
-    def _now_ms(self) -> int:
-        seconds, micros = self.client.time()
+    def _now_ms(self, key: Optional[str] = None) -> int:
+        # On a Cluster, ask the node that holds the key: its clock set the deadlines.
+        where = {"target_nodes": self.client.get_node_from_key(key)} if self.cluster and key else {}
+        seconds, micros = self.client.time(**where)
         return int(seconds) * 1000 + int(micros) // 1000

@@ -71,7 +71,9 @@ class StubBackend(LockBackend):
                 return Acquisition(False, holder=next(iter(entry.holders)), fence=entry.fence)
             self._last_fence = entry.fence = max(self._last_fence + 1, mod_time.time_ns() // 1000)
             entry.holders[owner] = now + ttl
-            entry.lock, entry.lock_args = lock, lock_args
+            entry.lock = lock
+            if lock_args is not None:  # recorded if given, as RedisBackend does
+                entry.lock_args = lock_args
             self._entries[key] = entry
             return Acquisition(True, fence=entry.fence)
 

@@ -9,16 +9,26 @@
 -- Returns {held, message}: held 1 when the owner held a live slot, 0
 -- when it was absent or had lapsed; message is the encoded message of
 -- the promoted waiter, or false.  The key is deleted with its last
--- holder.
+-- live holder.
 local key, owner = KEYS[1], ARGV[1]
 local deadline = redis.call("HGET", key, owner)
 if not deadline then return {0, false} end
 redis.call("HDEL", key, owner)
 local time = redis.call("TIME")
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+-- Lapsed holders count for nothing: drop them, or the key would
+-- outlive its last live holder until its own expiry.
 local holders = 0
-for _, name in ipairs(redis.call("HKEYS", key)) do
-  if string.sub(name, 1, 1) ~= "!" then holders = holders + 1 end
+local fields = redis.call("HGETALL", key)
+for i = 1, #fields, 2 do
+  local name = fields[i]
+  if string.sub(name, 1, 1) ~= "!" then
+    if tonumber(fields[i + 1]) > now then
+      holders = holders + 1
+    else
+      redis.call("HDEL", key, name)
+    end
+  end
 end
 if holders == 0 then redis.call("DEL", key) end
 local held = 1

@@ -1,0 +1,283 @@
+"""The operator's view of the locks: list, inspect and release them.
+
+Lock keys look like ``{prefix}:{actor}:{<digest>}:queue`` (an enqueue
+lock, owned by a message id) or ``...:run`` (a run lock, owned by
+``<message_id>/<nonce>``).  Keys are found with ``SCAN`` through
+:meth:`LockBackend.scan`, never ``KEYS``, and the ``:wait`` and
+``:tickets`` companions of a lock are never listed or touched.
+
+Examples:
+  >>> admin = LockAdmin(RedisBackend(url="redis://127.0.0.1:6379/0"))
+  >>> for lock in admin.locks(actor="sync_account_balance"):
+  ...     print(lock.digest, lock.phase, lock.holders)
+  >>> admin.release("9f86d081884c7d659a2feaa0c55ad015", holder="b4a1...")
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, TypeVar
+
+from .backend import LockBackend, LockInfo
+from .errors import LockBackendError, UniqueError
+from .settings import DEFAULT_PREFIX
+
+#: The two kinds of lock key: taken at enqueue, or around a run.
+PHASES = ("queue", "run")
+
+_KEY = re.compile(r"(?P<actor>.+):\{(?P<digest>[0-9a-f]{32})\}:(?P<phase>queue|run)")
+_DIGEST = re.compile(r"[0-9a-f]{32}")
+_GLOB_SPECIALS = re.compile(r"[*?\[\]\\]")
+
+T = TypeVar("T")
+
+
+class UnknownLock(UniqueError, LookupError):
+    """Raised when no live lock, or no such holder, has a digest."""
+
+
+@dataclass(frozen=True)
+class Holder:
+    """One holder of a lock.
+
+    Attributes:
+      owner(str): The owner string, as the backend stores it.
+      message_id(str): The message that holds the slot.
+      deadline(int): When the slot expires, in Unix milliseconds.
+    """
+
+    owner: str
+    message_id: str
+    deadline: int
+
+
+@dataclass(frozen=True)
+class Lock:
+    """One live lock key.
+
+    Attributes:
+      key(str): The full backend key.
+      actor(str): The actor part of the key (``@any`` for locks taken
+        with ``unique_across_actors``).
+      digest(str): The 32 hex characters inside the braces.
+      phase(str): ``queue`` for an enqueue lock, ``run`` for a run lock.
+      lock(str): The lock type that took it, e.g. ``while_executing``.
+      holders(tuple[Holder, ...]): Its holders, soonest deadline first.
+      lock_args(str): JSON of the lock args, when they were recorded.
+      fence(int): The last fencing token handed out.
+    """
+
+    key: str
+    actor: str
+    digest: str
+    phase: str
+    lock: Optional[str]
+    holders: tuple[Holder, ...]
+    lock_args: Optional[str] = None
+    fence: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict, with the lock args decoded."""
+        return {
+            "key": self.key,
+            "actor": self.actor,
+            "digest": self.digest,
+            "phase": self.phase,
+            "lock": self.lock,
+            "fence": self.fence,
+            "lock_args": _decoded(self.lock_args),
+            "holders": [{"owner": h.owner, "message_id": h.message_id, "deadline": h.deadline} for h in self.holders],
+        }
+
+
+def _decoded(lock_args: Optional[str]) -> Any:
+    if lock_args is None:
+        return None
+    try:
+        return json.loads(lock_args)
+    except ValueError:
+        return lock_args
+
+
+def actor_scope(actor: str) -> str:
+    """The actor part of the keys of ``actor``: braces would clash with
+    the Cluster hash tag, so the middleware writes them as parentheses.
+    """
+    return actor.replace("{", "(").replace("}", ")")
+
+
+def _wildcard(text: str) -> str:
+    """``text`` as a glob where each glob special character matches any
+    one character.  Redis and ``fnmatch`` escape differently, so results
+    are re-checked exactly instead.
+    """
+    return _GLOB_SPECIALS.sub("?", text)
+
+
+def digest_of(text: str) -> str:
+    """The digest named by ``text``: a digest itself, or a lock key.
+
+    Raises:
+      UnknownLock: when ``text`` is neither.
+    """
+    text = text.strip()
+    if _DIGEST.fullmatch(text):
+        return text
+    found = _KEY.search(text)
+    if found is None:
+        raise UnknownLock(f"{text!r} is not a digest: expected the 32 hex characters inside the braces of a lock key.")
+    return found["digest"]
+
+
+class LockAdmin:
+    """Lists, inspects and releases the locks under one prefix.
+
+    Parameters:
+      backend(LockBackend): Where the locks live.
+      prefix(str): The prefix the middleware was given.
+
+    Every method raises :class:`LockBackendError` when the backend
+    fails, e.g. when Redis cannot be reached.
+
+    Note:
+      Releasing a run-lock holder hands its slot to the key's longest
+      waiter as a worker would, but this process has no broker to
+      enqueue the promoted message: it runs when its delayed copy
+      arrives, within ``reschedule_delay``.
+    """
+
+    def __init__(self, backend: LockBackend, *, prefix: str = DEFAULT_PREFIX) -> None:
+        self.backend = backend
+        self.prefix = prefix
+
+    def check(self) -> None:
+        """Make one backend call, to fail early when it is unreachable."""
+        self._call("answer", self.backend.inspect, f"{self.prefix}:!check")
+
+    def locks(self, *, actor: Optional[str] = None, pattern: Optional[str] = None) -> Iterator[Lock]:
+        """Iterate over the live locks, in ``SCAN`` order.
+
+        Parameters:
+          actor(str): Only the locks of this actor; ``@any`` for the
+            locks of actors with ``unique_across_actors``.
+          pattern(str): Only the keys matching this Redis glob, matched
+            against the whole key (as with ``redis-cli --scan``).
+        """
+        scope = actor_scope(actor) if actor is not None else None
+        glob = pattern or f"{_wildcard(self.prefix)}:{_wildcard(scope) if scope else '*'}:*"
+        for key in self._scan(glob):
+            lock = self._lock(key)
+            if lock is not None and scope in (None, lock.actor):
+                yield lock
+
+    def inspect(self, digest: str) -> list[Lock]:
+        """Describe the live locks of one digest: its enqueue lock, its
+        run lock, or both.
+
+        Parameters:
+          digest(str): The digest, or a whole lock key.
+
+        Raises:
+          UnknownLock: when no live lock has this digest.
+        """
+        digest = digest_of(digest)
+        glob = f"{_wildcard(self.prefix)}:*:{{{digest}}}:*"
+        found = [lock for lock in map(self._lock, self._scan(glob)) if lock is not None and lock.digest == digest]
+        found.sort(key=lambda lock: PHASES.index(lock.phase))
+        if not found:
+            raise UnknownLock(f"No lock has digest {digest} under prefix {self.prefix!r}.")
+        return found
+
+    def release(self, digest: str, *, holder: Optional[str] = None, phase: Optional[str] = None) -> list[str]:
+        """Release the locks of a digest, or one of their holders.
+
+        Parameters:
+          digest(str): The digest, or a whole lock key.
+          holder(str): Release only this holder: its owner string or its
+            message id.  Its release is owner-checked, so a slot that was
+            meanwhile taken by someone else is left alone.
+          phase(str): Only the ``queue`` or the ``run`` lock.
+
+        Returns:
+          list[str]: The keys that were deleted, or, with ``holder``,
+          ``"key owner"`` for each released slot.
+
+        Raises:
+          UnknownLock: when the digest has no such lock or holder.
+        """
+        if phase is not None and phase not in PHASES:
+            raise ValueError(f"phase={phase!r} is invalid. Valid choices: {', '.join(PHASES)}.")
+        locks = [lock for lock in self.inspect(digest) if phase in (None, lock.phase)]
+        if not locks:
+            raise UnknownLock(f"Digest {digest_of(digest)} has no {phase} lock under prefix {self.prefix!r}.")
+        if holder is None:
+            return [lock.key for lock in locks if self._delete(lock.key)]
+        return self._release_holder(locks, holder)
+
+    def _release_holder(self, locks: list[Lock], holder: str) -> list[str]:
+        slots = [(lock.key, h.owner) for lock in locks for h in lock.holders if holder in (h.owner, h.message_id)]
+        if not slots:
+            raise UnknownLock(f"Digest {locks[0].digest} has no holder {holder!r}.")
+        held = [self._call(f"release {key!r}", self.backend.release, key, owner).held for key, owner in slots]
+        return [f"{key} {owner}" for (key, owner), was_held in zip(slots, held) if was_held]
+
+    def release_actor(self, actor: str) -> list[str]:
+        """Delete every lock of one actor.
+
+        Returns:
+          list[str]: The keys that were deleted.
+        """
+        keys = [lock.key for lock in self.locks(actor=actor)]
+        return [key for key in keys if self._delete(key)]
+
+    def _lock(self, key: str) -> Optional[Lock]:
+        if not key.startswith(f"{self.prefix}:"):
+            return None
+        parts = _KEY.fullmatch(key[len(self.prefix) + 1 :])
+        if parts is None:
+            return None
+        info = self._call(f"inspect {key!r}", self.backend.inspect, key)
+        return _from_info(info, parts) if info is not None else None
+
+    def _delete(self, key: str) -> bool:
+        return self._call(f"delete {key!r}", self.backend.delete, key)
+
+    def _scan(self, glob: str) -> Iterator[str]:
+        keys = self._call(f"scan {glob!r}", self.backend.scan, glob)
+        while True:
+            key = self._call(f"scan {glob!r}", next, keys, None)
+            if key is None:
+                return
+            yield key
+
+    def _call(self, doing: str, call: Callable[..., T], *args: Any) -> T:
+        """Run one backend call, turning its failures into
+        :class:`LockBackendError` with a one-line message.
+        """
+        try:
+            return call(*args)
+        except UniqueError:
+            raise
+        except Exception as e:
+            where = self.backend.describe()
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise LockBackendError(f"Lock backend {where} failed to {doing}: {reason}", backend=where) from e
+
+
+def _from_info(info: LockInfo, parts: "re.Match[str]") -> Lock:
+    holders = sorted(
+        (Holder(owner, owner.split("/")[0], deadline) for owner, deadline in info.holders.items()),
+        key=lambda h: (h.deadline, h.owner),
+    )
+    return Lock(
+        key=info.key,
+        actor=parts["actor"],
+        digest=parts["digest"],
+        phase=parts["phase"],
+        lock=info.lock,
+        holders=tuple(holders),
+        lock_args=info.lock_args,
+        fence=info.fence,
+    )

@@ -1,0 +1,26 @@
+"""A small lock dashboard: a WSGI app to mount, or to run with
+``dramatiq-unique dashboard``.
+
+It lists and filters locks, shows their holders with deadlines
+counting down, and releases a lock or one holder after a
+confirmation.  It needs nothing beyond the standard library and loads
+nothing from a CDN.
+
+Warning:
+  The dashboard has no authentication of its own: anyone who can reach
+  it can release any lock under its prefix.  Mount it behind your own
+  authentication, or bind it to 127.0.0.1 (the default of
+  ``dramatiq-unique dashboard``).
+
+Examples:
+  >>> from dramatiq_unique.backends.redis import RedisBackend
+  >>> from dramatiq_unique.dashboard import make_app
+  >>> app = make_app(RedisBackend(url="redis://127.0.0.1:6379/0"), prefix="dramatiq-unique")
+"""
+
+from __future__ import annotations
+
+from .app import CSRF_HEADER, DEFAULT_LIMIT, Dashboard, make_app
+from .server import serve
+
+__all__ = ["CSRF_HEADER", "DEFAULT_LIMIT", "Dashboard", "make_app", "serve"]

@@ -1,0 +1,173 @@
+// The lock dashboard's page: lists locks from api/locks, counts their
+// deadlines down, and releases through api/release after a
+// confirmation.  URLs are relative so the app can be mounted anywhere.
+"use strict";
+
+(function () {
+  const REFRESH_MS = 5000;
+  const TICK_MS = 250;
+  // The release endpoint refuses requests without this header, which
+  // other sites' pages cannot send (see dashboard/app.py).
+  const CSRF_HEADER = "X-Dramatiq-Unique";
+
+  // The server's clock at the last listing, and when it arrived by
+  // this page's monotonic clock: countdowns ignore the browser's clock.
+  const clock = { now: 0, fetchedAt: 0 };
+  let pending = null;
+
+  const $ = (id) => document.getElementById(id);
+
+  function serverNow() {
+    return clock.now + (performance.now() - clock.fetchedAt);
+  }
+
+  function formatRemaining(ms) {
+    if (ms <= 0) return "expired";
+    const seconds = ms / 1000;
+    if (seconds < 60) return seconds.toFixed(1) + " s";
+    const minutes = Math.floor(seconds / 60);
+    const pad = (n) => String(n).padStart(2, "0");
+    if (minutes < 60) return minutes + " min " + pad(Math.floor(seconds % 60)) + " s";
+    const hours = Math.floor(minutes / 60);
+    if (hours < 48) return hours + " h " + pad(minutes % 60) + " min";
+    return Math.floor(hours / 24) + " d " + (hours % 24) + " h";
+  }
+
+  // Builds an element; every piece of lock data goes in as text, never HTML.
+  function el(tag, props, ...children) {
+    const node = document.createElement(tag);
+    Object.assign(node, props || {});
+    for (const child of children) {
+      node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+    }
+    return node;
+  }
+
+  function show(id, text) {
+    $(id).textContent = text || "";
+    $(id).hidden = !text;
+  }
+
+  function filters() {
+    const query = new URLSearchParams();
+    for (const name of ["actor", "pattern"]) {
+      const value = $(name).value.trim();
+      if (value) query.set(name, value);
+    }
+    return query;
+  }
+
+  async function load() {
+    const query = filters();
+    history.replaceState(null, "", query.toString() ? "?" + query : location.pathname);
+    try {
+      const response = await fetch("api/locks?" + query, { headers: { Accept: "application/json" } });
+      const data = await response.json();
+      if (!response.ok) throw new Error(data.error || response.statusText);
+      clock.now = data.now;
+      clock.fetchedAt = performance.now();
+      render(data);
+      show("error", "");
+    } catch (error) {
+      show("error", "Could not list the locks: " + error.message);
+    }
+  }
+
+  function render(data) {
+    const rows = data.locks.map(lockRow);
+    if (!rows.length) rows.push(el("tr", {}, el("td", { colSpan: 7, className: "empty" }, "No locks.")));
+    document.querySelector("#locks tbody").replaceChildren(...rows);
+    const count = data.locks.length + (data.locks.length === 1 ? " lock" : " locks");
+    const shown = data.truncated ? " (showing the first " + data.limit + ")" : "";
+    show("status", count + shown + " under prefix " + data.prefix + ".");
+    tick();
+  }
+
+  function lockRow(lock) {
+    const args = lock.lock_args === null ? "not recorded" : JSON.stringify(lock.lock_args);
+    const release = el("button", { type: "button", className: "danger small" }, "Release lock");
+    release.addEventListener("click", () =>
+      confirmRelease({ digest: lock.digest, phase: lock.phase }, "Release the " + lock.phase + " lock " + lock.key +
+        " and all its " + lock.holders.length + " holder(s)?"));
+    const row = el(
+      "tr", { className: "lock" },
+      el("td", {}, lock.actor),
+      el("td", {}, el("code", {}, lock.digest)),
+      el("td", {}, lock.phase),
+      el("td", {}, lock.lock || "?"),
+      el("td", { className: "args" }, el("code", {}, args)),
+      el("td", {}, el("ul", { className: "holders" }, ...lock.holders.map((holder) => holderItem(lock, holder)))),
+      el("td", {}, release),
+    );
+    row.dataset.key = lock.key;
+    return row;
+  }
+
+  function holderItem(lock, holder) {
+    const remaining = el("span", { className: "remaining", title: new Date(holder.deadline).toISOString() });
+    remaining.dataset.deadline = holder.deadline;
+    const release = el("button", { type: "button", className: "small" }, "Release holder");
+    release.addEventListener("click", () =>
+      confirmRelease({ digest: lock.digest, phase: lock.phase, holder: holder.owner },
+        "Release holder " + holder.owner + " of the " + lock.phase + " lock " + lock.key + "?"));
+    const item = el("li", { className: "holder" }, el("code", { title: holder.owner }, holder.message_id), remaining, release);
+    item.dataset.owner = holder.owner;
+    return item;
+  }
+
+  function tick() {
+    for (const span of document.querySelectorAll(".remaining")) {
+      const left = Number(span.dataset.deadline) - serverNow();
+      span.textContent = formatRemaining(left);
+      span.classList.toggle("expired", left <= 0);
+    }
+  }
+
+  function confirmRelease(request, text) {
+    pending = request;
+    $("confirm-text").textContent = text;
+    $("confirm").showModal();
+  }
+
+  async function release(request) {
+    try {
+      const response = await fetch("api/release", {
+        method: "POST",
+        headers: { "Content-Type": "application/json", [CSRF_HEADER]: "1" },
+        body: JSON.stringify(request),
+      });
+      const data = await response.json();
+      if (!response.ok) throw new Error(data.error || response.statusText);
+      show("notice", "Released " + data.released.join(", ") + ".");
+      show("error", "");
+    } catch (error) {
+      show("notice", "");
+      show("error", "Could not release: " + error.message);
+    }
+    await load();
+  }
+
+  function init() {
+    const query = new URLSearchParams(location.search);
+    $("actor").value = query.get("actor") || "";
+    $("pattern").value = query.get("pattern") || "";
+    $("filters").addEventListener("submit", (event) => {
+      event.preventDefault();
+      load();
+    });
+    $("refresh").addEventListener("click", load);
+    $("confirm-cancel").addEventListener("click", () => $("confirm").close());
+    $("confirm-release").addEventListener("click", () => {
+      const request = pending;
+      $("confirm").close();
+      if (request) release(request);
+    });
+    $("confirm").addEventListener("close", () => { pending = null; });
+    setInterval(tick, TICK_MS);
+    // No refresh while a confirmation is open: its row must stay put.
+    setInterval(() => { if (!$("confirm").open) load(); }, REFRESH_MS);
+    load();
+  }
+
+  init();
+})();

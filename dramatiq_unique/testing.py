@@ -1,0 +1,177 @@
+"""Helpers for testing your own actors: pytest fixtures, a switch that
+turns uniqueness off, and an assertion for refused duplicates.
+
+The fixtures come as a pytest plugin that pytest loads by itself once
+dramatiq-unique is installed:
+
+* ``unique_stub_backend``: a fresh in-memory :class:`StubBackend`;
+* ``unique_prefix``: a key prefix that no other test uses;
+* ``unique_redis_backend``: a :class:`RedisBackend` on ``REDIS_URL``
+  (default ``redis://127.0.0.1:6379/0``); every key under
+  ``unique_prefix`` is deleted after the test.  The test fails, saying
+  how to get one, when that Redis does not answer.
+
+With the ``StubBroker``, locks live in memory::
+
+  def test_a_sync_is_enqueued_once(stub_broker, unique_stub_backend):
+      stub_broker.add_middleware(UniqueMiddleware(backend=unique_stub_backend))
+      first = sync_account_balance.send(42)
+      assert_duplicate(sync_account_balance.send(42), of=first)
+
+With Redis, as in production, on a prefix of the test's own::
+
+  def test_locks_in_redis(broker, unique_redis_backend, unique_prefix):
+      broker.add_middleware(UniqueMiddleware(backend=unique_redis_backend, prefix=unique_prefix))
+
+To send or run without locks, e.g. to seed a queue::
+
+  with disabled(broker):
+      sync_account_balance.send(42)
+      sync_account_balance.send(42)  # both enqueued
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
+
+from .backends.stub import StubBackend
+from .errors import ConfigurationError
+from .middleware import UniqueMiddleware
+
+if TYPE_CHECKING:
+    from dramatiq import Broker, Message
+
+    from .backends.redis import RedisBackend
+
+#: The Redis the ``unique_redis_backend`` fixture uses when
+#: ``REDIS_URL`` is not set.
+DEFAULT_TEST_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def _middlewares(target: Union[UniqueMiddleware, "Broker"]) -> list[UniqueMiddleware]:
+    if isinstance(target, UniqueMiddleware):
+        return [target]
+    found = [m for m in getattr(target, "middleware", ()) if isinstance(m, UniqueMiddleware)]
+    if not found:
+        raise ConfigurationError(f"{target!r} is neither a UniqueMiddleware nor a broker that has one.")
+    return found
+
+
+@contextlib.contextmanager
+def disabled(target: Union[UniqueMiddleware, "Broker"]) -> Iterator[None]:
+    """Turn locking off inside a ``with`` block, for one middleware or
+    every ``UniqueMiddleware`` of a broker.  Sends inside the block take
+    no lock and are never refused; messages that start running inside
+    it neither take nor release locks.  Nested blocks restore what was
+    there before.
+
+    Parameters:
+      target(UniqueMiddleware|Broker): The middleware, or its broker.
+
+    Raises:
+      ConfigurationError: when a broker has no ``UniqueMiddleware``.
+    """
+    middlewares = _middlewares(target)
+    before = [m.enabled for m in middlewares]
+    for middleware in middlewares:
+        middleware.enabled = False
+    try:
+        yield
+    finally:
+        for middleware, enabled in zip(middlewares, before):
+            middleware.enabled = enabled
+
+
+def assert_duplicate(message: "Message[Any]", of: Union["Message[Any]", str, None] = None) -> str:
+    """Assert that ``send()`` refused ``message`` as a duplicate, under
+    the client strategy ``log`` (the default).  For ``raise``, use
+    ``pytest.raises(DuplicateMessage)``.
+
+    Parameters:
+      message(Message): What ``send()`` returned.
+      of(Message|str): The message, or message id, expected to hold
+        the lock.
+
+    Returns:
+      str: The id of the message that holds the lock.
+
+    Raises:
+      AssertionError: when ``message`` was enqueued, or a different
+        message holds the lock.
+    """
+    holder = message.options.get("unique_duplicate_of")
+    if holder is None:
+        raise AssertionError(f"{message} (message {message.message_id}) was enqueued, not refused as a duplicate.")
+    expected = getattr(of, "message_id", of)
+    if expected is not None and holder != expected:
+        raise AssertionError(f"{message} was refused as a duplicate of message {holder}, not of message {expected}.")
+    return str(holder)
+
+
+def redis_backend_for_tests(url: Optional[str] = None) -> "RedisBackend":
+    """A :class:`RedisBackend` on ``url``, ``REDIS_URL`` or
+    :data:`DEFAULT_TEST_REDIS_URL`.
+
+    Raises:
+      ConfigurationError: naming the URL, when Redis does not answer.
+    """
+    import redis
+
+    from .backends.redis import RedisBackend
+
+    url = url or os.environ.get("REDIS_URL") or DEFAULT_TEST_REDIS_URL
+    backend = RedisBackend(url=url, socket_connect_timeout=2)
+    try:
+        backend.client.ping()
+    except redis.RedisError as e:
+        backend.client.close()
+        raise ConfigurationError(
+            f"Redis does not answer at {url} ({e}): start one with `redis-server`, or set REDIS_URL."
+        ) from None
+    return backend
+
+
+def delete_prefix(backend: "RedisBackend", prefix: str) -> int:
+    """Delete every key under ``prefix``: locks, waiters and tickets.
+
+    Returns:
+      int: How many keys were deleted.
+    """
+    keys = list(backend.client.scan_iter(match=f"{prefix}:*", count=1000))
+    for key in keys:
+        backend.client.delete(key)
+    return len(keys)
+
+
+try:
+    import pytest
+except ImportError:  # pragma: no cover - the helpers above work without pytest
+    pytest = None  # type: ignore[assignment]
+
+if pytest is not None:
+
+    @pytest.fixture
+    def unique_stub_backend() -> StubBackend:
+        """A fresh in-memory lock backend."""
+        return StubBackend()
+
+    @pytest.fixture
+    def unique_prefix() -> str:
+        """A lock key prefix of this test's own."""
+        return f"dramatiq-unique-test-{uuid.uuid4().hex[:12]}"
+
+    @pytest.fixture
+    def unique_redis_backend(unique_prefix: str) -> Iterator["RedisBackend"]:
+        """A Redis lock backend; the keys under ``unique_prefix`` are
+        deleted after the test.
+        """
+        try:
+            backend = redis_backend_for_tests()
+        except ConfigurationError as e:
+            pytest.fail(str(e), pytrace=False)
+        yield backend
+        delete_prefix(backend, unique_prefix)
+        backend.client.close()

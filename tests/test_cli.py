@@ -1,0 +1,232 @@
+"""The ``dramatiq-unique`` command, run as a subprocess against real
+Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from typing import Optional
+
+import pytest
+
+from tests.conftest import free_port
+from tests.procs import ROOT
+
+MINUTE = 60_000
+
+
+def run(*args: str, stdin: Optional[str] = None, env: Optional[dict] = None, timeout: float = 60):
+    """Run ``python -m dramatiq_unique ARGS`` with no ``dramatiq_unique_*``
+    variables but those in ``env``.
+    """
+    clean = {name: value for name, value in os.environ.items() if not name.lower().startswith("dramatiq_unique_")}
+    return subprocess.run(
+        [sys.executable, "-m", "dramatiq_unique", *args],
+        input=stdin if stdin is not None else "",
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**clean, "PYTHONPATH": str(ROOT), **(env or {})},
+        timeout=timeout,
+    )
+
+
+def one_line_error(result) -> str:
+    """The single stderr line of a failed command."""
+    assert result.returncode != 0, result.stdout
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("dramatiq-unique: ")
+    return lines[0]
+
+
+@pytest.fixture
+def locks(redis_backend, redis_url):
+    """Locks of two actors under a fresh prefix: (prefix, url, keys)."""
+    prefix = f"t-{uuid.uuid4().hex[:10]}"
+    keys = {
+        "sync_run": f"{prefix}:sync_account_balance:{{{'a' * 32}}}:run",
+        "sync_queue": f"{prefix}:sync_account_balance:{{{'a' * 32}}}:queue",
+        "other_sync": f"{prefix}:sync_account_balance:{{{'b' * 32}}}:run",
+        "mail": f"{prefix}:send_mail:{{{'c' * 32}}}:queue",
+    }
+    acquire = redis_backend.acquire
+    assert acquire(keys["sync_run"], "m1/n1", ttl=MINUTE, limit=2, lock="until_and_while_executing").acquired
+    assert acquire(keys["sync_run"], "m2/n2", ttl=MINUTE, limit=2, lock="until_and_while_executing").acquired
+    lock_args = '{"id":1}'
+    assert acquire(keys["sync_queue"], "m3", ttl=MINUTE, lock="until_and_while_executing", lock_args=lock_args).acquired
+    assert acquire(keys["other_sync"], "m4/n4", ttl=MINUTE, lock="while_executing").acquired
+    assert acquire(keys["mail"], "m5", ttl=MINUTE, lock="until_executed").acquired
+    return prefix, redis_url, keys
+
+
+def test_locks_lists_every_lock_as_text_and_json(locks):
+    prefix, url, keys = locks
+    text = run("locks", "--redis", url, "--prefix", prefix)
+    listed = run("locks", "--redis", url, "--prefix", prefix, "--json")
+
+    assert text.returncode == 0, text.stderr
+    assert "4 locks under prefix" in text.stdout
+    assert text.stdout.splitlines()[0].split() == ["ACTOR", "DIGEST", "PHASE", "LOCK", "HOLDERS", "NEXT", "EXPIRY"]
+    assert any(line.split()[:5] == ["sync_account_balance", "a" * 32, "run", "until_and_while_executing", "2"]
+               for line in text.stdout.splitlines())
+    assert listed.returncode == 0, listed.stderr
+    assert sorted(lock["key"] for lock in json.loads(listed.stdout)) == sorted(keys.values())
+
+
+def test_locks_filters_by_actor_and_pattern(locks):
+    prefix, url, keys = locks
+    common = ("locks", "--redis", url, "--prefix", prefix, "--json")
+    by_actor = json.loads(run(*common, "--actor", "send_mail").stdout)
+    by_pattern = json.loads(run(*common, "--pattern", f"*{{{'a' * 32}}}*").stdout)
+
+    assert [lock["key"] for lock in by_actor] == [keys["mail"]]
+    assert sorted(lock["key"] for lock in by_pattern) == sorted([keys["sync_run"], keys["sync_queue"]])
+
+
+def test_reads_redis_and_prefix_from_the_environment(locks):
+    prefix, url, keys = locks
+    result = run("locks", "--json", env={"dramatiq_unique_redis_url": url, "dramatiq_unique_prefix": prefix})
+
+    assert result.returncode == 0, result.stderr
+    assert len(json.loads(result.stdout)) == len(keys)
+
+
+def test_inspect_shows_holders_deadlines_and_lock_args(locks):
+    prefix, url, keys = locks
+    before = time.time() * 1000
+    text = run("inspect", "a" * 32, "--redis", url, "--prefix", prefix)
+    data = json.loads(run("inspect", "a" * 32, "--redis", url, "--prefix", prefix, "--json").stdout)
+
+    assert text.returncode == 0, text.stderr
+    for shown in (keys["sync_queue"], keys["sync_run"], "message m1  owner m1/n1", "message m2", 'lock args  {"id":1}'):
+        assert shown in text.stdout
+    assert [lock["phase"] for lock in data] == ["queue", "run"]
+    assert data[0]["lock_args"] == {"id": 1}
+    run_holders = data[1]["holders"]
+    assert sorted(h["message_id"] for h in run_holders) == ["m1", "m2"]
+    assert all(before < h["deadline"] <= time.time() * 1000 + MINUTE for h in run_holders)
+
+
+def test_release_a_digest_a_phase_or_one_holder(locks, redis_client):
+    prefix, url, keys = locks
+    common = ("--redis", url, "--prefix", prefix)
+
+    holder = run("release", "a" * 32, "--holder", "m1", *common)
+    assert holder.returncode == 0, holder.stderr
+    assert "Released holder m1/n1" in holder.stdout
+    assert redis_client.hexists(keys["sync_run"], "m2/n2")
+    assert not redis_client.hexists(keys["sync_run"], "m1/n1")
+
+    phase = run("release", "a" * 32, "--phase", "queue", "--json", *common)
+    assert json.loads(phase.stdout) == {"released": [keys["sync_queue"]]}
+    assert redis_client.exists(keys["sync_queue"]) == 0 and redis_client.exists(keys["sync_run"]) == 1
+
+    whole = run("release", "a" * 32, *common)
+    assert whole.returncode == 0, whole.stderr
+    assert redis_client.exists(keys["sync_run"]) == 0
+    assert redis_client.exists(keys["other_sync"], keys["mail"]) == 2
+
+
+def test_release_actor_asks_first_unless_yes(locks, redis_client):
+    prefix, url, keys = locks
+    common = ("--redis", url, "--prefix", prefix)
+    actor_keys = (keys["sync_run"], keys["sync_queue"], keys["other_sync"])
+
+    declined = run("release", "--actor", "sync_account_balance", *common, stdin="n\n")
+    assert "Release 3 locks of actor 'sync_account_balance'? [y/N]" in declined.stderr
+    assert declined.returncode == 1
+    assert redis_client.exists(*actor_keys) == 3
+
+    no_answer = run("release", "--actor", "sync_account_balance", *common)
+    assert no_answer.returncode == 1
+    assert redis_client.exists(*actor_keys) == 3
+
+    accepted = run("release", "--actor", "sync_account_balance", *common, stdin="y\n")
+    assert accepted.returncode == 0, accepted.stderr
+    assert "Released 3 locks of actor 'sync_account_balance'." in accepted.stdout
+    assert redis_client.exists(*actor_keys) == 0
+    assert redis_client.exists(keys["mail"]) == 1
+
+    forced = run("release", "--actor", "send_mail", "--yes", "--json", *common)
+    assert json.loads(forced.stdout) == {"released": [keys["mail"]]}
+    assert "[y/N]" not in forced.stderr
+    assert redis_client.exists(keys["mail"]) == 0
+
+
+def test_an_unreachable_redis_is_a_one_line_error_for_every_command():
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    for args in (["locks"], ["inspect", "a" * 32], ["release", "a" * 32], ["release", "--actor", "x", "--yes"],
+                 ["dashboard", "--port", "0"]):
+        line = one_line_error(run(*args, "--redis", url))
+        assert f"RedisBackend({url}) failed" in line and "Connection refused" in line, line
+
+
+def test_unknown_and_malformed_digests_are_one_line_errors(locks):
+    prefix, url, _ = locks
+    common = ("--redis", url, "--prefix", prefix)
+    assert "No lock has digest " + "f" * 32 in one_line_error(run("inspect", "f" * 32, *common))
+    assert "No lock has digest " + "f" * 32 in one_line_error(run("release", "f" * 32, *common))
+    assert "no holder 'nobody'" in one_line_error(run("release", "a" * 32, "--holder", "nobody", *common))
+    assert "not a digest" in one_line_error(run("inspect", "nope", *common))
+
+
+def test_missing_or_bad_settings_are_one_line_errors(redis_url):
+    assert "give --redis URL or set dramatiq_unique_redis_url" in one_line_error(run("locks"))
+    bad = run("locks", env={"dramatiq_unique_redis_url": redis_url, "dramatiq_unique_lease": "soon"})
+    assert "dramatiq_unique_lease" in one_line_error(bad)
+    usage = run("release", "--redis", redis_url)
+    assert usage.returncode == 2 and "either a DIGEST or --actor NAME" in usage.stderr
+
+
+def read_json_banner(server: subprocess.Popen) -> str:
+    """The JSON object the command prints first, up to its closing brace."""
+    assert server.stdout is not None
+    lines = []
+    while not lines or lines[-1] != "}\n":
+        lines.append(server.stdout.readline())
+        if lines[-1] == "":
+            errors = server.stderr.read() if server.stderr else ""
+            pytest.fail(f"the dashboard exited early:\n{''.join(lines)}\n{errors}")
+    return "".join(lines)
+
+
+def test_dashboard_serves_the_locks_until_stopped(locks):
+    prefix, url, keys = locks
+    command = ["dashboard", "--redis", url, "--prefix", prefix, "--port", "0", "--json"]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "dramatiq_unique", *command],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        page_url = json.loads(read_json_banner(server))["url"]
+        with urllib.request.urlopen(page_url + "api/locks", timeout=10) as response:
+            listed = json.load(response)
+        assert sorted(lock["key"] for lock in listed["locks"]) == sorted(keys.values())
+        # Bound to 127.0.0.1, it refuses other host names (DNS rebinding).
+        foreign = urllib.request.Request(page_url + "api/locks", headers={"Host": "attacker.example"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(foreign, timeout=10)
+        assert refused.value.code == 400
+    finally:
+        server.terminate()
+        server.wait(10)
+    assert "no authentication" in server.stderr.read()
+
+
+def test_demo_still_runs():
+    result = run("demo", timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Account 42 ran one sync at a time: yes." in result.stdout

@@ -1,0 +1,297 @@
+"""The documentation builds with warnings as errors, its examples run,
+and its reference tables say what the code does.
+
+Every fenced ``python`` block of a page runs, in page order, in one
+fresh Python process per page (later blocks use what earlier ones
+defined, as a reader would).  A block whose first line is
+``# no-run: <reason>`` is shown but not run; keep those rare.
+
+Fenced ``console`` blocks run too, in the same order: each
+``$ dramatiq-unique ...`` line runs the command against ``REDIS_URL``
+and must exit 0, and the first line of output shown under it must be
+the first line the command prints (``export`` lines are skipped).
+
+A python block whose first line is ``# file: NAME.py`` is written to
+that file instead of run; when a page wrote ``test_*.py`` files, pytest
+runs them at the end, and every test in them must pass.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from dramatiq_unique import EVENTS, LOCK_TYPES, STRATEGIES, UniqueMiddleware
+from dramatiq_unique.settings import Settings
+from dramatiq_unique.spec import ACTOR_OPTIONS
+from tests.cluster import Servers, start_cluster, start_sentinel
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+NO_RUN = "# no-run:"
+
+#: A fenced python or console block, possibly indented (inside a
+#: definition list).
+_FENCE = re.compile(
+    r"^(?P<indent>[ \t]*)```(?P<kind>python|console)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S
+)
+
+#: Runs the blocks it reads as JSON from stdin, in order.  Python blocks
+#: share one namespace; each is compiled under its page's name and
+#: padded to its line, so a traceback points at the page and line of
+#: the failing example.  pytest runs as a subprocess.
+_RUNNER = """
+import contextlib, importlib.metadata, io, json, os, subprocess, sys
+
+FILE = "# file: "
+
+def run_command(block, argv, expected):
+    # In this process, through the console script's own entry point: a
+    # process per command would cost a second each.
+    from dramatiq_unique.cli import main
+
+    out = io.StringIO()
+    os.environ["dramatiq_unique_redis_url"] = os.environ["REDIS_URL"]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            status = main(argv)
+    finally:
+        del os.environ["dramatiq_unique_redis_url"]
+    where = f"{block['page']}:{block['line']}: dramatiq-unique {' '.join(argv)}"
+    if status != 0:
+        sys.exit(f"{where} exited with {status}:\\n{out.getvalue()}")
+    printed = (out.getvalue().splitlines() or [""])[0].split()
+    if expected is not None and printed != expected.split():
+        sys.exit(f"{where} printed {' '.join(printed)!r} first, the page shows {expected!r}")
+
+def run_tests(page, files):
+    installed = any(e.value == "dramatiq_unique.testing" for e in importlib.metadata.entry_points(group="pytest11"))
+    plugin = [] if installed else ["-p", "dramatiq_unique.testing"]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin, *files],
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
+    if done.returncode != 0:
+        sys.exit(f"the tests of {page} failed:\\n{done.stdout[-3000:]}{done.stderr[-1000:]}")
+
+namespace = {"__name__": "__main__"}
+tests = []
+for block in json.load(sys.stdin):
+    if block["kind"] == "python" and block["code"].startswith(FILE):
+        name = block["code"].split("\\n", 1)[0][len(FILE):].strip()
+        with open(name, "w") as out:
+            out.write(block["code"])
+        tests += [name] if os.path.basename(name).startswith("test_") else []
+    elif block["kind"] == "python":
+        exec(compile("\\n" * (block["line"] - 1) + block["code"], block["page"], "exec"), namespace)
+    else:
+        for argv, expected in block["commands"]:
+            run_command(block, argv, expected)
+if tests:
+    run_tests(block["page"], tests)
+"""
+
+
+@dataclass(frozen=True)
+class Block:
+    page: str
+    line: int
+    code: str
+    kind: str = "python"
+
+    @property
+    def runs(self) -> bool:
+        return not self.code.lstrip().startswith(NO_RUN)
+
+    def commands(self) -> list[list[Any]]:
+        """A console block's ``dramatiq-unique`` commands, as
+        ``[argv, first output line shown or None]``.
+        """
+        found: list[list[Any]] = []
+        for line in self.code.splitlines():
+            if line.startswith("$ "):
+                found.append([shlex.split(line[2:]), None])
+            elif found and found[-1][1] is None and line.strip():
+                found[-1][1] = line
+        commands = [[argv[1:], shown] for argv, shown in found if argv[0] != "export"]
+        assert all(argv[0] == "dramatiq-unique" for argv, _ in found if argv[0] != "export"), (
+            f"{self.page}:{self.line}: a console block runs only dramatiq-unique commands"
+        )
+        return commands
+
+    def payload(self) -> dict[str, object]:
+        if self.kind == "console":
+            return {"kind": "console", "page": self.page, "line": self.line, "commands": self.commands()}
+        return {"kind": "python", "page": self.page, "line": self.line, "code": self.code}
+
+
+def pages() -> list[Path]:
+    return sorted(path for path in DOCS.rglob("*.md") if "_build" not in path.parts)
+
+
+def blocks(page: Path) -> list[Block]:
+    text = page.read_text()
+    found = []
+    for match in _FENCE.finditer(text):
+        indent = len(match["indent"])
+        lines = [line[indent:] for line in match["body"].splitlines()]
+        line = text.count("\n", 0, match.start("body")) + 1
+        found.append(Block(str(page.relative_to(ROOT)), line, "\n".join(lines) + "\n", match["kind"]))
+    return found
+
+
+def table(text: str, heading: str) -> list[str]:
+    """The rows of the first Markdown table whose header row starts with
+    ``| heading |``, as stripped lines.
+    """
+    lines = [line.strip() for line in text.splitlines()]
+    start = next((i for i, line in enumerate(lines) if line.startswith(f"| {heading} |")), None)
+    assert start is not None, f"no table with a {heading!r} column"
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    return rows
+
+
+def documented_names(rows: list[str]) -> set[str]:
+    """The `code` names in the first column of table rows."""
+    return {match for row in rows[2:] for match in re.findall(r"^\|\s*`([^`]+)`", row)}
+
+
+# The build -------------------------------------------------------------------
+
+
+def test_the_docs_build_with_warnings_as_errors(tmp_path: Path) -> None:
+    if importlib.util.find_spec("sphinx") is None or importlib.util.find_spec("myst_parser") is None:
+        pytest.fail("Sphinx and myst-parser are needed to build the docs: run `pip install -e '.[test]'`.")
+    html = tmp_path / "html"
+    command = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
+               "-d", str(tmp_path / "doctrees"), str(DOCS), str(html)]
+    build = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert build.returncode == 0, f"sphinx-build failed:\n{build.stdout}\n{build.stderr}"
+    built = {path.relative_to(html).with_suffix("").as_posix() for path in html.rglob("*.html")}
+    assert {page.relative_to(DOCS).with_suffix("").as_posix() for page in pages()} <= built
+    # Nothing the pages load comes from the network.
+    for page in html.rglob("*.html"):
+        loads = re.findall(r'<(?:script|link)[^>]+(?:src|href)="(https?:[^"]+)"', page.read_text())
+        assert loads == [], f"{page.name} loads {loads}"
+
+
+# The examples ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster_and_sentinel() -> Iterator[dict[str, str]]:
+    """A throw-away Redis Cluster and Sentinel, named the way the
+    Cluster page's examples read them.
+    """
+    servers = Servers()
+    try:
+        ports = start_cluster(servers)
+        sentinel = start_sentinel(servers, "locks")
+        yield {
+            "REDIS_CLUSTER_URL": f"redis+cluster://127.0.0.1:{ports[0]}",
+            "REDIS_SENTINEL": f"127.0.0.1:{sentinel}",
+            "REDIS_SENTINEL_SERVICE": "locks",
+        }
+    finally:
+        servers.stop()
+
+
+def services(page: str, request: pytest.FixtureRequest) -> dict[str, str]:
+    """Environment variables naming the servers a page's examples use
+    besides ``REDIS_URL``.
+    """
+    return request.getfixturevalue("cluster_and_sentinel") if page == "redis-cluster.md" else {}
+
+
+def pages_with_examples() -> list[str]:
+    return [page.relative_to(DOCS).as_posix() for page in pages() if any(block.runs for block in blocks(page))]
+
+
+@pytest.mark.parametrize("page", pages_with_examples())
+def test_the_examples_run(
+    page: str, redis_url: str, redis_client: object, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    runnable = [block for block in blocks(DOCS / page) if block.runs]
+    env = {name: value for name, value in os.environ.items() if not name.lower().startswith("dramatiq_unique_")}
+    env.update(PYTHONPATH=str(ROOT), REDIS_URL=redis_url, PYTHONUNBUFFERED="1", **services(page, request))
+    payload = json.dumps([block.payload() for block in runnable])
+    run = subprocess.run([sys.executable, "-c", _RUNNER], input=payload, capture_output=True, text=True,
+                         env=env, cwd=tmp_path, timeout=90)
+    assert run.returncode == 0, f"an example of {page} failed:\n{run.stderr[-4000:]}"
+
+
+def test_few_examples_are_left_unrun() -> None:
+    every = [block for page in pages() for block in blocks(page)]
+    idle = [f"{block.page}:{block.line}" for block in every if not block.runs]
+    assert len(every) >= 30
+    assert len(idle) <= len(every) // 10, f"too many examples are not run: {idle}"
+    for block in every:
+        if not block.runs:
+            reason = block.code.lstrip()[len(NO_RUN):].splitlines()[0].strip()
+            assert reason, f"{block.page}:{block.line} says no-run without a reason"
+
+
+# The reference tables --------------------------------------------------------
+
+
+def test_the_lock_table_names_every_lock_type() -> None:
+    rows = table((DOCS / "lock-types.md").read_text(), "lock")
+    assert [re.findall(r"`([^`]+)`", row)[0] for row in rows[2:]] == list(LOCK_TYPES)
+
+
+def test_every_strategy_is_documented_on_its_side() -> None:
+    text = (DOCS / "conflict-strategies.md").read_text()
+    client, _, server = text.partition("## Server side")
+    for side, section in (("client", client), ("server", server)):
+        headings = re.findall(r"^### `([a-z]+)`$", section.partition("## One strategy per side")[0], re.M)
+        assert headings == list(STRATEGIES[side]), f"the {side} side documents {headings}"
+
+
+def test_the_environment_table_is_the_readme_table() -> None:
+    readme = table((ROOT / "README.md").read_text(), "variable")
+    docs = table((DOCS / "configuration.md").read_text(), "variable")
+    assert docs == readme
+
+
+def test_every_setting_option_and_argument_is_documented() -> None:
+    text = (DOCS / "configuration.md").read_text()
+    assert set(inspect.signature(UniqueMiddleware).parameters) <= documented_names(table(text, "argument"))
+    assert set(ACTOR_OPTIONS) <= documented_names(table(text, "option"))
+    variables = documented_names(table(text, "variable"))
+    assert {f"dramatiq_unique_{field.name}" for field in fields(Settings)} <= variables
+
+
+def test_the_migration_table_covers_every_actor_option() -> None:
+    rows = table((DOCS / "migration.md").read_text(), "sidekiq-unique-jobs")
+    ours = {name for row in rows[2:] for name in re.findall(r"`([A-Za-z_]+)", row.split("|")[2])}
+    assert set(ACTOR_OPTIONS) <= ours
+
+
+def test_every_event_metric_log_line_and_command_is_documented() -> None:
+    from dramatiq_unique.cli import parser
+    from dramatiq_unique.events import LOG_LINES
+    from dramatiq_unique.prometheus import METRICS
+
+    text = (DOCS / "operations.md").read_text()
+    assert [name for name in EVENTS if f"| `{name}` |" not in text] == []
+    cells = [row.split("|") for row in table(text, "level")[2:]]
+    documented = {(cell[1].strip(), cell[2].strip().strip("`")) for cell in cells}
+    assert {(line.level, line.template) for line in LOG_LINES} == documented
+    for name, kind, _, _ in METRICS:
+        assert f"`{name}_total`" in text if kind == "counter" else f"`{name}`" in text
+    commands = [name for action in parser()._actions if action.dest == "command" for name in action.choices or ()]
+    assert "locks" in commands
+    assert [name for name in commands if f"dramatiq-unique {name}" not in text and name != "demo"] == []
