@@ -2,10 +2,11 @@
 
 One daemon thread per process renews every held lease every lease/3
 at most, in one round trip with every other lease due within half an
-interval, so that a process's leases align and share their renewals.  A lease is lost when the backend
-says its owner no longer holds it, or when renewals have failed until
-the lease's last known deadline has passed.  A lost lease is reported
-once and never silently treated as held.
+interval, so that a process's leases align and share their renewals.
+A lease is lost when the backend says its owner no longer holds it, or
+when renewals have failed until the lease's last known deadline has
+passed.  A lost lease is reported once and never silently treated as
+held.
 
 Timeline of a lost lease, with a 60 s lease::
 

@@ -1,0 +1,141 @@
+"""``python -m benchmarks [--quick] [--redis URL] [--output PATH]``
+
+Measures every contender side by side, prints the tables and writes
+``docs/performance.md``.  Exits with 1 when a run broke a guarantee
+(a job ran twice or not at all, or two same-key runs overlapped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import redis
+
+from . import app, costs, document, footprint, serial, throughput
+from .report import Results, tables
+from .server import BenchmarkError, PrivateRedis, connect
+from .workers import ROOT, clean_environment
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much to measure."""
+
+    sent: int  # jobs per contender per round
+    rounds: int
+    chunk: int  # jobs a contender sends before the next one's turn
+    audit: int  # jobs of the round-trip count
+    makespans: tuple[tuple[int, int], ...]  # (jobs, rounds)
+    locks: int  # locks held for the footprint
+    calls: int  # calls of each kind timed for the cost of one call
+
+
+#: Two waves of 8 jobs, each outliving two renewal intervals of the lease.
+RENEWAL_JOBS, RENEWAL_SECONDS, RENEWAL_LEASE = 16, 2.5, 3_000
+
+FULL = Plan(sent=3000, rounds=5, chunk=100, audit=1000, makespans=((10, 5), (100, 2)), locks=2000, calls=2000)
+QUICK = Plan(sent=600, rounds=2, chunk=100, audit=300, makespans=((10, 2), (100, 1)), locks=300, calls=500)
+
+
+def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[1])
+    parser.add_argument("--quick", action="store_true", help="a fast check with fewer jobs and rounds")
+    parser.add_argument("--redis", metavar="URL", help="measure on this Redis instead of a private redis-server; "
+                        "the harness only touches keys under its own bench-* namespaces")
+    parser.add_argument("--output", metavar="PATH", default=str(ROOT / "docs" / "performance.md"),
+                        help="where to write the report (default: docs/performance.md); '-' writes none")
+    return parser.parse_args(argv)
+
+
+def progress(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def rotated(items: list[str], by: int) -> list[str]:
+    return items[by % len(items) :] + items[: by % len(items)]
+
+
+def measure(client: redis.Redis, url: str, plan: Plan, results: Results) -> None:
+    contenders = results.contenders
+    progress("timing single calls")  # this also loads every lock script before round trips are counted
+    results.costs = costs.call_costs(client, url, plan.calls, plan.chunk)
+    results.costs += costs.hook_costs(plan.calls)
+    for contender in contenders:
+        progress(f"counting round trips: {contender}")
+        sending, processing = throughput.audit(client, url, contender, plan.audit)
+        results.add_audit(contender, plan.audit, sending, processing)
+    for round_ in range(plan.rounds):
+        order = rotated(contenders, round_)
+        progress(f"round {round_ + 1}/{plan.rounds}: {', '.join(order)}")
+        senders = throughput.enqueue_round(client, url, order, plan.sent, plan.chunk)
+        try:
+            for sender in senders:
+                processing = throughput.process_run(client, url, sender)
+                record(results, sender, processing, round_)
+        finally:
+            throughput.close(client, senders)
+    for round_ in range(max(rounds for _, rounds in plan.makespans)):
+        for jobs, rounds in plan.makespans:
+            if round_ < rounds:
+                progress(f"makespan of {jobs} same-key jobs, round {round_ + 1}/{rounds}")
+                run = serial.makespan_run(client, url, jobs)
+                results.makespans[jobs].append(run)
+                if not run.exactly_once or run.overlaps:
+                    results.violations.append(
+                        f"makespan of {jobs}: exactly once={run.exactly_once}, overlaps={run.overlaps}"
+                    )
+    progress("lease renewals of long jobs")
+    results.renewals = serial.renewal_run(client, url, RENEWAL_JOBS, RENEWAL_SECONDS, RENEWAL_LEASE)
+    for contender in contenders:
+        progress(f"footprint: {contender}")
+        results.footprints += footprint.footprints(client, url, contender, plan.locks)
+
+
+def record(results: Results, sender: throughput.Sender, processing: throughput.Processing, round_: int) -> None:
+    contender, sent = sender.contender, sender.sent
+    results.add("enqueue", contender, sender.rate)
+    results.add("process", contender, processing.rate)
+    results.add("enqueue_commands", contender, sum(sender.commands.values()) / sent)
+    results.add("process_commands", contender, sum(processing.commands.values()) / sent)
+    results.add("worker_cpu", contender, None if processing.worker_cpu is None else processing.worker_cpu / sent * 1e6)
+    results.add("redis_cpu", contender, processing.redis_cpu / sent * 1e6)
+    if not processing.exactly_once:
+        results.violations.append(f"{contender}, round {round_ + 1}: the jobs did not each run exactly once")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse(argv)
+    plan = QUICK if args.quick else FULL
+    for name in set(os.environ) - set(clean_environment()):
+        del os.environ[name]  # every contender runs with default settings
+    started, load = time.time(), os.getloadavg()
+    server = None if args.redis else PrivateRedis().start()
+    try:
+        url = args.redis or server.url  # type: ignore[union-attr]
+        client = connect(url)
+        results = Results(meta={}, contenders=list(app.CONTENDERS))
+        measure(client, url, plan, results)
+        results.meta = document.meta(client, args, plan, started, load)
+    except BenchmarkError as e:
+        progress(f"benchmark failed: {e}")
+        return 2
+    finally:
+        if server is not None:
+            server.stop()
+    print(tables(results))
+    if args.output != "-":
+        Path(args.output).write_text(document.render(results))
+        progress(f"wrote {args.output}")
+    for violation in results.violations:
+        progress(f"GUARANTEE BROKEN: {violation}")
+    return 1 if results.violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

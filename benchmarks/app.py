@@ -1,0 +1,184 @@
+"""The contenders: one broker and one actor each, built the same way by
+the driver (which sends) and by the ``dramatiq`` worker (which runs).
+
+Every contender runs the same ``job(key, seq)``: ``key`` is what it is
+locked by, ``seq`` numbers the send, and the body only records when it
+started and ended (after sleeping ``seconds``, when that is not 0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import dramatiq
+from dramatiq.brokers.redis import RedisBroker
+from dramatiq.rate_limits import ConcurrentRateLimiter
+from dramatiq.rate_limits.backends import RedisBackend as RateLimiterBackend
+
+from dramatiq_unique import EVENTS, LOCK_TYPES, UniqueMiddleware
+
+from . import trips
+
+#: Dramatiq with no middleware of ours.
+BARE = "bare"
+#: The mutex a Dramatiq user would write: ``ConcurrentRateLimiter(limit=1)``
+#: around the actor body.
+RECIPE = "ConcurrentRateLimiter"
+#: Not a contender but the yardstick: one PING where a lock would be
+#: taken at enqueue, and one each where a run lock would be taken and
+#: released.  It measures what bare round trips cost on this machine.
+FLOOR = "floor"
+CONTENDERS = (BARE, *LOCK_TYPES, RECIPE, FLOOR)
+
+#: The queue every contender uses, inside its own broker namespace.
+QUEUE = "bench"
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write ``data`` so that a reader never sees half a file."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(data))
+    partial.replace(path)
+
+
+class Recorder(dramatiq.Middleware):
+    """Keeps every execution in memory.  Writes ``<report>.progress``
+    once ``expect`` executions have ended, its summary to
+    ``<report>.acked`` once ``expect`` jobs have been acked (so every
+    lock has been released), and to ``report`` when the worker shuts
+    down.
+    """
+
+    def __init__(self, *, report: Optional[str], expect: int, unique: Optional[UniqueMiddleware]) -> None:
+        self.report = Path(report) if report else None
+        self.expect = expect
+        self.unique = unique
+        self.runs: list[tuple[int, float, float]] = []
+        self.acked = 0
+        self.first_cpu: Optional[float] = None
+        self.cpu: Optional[float] = None  # process CPU seconds from the first start to the expect-th end
+        self._mutex = threading.Lock()
+
+    def start(self) -> float:
+        """Called as a job starts; returns the wall-clock time."""
+        if self.first_cpu is None:  # two first jobs may both set it: a microsecond apart
+            self.first_cpu = time.process_time()
+        return time.time()
+
+    def ran(self, seq: int, started: float, ended: float) -> None:
+        with self._mutex:
+            self.runs.append((seq, started, ended))
+            reached = len(self.runs) == self.expect
+        if reached and self.first_cpu is not None:
+            self.cpu = time.process_time() - self.first_cpu
+        if reached and self.report is not None:
+            write_json(self.report.with_name(self.report.name + ".progress"), {"runs": self.expect})
+
+    def after_ack(self, broker: dramatiq.Broker, message: Any) -> None:
+        if message.queue_name != QUEUE:
+            return  # a delay-queue copy moved to the queue
+        with self._mutex:
+            self.acked += 1
+            reached = self.acked == self.expect
+        if reached and self.report is not None:
+            write_json(self.report.with_name(self.report.name + ".acked"), self.summary())
+
+    def after_worker_shutdown(self, broker: dramatiq.Broker, worker: dramatiq.Worker) -> None:
+        if self.report is not None:
+            write_json(self.report, self.summary())
+
+    def summary(self) -> dict[str, Any]:
+        events = {name: self.unique.events.count(name) for name in EVENTS} if self.unique is not None else {}
+        with self._mutex:
+            runs = list(self.runs)
+        return {"runs": runs, "events": events, "trips": trips.counts(), "cpu": self.cpu}
+
+
+class Floor(dramatiq.Middleware):
+    """A PING per lock step, through the broker's own client."""
+
+    def before_enqueue(self, broker: dramatiq.Broker, message: Any, delay: Any) -> None:
+        broker.client.ping()  # type: ignore[attr-defined]
+
+    def before_process_message(self, broker: dramatiq.Broker, message: Any) -> None:
+        broker.client.ping()  # type: ignore[attr-defined]
+
+    def after_process_message(self, broker: dramatiq.Broker, message: Any, *, result: Any = None,
+                              exception: Any = None) -> None:
+        broker.client.ping()  # type: ignore[attr-defined]
+
+
+def build(
+    contender: str,
+    *,
+    redis_url: str,
+    namespace: str,
+    seconds: float = 0.0,
+    report: Optional[str] = None,
+    expect: int = 0,
+) -> tuple[RedisBroker, dramatiq.Actor[Any, Any]]:
+    """The broker and actor of one contender, isolated by ``namespace``.
+
+    Raises:
+      ValueError: for an unknown contender.
+    """
+    if contender not in CONTENDERS:
+        raise ValueError(f"Unknown contender {contender!r}. Valid choices: {', '.join(CONTENDERS)}.")
+    broker = RedisBroker(url=redis_url, namespace=namespace)
+    unique: Optional[UniqueMiddleware] = None
+    options: dict[str, Any] = {}
+    if contender in LOCK_TYPES:
+        unique = UniqueMiddleware(prefix=namespace)
+        broker.add_middleware(unique)
+        options = {"lock": contender, "lock_args": ["key"]}
+    if contender == FLOOR:
+        broker.add_middleware(Floor())
+    recorder = Recorder(report=report, expect=expect, unique=unique)
+    broker.add_middleware(recorder)
+    body = _body(recorder, seconds)
+    if contender == RECIPE:
+        body = _under_mutex(body, RateLimiterBackend(url=redis_url), namespace)
+    actor = dramatiq.actor(broker=broker, actor_name="job", queue_name=QUEUE, **options)(body)
+    return broker, actor
+
+
+def _body(recorder: Recorder, seconds: float) -> Callable[[int, int], None]:
+    def job(key: int, seq: int) -> None:
+        started = recorder.start()
+        if seconds:
+            time.sleep(seconds)
+        recorder.ran(seq, started, time.time())
+
+    return job
+
+
+def _under_mutex(
+    body: Callable[[int, int], None], backend: RateLimiterBackend, namespace: str
+) -> Callable[[int, int], None]:
+    # The cookbook's distributed mutex, one per key, with its defaults.
+    def job(key: int, seq: int) -> None:
+        with ConcurrentRateLimiter(backend, f"{namespace}:mutex:{key}", limit=1).acquire():
+            body(key, seq)
+
+    return job
+
+
+def from_environment() -> tuple[RedisBroker, dramatiq.Actor[Any, Any]]:
+    """The contender named by the ``BENCH_*`` variables the driver sets
+    for its worker processes.
+    """
+    if os.environ.get("BENCH_TRIPS") == "1":
+        trips.install()
+    return build(
+        os.environ["BENCH_CONTENDER"],
+        redis_url=os.environ["BENCH_REDIS_URL"],
+        namespace=os.environ["BENCH_NAMESPACE"],
+        seconds=float(os.environ.get("BENCH_SECONDS", "0")),
+        report=os.environ["BENCH_REPORT"],
+        expect=int(os.environ["BENCH_EXPECT"]),
+    )

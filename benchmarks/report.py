@@ -1,0 +1,230 @@
+"""Tables, target verdicts and ``docs/performance.md`` from one run.
+
+Every comparison is a median over rounds of a ratio taken within one
+round, so that slow and fast stretches of a shared machine cancel out.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Optional
+
+from . import trips
+from .app import BARE, FLOOR, RECIPE
+from .workers import THREADS
+from .costs import CallCost
+from .footprint import Footprint
+from .serial import MakespanRun, Renewals
+from .throughput import Processing
+
+#: Figures sampled once per contender per round.
+FIGURES = ("enqueue", "process", "enqueue_commands", "process_commands", "worker_cpu", "redis_cpu")
+
+#: The makespan target: 10 same-key jobs of 100 ms within 2 s.
+MAKESPAN_JOBS, MAKESPAN_LIMIT = 10, 2.0
+
+
+@dataclass
+class Results:
+    """Everything one run measured."""
+
+    meta: dict[str, str]
+    contenders: list[str]
+    samples: dict[str, dict[str, list[float]]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(list)))
+    audit: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    makespans: dict[int, list[MakespanRun]] = field(default_factory=lambda: defaultdict(list))
+    footprints: list[Footprint] = field(default_factory=list)
+    costs: list[CallCost] = field(default_factory=list)
+    renewals: Optional[Renewals] = None
+    violations: list[str] = field(default_factory=list)
+
+    def add(self, figure: str, contender: str, value: Optional[float]) -> None:
+        if value is not None:
+            self.samples[figure][contender].append(value)
+
+    def add_audit(self, contender: str, sent: int, sending: dict[str, int], processing: Processing) -> None:
+        self.audit[contender] = {
+            "enqueue": {name: n / sent for name, n in sending.items()},
+            "process": {name: n / sent for name, n in processing.trips.items()},
+        }
+
+    def median(self, figure: str, contender: str) -> Optional[float]:
+        values = self.samples[figure].get(contender)
+        return median(values) if values else None
+
+    def ratios(self, figure: str, contender: str, base: str) -> list[float]:
+        """Per-round ratios of ``contender`` to ``base``."""
+        mine, theirs = self.samples[figure].get(contender, []), self.samples[figure].get(base, [])
+        return [a / b for a, b in zip(mine, theirs) if b]
+
+    def ratio(self, figure: str, contender: str, base: str) -> Optional[float]:
+        values = self.ratios(figure, contender, base)
+        return median(values) if values else None
+
+    def trips_per_message(self, contender: str, phase: str, owners: tuple[str, ...] = ()) -> Optional[float]:
+        counted = self.audit.get(contender, {}).get(phase)
+        if counted is None:
+            return None
+        return sum(n for name, n in counted.items() if not owners or trips.owner(name) in owners)
+
+    def lock_trips(self, contender: str, phase: str) -> str:
+        counted = self.audit.get(contender, {}).get(phase, {})
+        mine = {name: n for name, n in counted.items() if trips.owner(name) in ("lock", "mutex")}
+        return ", ".join(f"{name.removeprefix('lock:')} {n:.2f}" for name, n in sorted(mine.items())) or "none"
+
+    def cost(self, name: str) -> Optional[CallCost]:
+        return next((cost for cost in self.costs if cost.name == name), None)
+
+
+def number(value: Optional[float], digits: int = 0) -> str:
+    return "n/a" if value is None else f"{value:,.{digits}f}"
+
+
+def _spread(values: list[float]) -> str:
+    return f"{min(values):.2f}–{max(values):.2f}" if values else "n/a"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def throughput_table(results: Results) -> str:
+    rows = []
+    for contender in results.contenders:
+        row = [_name(contender)]
+        for figure in ("enqueue", "process"):
+            ratio = results.ratios(figure, contender, BARE)
+            median_ratio = number(results.ratio(figure, contender, BARE), 2)
+            row += [number(results.median(figure, contender)), f"{median_ratio} ({_spread(ratio)})"]
+        rows.append(row)
+    return _table(["contender", "enqueue msg/s", "× bare (min–max)", "processing msg/s", "× bare (min–max)"], rows)
+
+
+def redis_table(results: Results) -> str:
+    rows = []
+    for contender in results.contenders:
+        rows.append([
+            _name(contender),
+            number(results.median("enqueue_commands", contender), 2),
+            number(results.median("process_commands", contender), 2),
+            number(results.trips_per_message(contender, "enqueue"), 2),
+            number(results.trips_per_message(contender, "process"), 2),
+            number(results.trips_per_message(contender, "enqueue", ("lock", "mutex")), 2),
+            number(results.trips_per_message(contender, "process", ("lock", "mutex")), 2),
+            results.lock_trips(contender, "process"),
+            number(results.median("worker_cpu", contender)),
+            number(results.median("redis_cpu", contender)),
+        ])
+    header = ["contender", "commands/msg enqueue", "commands/msg processing", "round trips/msg enqueue",
+              "round trips/msg processing", "lock round trips/msg enqueue", "lock round trips/msg processing",
+              "lock round trips by script", "worker CPU µs/msg", "Redis CPU µs/msg"]
+    return _table(header, rows)
+
+
+def footprint_table(results: Results) -> str:
+    rows = [[_name(f.contender), f.phase, f"{f.keys:.2f}", number(f.bytes), f"{f.keys_left:.2f}"]
+            for f in results.footprints]
+    return _table(["contender", "phase", "keys per held lock", "bytes per held lock (MEMORY USAGE)",
+                   "keys left per lock after release"], rows)
+
+
+def makespan_table(results: Results) -> str:
+    rows = []
+    for jobs, runs in sorted(results.makespans.items()):
+        spans = [run.makespan for run in runs]
+        handoffs = [gap for run in runs for gap in run.handoffs]
+        rows.append([
+            str(jobs), str(len(runs)), f"{median(spans):.2f}", f"{min(spans):.2f}", f"{max(spans):.2f}",
+            f"{jobs * runs[0].seconds:.1f}", f"{median(handoffs) * 1000:.0f}", f"{max(handoffs) * 1000:.0f}",
+            f"{median(run.rescheduled / jobs for run in runs):.1f}",
+            "yes" if all(run.exactly_once for run in runs) else "NO",
+            str(sum(run.overlaps for run in runs)),
+        ])
+    header = ["jobs", "rounds", "makespan s (median)", "min", "max", "serial ideal s", "hand-off ms (median)",
+              "hand-off ms (max)", "reschedules per job", "each ran exactly once", "overlapping runs"]
+    return _table(header, rows)
+
+
+def renewal_table(results: Results) -> str:
+    r = results.renewals
+    if r is None:
+        return "not measured"
+    return _table(["jobs", "job s", "lease ms", "renewals", "round trips", "renewals per round trip"],
+                  [[str(r.jobs), f"{r.seconds:.1f}", str(r.lease), str(r.extends), str(r.round_trips),
+                    number(r.extends / r.round_trips if r.round_trips else None, 1)]])
+
+
+def cost_table(results: Results) -> str:
+    rows = [[cost.name, number(cost.wall), number(cost.server, 1)] for cost in results.costs]
+    return _table(["call", "µs per call, one thread (median of turns)", "server µs per call"], rows)
+
+
+@dataclass
+class Verdict:
+    target: str
+    measured: str
+    met: Optional[bool]
+
+
+def verdicts(results: Results) -> list[Verdict]:
+    process = results.ratio("process", "while_executing", BARE)
+    enqueue = results.ratio("enqueue", "until_executed", BARE)
+    recipe = results.ratio("process", "while_executing", RECIPE)
+    trips_run = results.trips_per_message("while_executing", "process", ("lock",))
+    keys = [f.keys for f in results.footprints if f.contender != RECIPE]
+    makespans = [run.makespan for run in results.makespans.get(MAKESPAN_JOBS, [])]
+    renewals = results.renewals
+    batched = None if renewals is None or not renewals.round_trips else renewals.extends / renewals.round_trips
+    floor_process = results.ratio("process", FLOOR, BARE)
+    floor_enqueue = results.ratio("enqueue", FLOOR, BARE)
+    return [
+        Verdict("processing, `while_executing`, distinct keys ≥ 0.90 × bare",
+                f"{number(process, 2)} × bare (2 bare PINGs: {number(floor_process, 2)} ×)", _at_least(process, 0.90)),
+        Verdict("enqueue, `until_executed`, distinct keys ≥ 0.60 × bare",
+                f"{number(enqueue, 2)} × bare (1 bare PING: {number(floor_enqueue, 2)} ×)", _at_least(enqueue, 0.60)),
+        Verdict("at least as fast as the `ConcurrentRateLimiter` recipe (processing)",
+                f"{number(recipe, 2)} × the recipe", _at_least(recipe, 1.0)),
+        Verdict("2 round trips per `while_executing` message (job shorter than lease/3)",
+                f"{number(trips_run, 2)} lock round trips per message "
+                f"({results.lock_trips('while_executing', 'process')})",
+                None if trips_run is None else round(trips_run, 2) <= 2.0),
+        Verdict(f"renewals batched per process, not one per lock ({THREADS} leases at once)",
+                f"{number(batched, 1)} renewals per round trip", None if batched is None else batched >= THREADS / 2),
+        Verdict("one key per held lock", f"{number(max(keys) if keys else None, 2)} keys at most",
+                None if not keys else max(keys) <= 1.0),
+        Verdict(f"{MAKESPAN_JOBS} same-key jobs of 100 ms within {MAKESPAN_LIMIT:.0f} s of the first start",
+                f"median {number(median(makespans) if makespans else None, 2)} s, "
+                f"max {number(max(makespans) if makespans else None, 2)} s",
+                None if not makespans else median(makespans) <= MAKESPAN_LIMIT),
+    ]
+
+
+def _at_least(value: Optional[float], limit: float) -> Optional[bool]:
+    return None if value is None else value >= limit
+
+
+def verdict_table(results: Results) -> str:
+    marks = {True: "met", False: "**not met**", None: "not measured"}
+    return _table(["target", "measured (median of per-round ratios)", "verdict"],
+                  [[v.target, v.measured, marks[v.met]] for v in verdicts(results)])
+
+
+def _name(contender: str) -> str:
+    names = {BARE: "bare Dramatiq", RECIPE: "ConcurrentRateLimiter recipe", FLOOR: "floor (bare + PINGs)"}
+    return names.get(contender, f"UniqueMiddleware `{contender}`")
+
+
+def tables(results: Results) -> str:
+    """Every table, as Markdown."""
+    return "\n\n".join([
+        "### Targets\n\n" + verdict_table(results),
+        "### Throughput\n\n" + throughput_table(results),
+        "### Redis work per message\n\n" + redis_table(results),
+        "### Lease renewals of long jobs\n\n" + renewal_table(results),
+        "### Footprint of held locks\n\n" + footprint_table(results),
+        "### Makespan of same-key jobs (`while_executing`, default settings)\n\n" + makespan_table(results),
+        "### What one call costs\n\n" + cost_table(results),
+    ])

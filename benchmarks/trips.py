@@ -1,0 +1,122 @@
+"""Counts the Redis round trips this process makes, by what they carry.
+
+A round trip is one ``send_packed_command`` of redis-py: one command,
+or one whole pipeline.  Scripts are named by their SHA1, so a lock
+script and the broker's ``dispatch.lua`` are told apart even though
+both are ``EVALSHA``.  Counting is off unless :func:`install` is called.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import dramatiq.brokers.redis
+import redis.connection
+
+from dramatiq_unique.backends.redis import _SCRIPTS
+
+#: Commands of the ``ConcurrentRateLimiter`` recipe's Redis backend.
+_MUTEX_COMMANDS = {"SET", "GET", "WATCH", "UNWATCH", "MULTI+SET+EXEC"}
+
+_counts: Counter[str] = Counter()
+_mutex = threading.Lock()
+_original: Optional[Callable[..., Any]] = None
+
+
+def _sha(source: bytes) -> str:
+    return hashlib.sha1(source).hexdigest()
+
+
+def _script_names() -> dict[str, str]:
+    dispatch = Path(dramatiq.brokers.redis.__file__).parent / "redis" / "dispatch.lua"
+    names = {_sha(dispatch.read_bytes()): "broker:dispatch"}
+    names.update({_sha(source.encode()): f"lock:{name}" for name, source in _SCRIPTS.items()})
+    return names
+
+
+_SCRIPT_NAMES = _script_names()
+
+
+def _commands(packed: bytes) -> list[list[bytes]]:
+    """The first two arguments of every command in a RESP buffer."""
+    commands, at = [], 0
+    while at < len(packed):
+        end = packed.index(b"\r\n", at)
+        count, at = int(packed[at + 1 : end]), end + 2
+        head: list[bytes] = []
+        for _ in range(count):
+            end = packed.index(b"\r\n", at)
+            size, at = int(packed[at + 1 : end]), end + 2
+            if len(head) < 2:
+                head.append(packed[at : at + size])
+            at += size + 2
+        commands.append(head)
+    return commands
+
+
+def label(packed: Any) -> str:
+    """What one round trip carries, e.g. ``lock:acquire``,
+    ``broker:dispatch`` or ``MULTI+SET+EXEC``.
+    """
+    chunks = [packed] if isinstance(packed, (bytes, str)) else packed
+    buffer = b"".join(chunk.encode() if isinstance(chunk, str) else bytes(chunk) for chunk in chunks)
+    names = []
+    for head in _commands(buffer):
+        name = head[0].decode().upper()
+        if name == "EVALSHA" and len(head) > 1:
+            name = _SCRIPT_NAMES.get(head[1].decode(), "EVALSHA ?")
+        names.append(name)
+    if len(set(names)) == 1 and len(names) > 1:
+        return f"{names[0]} x{len(names)}"
+    return "+".join(names)
+
+
+def owner(name: str) -> str:
+    """Who a round trip serves: ``lock``, ``mutex``, ``broker`` or ``other``."""
+    if name.startswith("lock:"):
+        return "lock"
+    if name in _MUTEX_COMMANDS:
+        return "mutex"
+    if name.startswith("broker:"):
+        return "broker"
+    return "other"
+
+
+def install() -> None:
+    """Start counting every round trip of every connection."""
+    global _original
+    if _original is not None:
+        return
+    original = redis.connection.AbstractConnection.send_packed_command
+
+    def send_packed_command(self: Any, command: Any, check_health: bool = True) -> None:
+        name = label(command)
+        with _mutex:
+            _counts[name] += 1
+        original(self, command, check_health)
+
+    _original = original
+    redis.connection.AbstractConnection.send_packed_command = send_packed_command  # type: ignore[method-assign]
+
+
+def uninstall() -> None:
+    """Stop counting."""
+    global _original
+    if _original is not None:
+        redis.connection.AbstractConnection.send_packed_command = _original  # type: ignore[method-assign]
+        _original = None
+
+
+def counts() -> dict[str, int]:
+    """Round trips so far, by label."""
+    with _mutex:
+        return dict(_counts)
+
+
+def reset() -> None:
+    with _mutex:
+        _counts.clear()
