@@ -62,9 +62,11 @@ def counting() -> Iterator[None]:
 def test_a_pipeline_is_one_round_trip_and_scripts_are_told_apart(
     client: redis.Redis, namespace: str, counting: None
 ) -> None:
-    # Given a lock backend on the same client
+    # Given a lock backend on the same client, its script already loaded
     key = f"{namespace}:job:{{1}}:run"
     backend = RedisBackend(client=client)
+    backend.acquire(key, "owner/0", ttl=1000)
+    trips.reset()
     # When a transaction, a lock script and a plain command are sent
     with client.pipeline() as pipe:
         pipe.set(f"{key}:x", 1)

@@ -78,14 +78,19 @@ class EnqueueGuard:
                 self.middleware.logger.error("Could not release %r after a failed enqueue: %r", key, e)
                 events.emit(LockEvent("backend_error", actor, key, owner))
 
-    def before_enqueue(self, broker: "Broker", message: Any, delay: Optional[int], spec: ActorSpec) -> None:
+    def is_fresh(self, message: Any) -> bool:
+        """Whether this enqueue is a new send, which may be refused,
+        rather than a re-enqueue, which must never raise.
+        """
+        return "unique_digest" not in message.options and not isinstance(threading.current_thread(), ConsumerThread)
+
+    def before_enqueue(self, message: Any, delay: Optional[int], spec: ActorSpec, *, fresh: bool) -> None:
         """Stamp the digest on a new message and take its enqueue lock.
 
         A message that carries the stamp already is being re-enqueued
         (a retry, a delay-queue move, a reschedule, a publish retry):
         its lock is re-entered, and nothing here raises for it.
         """
-        fresh = "unique_digest" not in message.options and not isinstance(threading.current_thread(), ConsumerThread)
         if "unique_digest" not in message.options:
             message.options["unique_digest"] = spec.digest(message.args, message.kwargs)
         if spec.lock.queue_lock:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from importlib import resources
 from typing import Any, Iterator, Optional, Sequence
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
@@ -22,6 +23,19 @@ _SCRIPTS = {
 
 #: The URL scheme that connects to a Cluster.
 CLUSTER_SCHEME = "redis+cluster://"
+
+#: Socket timeouts, in seconds as redis-py takes them, of the clients
+#: this backend makes itself: a silent Redis must fail a lock call, not
+#: hang a worker thread.
+DEFAULT_SOCKET_TIMEOUT = 5.0
+
+
+def _without_password(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def _waiting(key: str) -> list[str]:
@@ -47,7 +61,8 @@ class RedisBackend(LockBackend):
         ``RedisCluster(..., ssl=True)`` as ``client``).  When given, it
         wins over ``**parameters``.
       **parameters: Passed to ``redis.Redis``, or to
-        ``redis.cluster.RedisCluster`` with a cluster URL.
+        ``redis.cluster.RedisCluster`` with a cluster URL.  Socket
+        timeouts default to :data:`DEFAULT_SOCKET_TIMEOUT` seconds.
 
     Every script touches the keys of one lock only, and they share a
     hash tag, so each call goes to one Cluster node.  With Sentinel,
@@ -67,6 +82,8 @@ class RedisBackend(LockBackend):
     """
 
     def __init__(self, *, client: Optional[Any] = None, url: Optional[str] = None, **parameters: Any) -> None:
+        parameters.setdefault("socket_timeout", DEFAULT_SOCKET_TIMEOUT)
+        parameters.setdefault("socket_connect_timeout", DEFAULT_SOCKET_TIMEOUT)
         if client is None and url is not None and url.startswith(CLUSTER_SCHEME):
             client = redis.cluster.RedisCluster.from_url("redis://" + url[len(CLUSTER_SCHEME) :], **parameters)
         elif client is None and url is not None:
@@ -78,7 +95,7 @@ class RedisBackend(LockBackend):
 
     def describe(self) -> str:
         if self.url:
-            return f"RedisBackend({self.url})"
+            return f"RedisBackend({_without_password(self.url)})"
         if self.cluster:
             node = self.client.get_default_node()
             return f"RedisBackend(cluster at {node.host}:{node.port})"
