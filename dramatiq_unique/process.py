@@ -13,7 +13,7 @@ import itertools
 import os
 import random
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from dramatiq import Message
 from dramatiq.middleware import SkipMessage

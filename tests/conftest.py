@@ -14,6 +14,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import uuid
 from typing import Iterator
 
 import dramatiq
@@ -128,6 +129,24 @@ def stub_broker() -> Iterator[StubBroker]:
     dramatiq.set_broker(broker)
     yield broker
     broker.flush_all()
+    broker.close()
+
+
+@pytest.fixture(params=["stub", "redis"])
+def any_broker(request: pytest.FixtureRequest) -> Iterator[dramatiq.Broker]:
+    """A StubBroker, then a RedisBroker on the suite's database under a
+    namespace of its own.
+    """
+    if request.param == "stub":
+        yield request.getfixturevalue("stub_broker")
+        return
+    from dramatiq.brokers.redis import RedisBroker
+
+    request.getfixturevalue("redis_client")
+    broker = RedisBroker(url=request.getfixturevalue("redis_url"), namespace=f"t-{uuid.uuid4().hex[:8]}")
+    broker.emit_after("process_boot")
+    dramatiq.set_broker(broker)
+    yield broker
     broker.close()
 
 

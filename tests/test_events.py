@@ -18,7 +18,6 @@ from typing import Any, Iterator, Optional
 
 import dramatiq
 import pytest
-from dramatiq.brokers.redis import RedisBroker
 from dramatiq.brokers.stub import StubBroker
 from dramatiq.middleware import MiddlewareError
 
@@ -80,15 +79,9 @@ class Setup:
         return self.unique.key(self.unique.specs[actor.actor_name], digest_for(actor, *args), phase)
 
 
-@pytest.fixture(params=["stub", "redis"])
-def setup(request: pytest.FixtureRequest) -> Iterator[Setup]:
-    if request.param == "stub":
-        broker = request.getfixturevalue("stub_broker")
-    else:
-        request.getfixturevalue("redis_client")
-        broker = RedisBroker(url=request.getfixturevalue("redis_url"), namespace=f"t-{uuid.uuid4().hex[:8]}")
-        broker.emit_after("process_boot")
-        dramatiq.set_broker(broker)
+@pytest.fixture
+def setup(any_broker: dramatiq.Broker) -> Iterator[Setup]:
+    broker = any_broker
     recorder = Recorder()
     middleware = unique(listeners=[recorder])
     broker.add_middleware(middleware)
@@ -96,7 +89,6 @@ def setup(request: pytest.FixtureRequest) -> Iterator[Setup]:
     yield rig
     if rig.worker is not None:
         rig.worker.stop()
-    broker.close()
 
 
 @pytest.fixture(autouse=True)

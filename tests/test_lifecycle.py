@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 import dramatiq
 import pytest
-from dramatiq.brokers.redis import RedisBroker
 from dramatiq.brokers.stub import StubBroker
 from dramatiq.middleware import AgeLimit, AsyncIO, MiddlewareError, TimeLimit
 
@@ -81,15 +80,9 @@ class Rig:
         return self.broker.client.hlen(f"{self.broker.namespace}:{queue}.XQ.msgs")
 
 
-@pytest.fixture(params=["stub", "redis"])
-def rig(request):
-    if request.param == "stub":
-        broker = request.getfixturevalue("stub_broker")
-    else:
-        request.getfixturevalue("redis_client")
-        broker = RedisBroker(url=request.getfixturevalue("redis_url"), namespace=f"t-{uuid.uuid4().hex[:8]}")
-        broker.emit_after("process_boot")
-        dramatiq.set_broker(broker)
+@pytest.fixture
+def rig(any_broker):
+    broker = any_broker
     broker.add_middleware(AsyncIO())
     middleware = unique()
     broker.add_middleware(middleware)
@@ -97,7 +90,6 @@ def rig(request):
     yield r
     if r.worker is not None:
         r.worker.stop()
-    broker.close()
 
 
 def sleeper(rig, seconds=0.05, fail_times=0, **options):

@@ -8,7 +8,6 @@ import json
 import time
 import uuid
 
-import pytest
 
 from tests.conftest import wait_for
 from tests.procs import WorkerGroup

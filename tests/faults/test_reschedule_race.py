@@ -33,27 +33,35 @@ class StallingBackend(StubBackend):
         super().wait(key, ticket, message, order=order, ttl=ttl)
 
 
-def test_a_stalled_reschedule_still_runs_the_message_once(stub_broker):
-    stub_broker.add_middleware(unique(StallingBackend(), reschedule_delay=50))
+def run_holder_and_waiter(broker, holder_seconds, **options):  # type: ignore[no-untyped-def]
+    """Send a holder of key k and a message that must wait for it; run
+    both to the end and count each message's runs.
+    """
     runs: Counter[str] = Counter()
     mutex = threading.Lock()
 
-    @dramatiq.actor(broker=stub_broker, lock="while_executing", lock_args=["key"], max_retries=0)
+    @dramatiq.actor(broker=broker, lock="while_executing", lock_args=["key"], **options)
     def sync(key, name, seconds):
         with mutex:
             runs[name] += 1
         time.sleep(seconds)
 
-    # Given a holder of key k for a second, and a second message for k that must wait
-    sync.send("k", "holder", 1.0)
+    sync.send("k", "holder", holder_seconds)
     sync.send("k", "waiter", 0.0)
-    # When every reschedule stalls past the reschedule delay
-    worker = make_worker(stub_broker, threads=4)
+    worker = make_worker(broker, threads=4)
     try:
-        stub_broker.join(sync.queue_name, fail_fast=False)
+        broker.join(sync.queue_name, fail_fast=False)
         worker.join()
     finally:
         worker.stop()
+    return runs
+
+
+def test_a_stalled_reschedule_still_runs_the_message_once(stub_broker):
+    # Given a backend where every reschedule stalls past the reschedule delay
+    stub_broker.add_middleware(unique(StallingBackend(), reschedule_delay=50))
+    # When a holder of key k runs for a second while a second message waits
+    runs = run_holder_and_waiter(stub_broker, 1.0, max_retries=0)
     # Then each message ran exactly once
     assert runs == {"holder": 1, "waiter": 1}
 
@@ -75,27 +83,10 @@ def test_a_reschedule_that_cannot_be_enqueued_withdraws_its_waiter(stub_broker):
     stub_broker.add_middleware(unique(StubBackend(), reschedule_delay=50))
     outage = RefuseFirstReschedule()
     stub_broker.add_middleware(outage)
-    runs: Counter[str] = Counter()
-    mutex = threading.Lock()
-
-    # (retried after the holder is done, so the retry cannot stand in for a
+    # When the waiter's copy cannot be enqueued while the holder runs (it is
+    # retried after the holder is done, so the retry cannot stand in for a
     # waiter the release would hand the key to)
-    @dramatiq.actor(broker=stub_broker, lock="while_executing", lock_args=["key"], max_retries=5,
-                    min_backoff=1000, max_backoff=1000)
-    def sync(key, name, seconds):
-        with mutex:
-            runs[name] += 1
-        time.sleep(seconds)
-
-    # When the waiter's copy cannot be enqueued while the holder runs
-    sync.send("k", "holder", 0.3)
-    sync.send("k", "waiter", 0.0)
-    worker = make_worker(stub_broker, threads=4)
-    try:
-        stub_broker.join(sync.queue_name, fail_fast=False)
-        worker.join()
-    finally:
-        worker.stop()
+    runs = run_holder_and_waiter(stub_broker, 0.3, max_retries=5, min_backoff=1000, max_backoff=1000)
     # Then the failure went through Retries, and the holder's release did not
     # hand the key to the withdrawn waiter as well: each ran once
     assert outage.refused == 1
