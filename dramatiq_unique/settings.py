@@ -177,16 +177,31 @@ def _parse(variable: str, raw: str, field: str) -> Any:
     return _CHECKS[field](what, raw.strip())
 
 
+_VARIABLE_PREFIX = "dramatiq_unique_"
+
+
+def _refuse_unknown(environ: Mapping[str, str]) -> None:
+    known = {f"{_VARIABLE_PREFIX}{field.name}" for field in fields(Settings)}
+    for name in environ:
+        if name.lower().startswith(_VARIABLE_PREFIX) and name.lower() not in known and name in (name.lower(), name.upper()):
+            raise ConfigurationError(
+                f"Environment variable {name} is not a dramatiq-unique setting. Valid names: {', '.join(sorted(known))}."
+            )
+
+
 def from_environment(environ: Optional[Mapping[str, str]] = None) -> Settings:
     """Read every ``dramatiq_unique_*`` variable.
 
     Raises:
-      ConfigurationError: naming the variable, when a value is bad.
+      ConfigurationError: naming the variable, when a value is bad or
+        the name is not a setting (a misspelt name would otherwise be
+        ignored without a word).
     """
     environ = os.environ if environ is None else environ
+    _refuse_unknown(environ)
     found: dict[str, Any] = {}
     for field in fields(Settings):
-        variable = f"dramatiq_unique_{field.name}"
+        variable = f"{_VARIABLE_PREFIX}{field.name}"
         for spelling in (variable, variable.upper()):
             raw = environ.get(spelling)
             if raw is not None and raw != "":

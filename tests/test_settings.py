@@ -67,3 +67,10 @@ def test_the_environment_is_read_at_construction(monkeypatch):
 def test_bad_constructor_arguments(kwargs):
     with pytest.raises(ConfigurationError):
         UniqueMiddleware(**kwargs)
+
+
+@pytest.mark.parametrize("name", ["dramatiq_unique_leese", "DRAMATIQ_UNIQUE_REDIS"])
+def test_a_misspelt_variable_is_refused_not_ignored(monkeypatch, name):
+    monkeypatch.setenv(name, "1000")
+    with pytest.raises(ConfigurationError, match=f"{name} is not a dramatiq-unique setting. Valid names: "):
+        UniqueMiddleware()
