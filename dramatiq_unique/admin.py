@@ -15,6 +15,8 @@ Examples:
 
 from __future__ import annotations
 
+import functools
+
 import json
 import re
 from dataclasses import dataclass
@@ -142,10 +144,10 @@ class LockAdmin:
     fails, e.g. when Redis cannot be reached.
 
     Note:
-      Releasing a run-lock holder hands its slot to the key's longest
-      waiter as a worker would, but this process has no broker to
-      enqueue the promoted message: it runs when its delayed copy
-      arrives, within ``reschedule_delay``.
+      Releasing a run-lock holder does not hand its slot to the key's
+      longest waiter, as a worker would: this process has no broker to
+      enqueue it.  The waiter runs when its delayed copy arrives,
+      within ``reschedule_delay``.
     """
 
     def __init__(self, backend: LockBackend, *, prefix: str = DEFAULT_PREFIX) -> None:
@@ -220,7 +222,10 @@ class LockAdmin:
         slots = [(lock.key, h.owner) for lock in locks for h in lock.holders if holder in (h.owner, h.message_id)]
         if not slots:
             raise UnknownLock(f"Digest {locks[0].digest} has no holder {holder!r}.")
-        held = [self._call(f"release {key!r}", self.backend.release, key, owner).held for key, owner in slots]
+        held = [
+            self._call(f"release {key!r}", functools.partial(self.backend.release, hand_over=False), key, owner).held
+            for key, owner in slots
+        ]
         return [f"{key} {owner}" for (key, owner), was_held in zip(slots, held) if was_held]
 
     def release_actor(self, actor: str) -> list[str]:

@@ -87,9 +87,13 @@ class LockBackend(abc.ABC):
         raise NotImplementedError  # pragma: no cover
 
     @abc.abstractmethod
-    def release(self, key: str, owner: str) -> Release:
+    def release(self, key: str, owner: str, *, hand_over: bool = True) -> Release:
         """Remove ``owner`` from ``key``, and hand the freed slot to the
         longest waiter of ``key``, if any (see :meth:`wait`).
+
+        Parameters:
+          hand_over(bool): False leaves the waiters waiting, for a caller
+            that cannot enqueue the promoted message (an operator).
         """
         raise NotImplementedError  # pragma: no cover
 

@@ -8,6 +8,7 @@ import time
 import pytest
 import redis
 
+from dramatiq_unique.backend import Release
 from dramatiq_unique.backends.redis import RedisBackend
 
 KEY = "test:actor:{abc}:run"
@@ -169,3 +170,13 @@ def test_redis_backend_errors_surface(redis_url):
     dead = RedisBackend(url=f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.5)
     with pytest.raises(redis.ConnectionError):
         dead.acquire(KEY, "a", ttl=1000)
+
+
+def test_a_release_without_hand_over_leaves_the_waiters_waiting(backend):
+    backend.acquire(KEY, "holder", ttl=10_000)
+    backend.wait(KEY, "m:1", b"m", order=1, ttl=10_000)
+    assert backend.release(KEY, "holder", hand_over=False) == Release(True, None)
+    # the waiter's delayed copy still arrives first and runs, and its record is gone after
+    assert backend.claim(KEY, "m:1") is True
+    backend.acquire(KEY, "holder2", ttl=10_000)
+    assert backend.release(KEY, "holder2").promoted is None

@@ -115,8 +115,10 @@ class RedisBackend(LockBackend):
         )
         return Acquisition(status != 0, reentered=status == 2, holder=_text(holder), fence=int(fence))
 
-    def release(self, key: str, owner: str) -> Release:
-        held, promoted = self.scripts["release"](keys=[key, *_waiting(key)], args=[owner], client=self.client)
+    def release(self, key: str, owner: str, *, hand_over: bool = True) -> Release:
+        held, promoted = self.scripts["release"](
+            keys=[key, *_waiting(key)], args=[owner, int(hand_over)], client=self.client
+        )
         return Release(bool(held), promoted or None)
 
     def wait(self, key: str, ticket: str, message: bytes, *, order: int, ttl: int) -> None:

@@ -77,7 +77,7 @@ class StubBackend(LockBackend):
             self._entries[key] = entry
             return Acquisition(True, fence=entry.fence)
 
-    def release(self, key: str, owner: str) -> Release:
+    def release(self, key: str, owner: str, *, hand_over: bool = True) -> Release:
         with self._mutex:
             now = _now_ms()
             entry = self._entries.get(key)
@@ -85,7 +85,7 @@ class StubBackend(LockBackend):
             if deadline is None:
                 return Release(False)
             self._live(key, now)  # drops the entry with its last live holder
-            return Release(deadline > now, self._promote(key))
+            return Release(deadline > now, self._promote(key) if hand_over else None)
 
     def _promote(self, key: str) -> Optional[bytes]:
         waiters = self._waiters.get(key)

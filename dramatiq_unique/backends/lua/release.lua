@@ -4,7 +4,7 @@
 -- KEYS[1]  the lock hash (see acquire.lua)
 -- KEYS[2]  waiters: zset ticket -> order (see wait.lua)
 -- KEYS[3]  tickets: hash ticket -> "copies:claimed", "m:"..ticket -> message
--- ARGV[1]  owner
+-- ARGV[1]  owner      ARGV[2] "1" to hand the slot to a waiter, "0" not to
 --
 -- Returns {held, message}: held 1 when the owner held a live slot, 0
 -- when it was absent or had lapsed; message is the encoded message of
@@ -33,6 +33,7 @@ end
 if holders == 0 then redis.call("DEL", key) end
 local held = 1
 if tonumber(deadline) <= now then held = 0 end
+if ARGV[2] ~= "1" then return {held, false} end
 local first = redis.call("ZPOPMIN", KEYS[2])
 if #first == 0 then return {held, false} end
 local ticket = first[1]
