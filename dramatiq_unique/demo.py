@@ -46,7 +46,9 @@ def _broker(redis_url: Optional[str]) -> tuple[dramatiq.Broker, UniqueMiddleware
         from .backends.redis import RedisBackend
 
         broker = RedisBroker(url=redis_url, namespace="dramatiq-unique-demo")
-        unique = UniqueMiddleware(backend=RedisBackend(url=redis_url), prefix="dramatiq-unique-demo", reschedule_delay=1000)
+        unique = UniqueMiddleware(
+            backend=RedisBackend(url=redis_url), prefix="dramatiq-unique-demo", reschedule_delay=1000
+        )
     broker.add_middleware(unique)
     return broker, unique
 
@@ -93,7 +95,9 @@ def _print_timeline(runs: list[Run], unique: UniqueMiddleware, out: Any) -> None
     width = 48
     total = max(r.end for r in runs)
     scale = width / total
-    print(f"sync_account_balance: lock=while_executing, on_conflict=reschedule, {SYNC_SECONDS:.1f} s per sync", file=out)
+    print(
+        f"sync_account_balance: lock=while_executing, on_conflict=reschedule, {SYNC_SECONDS:.1f} s per sync", file=out
+    )
     print(f"{'':16}0 s{'':{width - 6}}{total:4.1f} s", file=out)
     for r in sorted(runs, key=lambda r: (r.account, r.start)):
         bar = " " * int(r.start * scale) + "#" * max(1, int((r.end - r.start) * scale))

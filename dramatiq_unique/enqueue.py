@@ -100,7 +100,11 @@ class EnqueueGuard:
         middleware = self.middleware
         key = middleware.key(spec, message.options["unique_digest"], "queue")
         ttl = (delay or 0) + (spec.lock_ttl or middleware.settings.lock_ttl)
-        recorded = spec.canonical(spec.key_material(message.args, message.kwargs)) if fresh and middleware.record_lock_args else None
+        recorded = (
+            spec.canonical(spec.key_material(message.args, message.kwargs))
+            if fresh and middleware.record_lock_args
+            else None
+        )
         try:
             got = middleware.backend.acquire(  # type: ignore[union-attr]
                 key, message.message_id, ttl=ttl, limit=spec.lock_limit, lock=spec.lock.name, lock_args=recorded
@@ -120,7 +124,9 @@ class EnqueueGuard:
                 middleware.emit("locked", spec, key, message)
             return
         if not fresh:
-            middleware.logger.warning("Lock %r of %s lapsed and is held by %s; enqueueing it anyway.", key, message, got.holder)
+            middleware.logger.warning(
+                "Lock %r of %s lapsed and is held by %s; enqueueing it anyway.", key, message, got.holder
+            )
             middleware.emit("lock_lost", spec, key, message, got.holder)
             return
         self._refuse(message, spec, key, got.holder)

@@ -77,7 +77,9 @@ class ProcessGuard:
         owner = self._owner(message)
         taken_at = time.monotonic() * 1000
         try:
-            got = self.backend.acquire(key, owner, ttl=middleware.settings.lease, limit=spec.lock_limit, lock=spec.lock.name)
+            got = self.backend.acquire(
+                key, owner, ttl=middleware.settings.lease, limit=spec.lock_limit, lock=spec.lock.name
+            )
         except Exception as e:
             error = middleware.backend_error("take the run lock", key, spec, message, e)
             if middleware.settings.on_backend_error == "run_unlocked":

@@ -128,7 +128,7 @@ def _redis_url(what: str, value: Any) -> str:
 
 def _parse_redis_url(url: str) -> None:
     """Parse ``url`` as ``RedisBackend`` will, raising ValueError."""
-    urlsplit(url).port  # a port that is no number from 0 to 65535 raises
+    _ = urlsplit(url).port  # a port that is no number from 0 to 65535 raises
     try:
         from redis.connection import parse_url
     except ImportError:  # pragma: no cover - RedisBackend then says what to install
@@ -183,9 +183,14 @@ _VARIABLE_PREFIX = "dramatiq_unique_"
 def _refuse_unknown(environ: Mapping[str, str]) -> None:
     known = {f"{_VARIABLE_PREFIX}{field.name}" for field in fields(Settings)}
     for name in environ:
-        if name.lower().startswith(_VARIABLE_PREFIX) and name.lower() not in known and name in (name.lower(), name.upper()):
+        if (
+            name.lower().startswith(_VARIABLE_PREFIX)
+            and name.lower() not in known
+            and name in (name.lower(), name.upper())
+        ):
             raise ConfigurationError(
-                f"Environment variable {name} is not a dramatiq-unique setting. Valid names: {', '.join(sorted(known))}."
+                f"Environment variable {name} is not a dramatiq-unique setting. "
+                f"Valid names: {', '.join(sorted(known))}."
             )
 
 
