@@ -180,3 +180,11 @@ def test_a_release_without_hand_over_leaves_the_waiters_waiting(backend):
     assert backend.claim(KEY, "m:1") is True
     backend.acquire(KEY, "holder2", ttl=10_000)
     assert backend.release(KEY, "holder2").promoted is None
+
+
+def test_waiter_records_expire(backend):
+    backend.acquire(KEY, "holder", ttl=10_000)
+    backend.wait(KEY, "m:1", b"m", order=1, ttl=100)
+    time.sleep(0.15)
+    assert backend.release(KEY, "holder").promoted is None
+    assert backend.claim(KEY, "m:1") is True

@@ -25,6 +25,7 @@ class _Ticket:
 class _Waiters:
     order: dict[str, tuple[int, bytes]] = field(default_factory=dict)
     tickets: dict[str, _Ticket] = field(default_factory=dict)
+    expires_at: int = 0
 
 
 @dataclass
@@ -87,8 +88,16 @@ class StubBackend(LockBackend):
             self._live(key, now)  # drops the entry with its last live holder
             return Release(deadline > now, self._promote(key) if hand_over else None)
 
-    def _promote(self, key: str) -> Optional[bytes]:
+    def _live_waiters(self, key: str) -> Optional[_Waiters]:
+        # Like the Redis keys, the records of a key expire ttl after its last wait.
         waiters = self._waiters.get(key)
+        if waiters is not None and waiters.expires_at <= _now_ms():
+            del self._waiters[key]
+            return None
+        return waiters
+
+    def _promote(self, key: str) -> Optional[bytes]:
+        waiters = self._live_waiters(key)
         if waiters is None or not waiters.order:
             return None
         ticket = min(waiters.order, key=lambda name: waiters.order[name][0])
@@ -98,13 +107,14 @@ class StubBackend(LockBackend):
 
     def wait(self, key: str, ticket: str, message: bytes, *, order: int, ttl: int) -> None:
         with self._mutex:
-            waiters = self._waiters.setdefault(key, _Waiters())
+            waiters = self._live_waiters(key) or self._waiters.setdefault(key, _Waiters())
             waiters.order[ticket] = (order, message)
             waiters.tickets[ticket] = _Ticket()
+            waiters.expires_at = _now_ms() + ttl
 
     def claim(self, key: str, ticket: str) -> bool:
         with self._mutex:
-            waiters = self._waiters.get(key)
+            waiters = self._live_waiters(key)
             record = waiters.tickets.get(ticket) if waiters is not None else None
             if waiters is None or record is None:
                 return True
