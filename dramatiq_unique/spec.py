@@ -185,13 +185,21 @@ def actor_spec(actor: "Actor[Any, Any]") -> Optional[ActorSpec]:
       ActorSpec: or None when the actor takes no lock.
 
     Raises:
-      ConfigurationError: for any invalid option, naming the choices.
+      ConfigurationError: for any invalid option, naming the actor and
+        the valid choices.
     """
+    try:
+        return _actor_spec(actor)
+    except ConfigurationError as e:
+        raise ConfigurationError(f"Actor {actor.actor_name!r}: {e}") from None
+
+
+def _actor_spec(actor: "Actor[Any, Any]") -> Optional[ActorSpec]:
     options = actor.options
     if options.get("lock") is None:
         stray = sorted(ACTOR_OPTIONS & {k for k, v in options.items() if v is not None})
         if stray:
-            raise ConfigurationError(f"Actor {actor.actor_name!r} sets {', '.join(stray)} but no lock=.")
+            raise ConfigurationError(f"it sets {', '.join(stray)} but no lock=.")
         return None
     lock = lock_type(options["lock"])
     sides = strategies(lock, options.get("on_conflict"))

@@ -228,3 +228,21 @@ def test_a_backend_through_sentinel_follows_its_primary(redis_sentinel):
     assert backend.inspect(key).holders.keys() == {"a"}
     assert backend.release(key, "a").held and backend.inspect(key) is None
     assert backend.describe() == f"RedisBackend(sentinel service {service})"
+
+
+def test_operators_list_inspect_and_release_locks_on_the_cluster(redis_backend):
+    from dramatiq_unique.admin import LockAdmin
+
+    # Given locks of one actor spread over every node, and one of another actor
+    admin = LockAdmin(redis_backend, prefix="ops")
+    digests = [f"{n:032x}" for n in range(12)]
+    for digest in digests:
+        redis_backend.acquire(f"ops:sync:{{{digest}}}:queue", "m1", ttl=10_000, lock="until_executed")
+    redis_backend.acquire(f"ops:other:{{{'f' * 32}}}:run", "m2/1", ttl=10_000, lock="while_executing")
+    # Then SCAN over the whole cluster finds them all, by actor
+    assert sorted(lock.digest for lock in admin.locks(actor="sync")) == digests
+    [held] = admin.inspect(digests[3])
+    assert held.lock == "until_executed" and [h.message_id for h in held.holders] == ["m1"]
+    # And releasing by actor frees exactly that actor's locks, on every node
+    assert len(admin.release_actor("sync")) == len(digests)
+    assert list(admin.locks(actor="sync")) == [] and len(list(admin.locks())) == 1
