@@ -153,6 +153,12 @@ LOG_LINES: tuple[LogLine, ...] = (
     LogLine(
         "ERROR",
         _MIDDLEWARE,
+        "Enqueueing %s without its lock: it could not be re-entered.",
+        "a re-enqueue (retry, delay-queue move) failed to re-enter its lock; it goes on, never lost",
+    ),
+    LogLine(
+        "ERROR",
+        _MIDDLEWARE,
         "Could not release %r after a failed enqueue: %r",
         "the backend failed while giving back the lock of an unpublished send (event backend_error)",
     ),

@@ -238,7 +238,11 @@ class UniqueMiddleware(Middleware):
         try:
             self._guard.before_enqueue(message, delay, spec, fresh=fresh)
         except MiddlewareError:
-            raise
+            if fresh:
+                raise
+            # Raising from a re-enqueue (a retry, a delay-queue move) loses
+            # the message; it goes on, like a lapsed lock.
+            self.logger.error("Enqueueing %s without its lock: it could not be re-entered.", message, exc_info=True)
         except Exception as e:
             # Dramatiq would log this and enqueue a new message unlocked.
             error = self.backend_error("lock", message.options.get("unique_digest", "?"), spec, message, e)

@@ -384,3 +384,17 @@ def test_a_backend_outage_never_runs_a_locked_actor(rig):
     wait_for(lambda: rig.dead() == 1, what="the retries to be exhausted")
     assert rig.runs.count() == 0
     assert rig.unique.events.count("backend_error") >= 3
+
+
+def test_a_delay_queue_move_never_raises_even_for_a_message_it_cannot_key(rig):
+    # Given a delayed message sent unlocked (so unstamped) whose args give no key
+    actor = sleeper(rig, lock="until_executed", max_retries=0)
+    rig.unique.enabled = False
+    actor.send_with_options(args=("caf\udce9",), delay=100)
+    rig.unique.enabled = True
+    # When the worker moves it out of the delay queue
+    rig.start()
+    # Then the move goes on (raising there would strand it), and the delivery,
+    # which cannot take its lock, fails through Retries instead of running unlocked
+    wait_for(lambda: rig.dead() == 1, what="the unkeyable message to be dead-lettered")
+    assert rig.runs.count() == 0
