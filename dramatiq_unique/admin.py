@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
 from .backend import LockBackend, LockInfo
+from .delivery import message_id_of
 from .errors import LockBackendError, UniqueError
 from .settings import DEFAULT_PREFIX
 
@@ -273,7 +274,7 @@ class LockAdmin:
 
 def _from_info(info: LockInfo, parts: "re.Match[str]") -> Lock:
     holders = sorted(
-        (Holder(owner, owner.split("/")[0], deadline) for owner, deadline in info.holders.items()),
+        (Holder(owner, message_id_of(owner) or owner, deadline) for owner, deadline in info.holders.items()),
         key=lambda h: (h.deadline, h.owner),
     )
     return Lock(

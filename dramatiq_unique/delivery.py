@@ -32,6 +32,13 @@ class Delivery:
     queue_released: bool = False
 
 
+def message_id_of(owner: Optional[str]) -> Optional[str]:
+    """The message id in a lock owner: a message id itself (enqueue
+    locks) or ``<message id>/<token>`` (run locks).
+    """
+    return owner.split("/")[0] if owner else None
+
+
 def delivery(message: "MessageProxy") -> Optional[Delivery]:
     """The middleware's state for ``message``, if it has any."""
     return getattr(message, "_unique_delivery", None)

@@ -31,7 +31,7 @@ from dramatiq.middleware import (
 from . import settings as config
 from .backend import LockBackend
 from .backends.stub import StubBackend
-from .delivery import Delivery, attach, delivery
+from .delivery import Delivery, attach, delivery, message_id_of
 from .enqueue import EnqueueGuard
 from .errors import ConfigurationError, LockBackendError
 from .events import EventHub, Listener, LockEvent
@@ -190,7 +190,7 @@ class UniqueMiddleware(Middleware):
 
     def emit(self, name: str, spec: ActorSpec, key: str, message: Any, holder: Optional[str] = None) -> None:
         message_id = getattr(message, "message_id", None)
-        self.events.emit(LockEvent(name, spec.actor_name, key, message_id, holder and holder.split("/")[0]))
+        self.events.emit(LockEvent(name, spec.actor_name, key, message_id, message_id_of(holder)))
 
     def backend_error(self, action: str, key: str, spec: ActorSpec, message: Any, error: Exception) -> LockBackendError:
         """Log, count and wrap a backend failure."""
@@ -275,8 +275,7 @@ class UniqueMiddleware(Middleware):
         if state is None:
             return
         self._process.end_run(broker, message, state)
-        finished = exception is None or message.failed or not self._retries
-        if finished and state.spec.lock.queue_release != "expiry":
+        if exception is None or message.failed or not self._retries:
             self._process.release_queue_lock(message, state)
 
     def after_skip_message(self, broker: "Broker", message: "MessageProxy") -> None:
@@ -284,12 +283,12 @@ class UniqueMiddleware(Middleware):
         if state is None:
             return
         self._process.end_run(broker, message, state)
-        if not state.keeps_queue_lock and state.spec.lock.queue_release != "expiry":
+        if not state.keeps_queue_lock:
             self._process.release_queue_lock(message, state)
 
     def after_nack(self, broker: "Broker", message: "MessageProxy") -> None:
         state = delivery(message) or self._late_state(message)
-        if state is not None and state.spec.lock.queue_release != "expiry":
+        if state is not None:
             self._process.release_queue_lock(message, state)
 
     def _late_state(self, message: "MessageProxy") -> Optional[Delivery]:

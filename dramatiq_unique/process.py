@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Optional
 from dramatiq import Message
 from dramatiq.middleware import SkipMessage
 
-from .delivery import Delivery, attach, set_fence
+from .delivery import Delivery, attach, message_id_of, set_fence
 from .errors import LockConflict, Rescheduled
 from .events import LockEvent
 from .leases import Lease
@@ -30,11 +30,6 @@ if TYPE_CHECKING:
 
     from .backend import LockBackend
     from .middleware import UniqueMiddleware
-
-
-def _message_id(owner: Optional[str]) -> Optional[str]:
-    """The message id part of an owner token."""
-    return owner.split("/")[0] if owner else None
 
 
 class ProcessGuard:
@@ -104,7 +99,7 @@ class ProcessGuard:
         if spec.server == "reschedule":
             self._reschedule(broker, message, state, key)
         middleware.emit("conflict", spec, key, message, holder)
-        holder_id = _message_id(holder)
+        holder_id = message_id_of(holder)
         if spec.server == "raise":
             raise LockConflict(f"Run lock {key!r} is held by message {holder_id}.", key=key, holder=holder_id)
         if spec.server == "reject":
@@ -152,11 +147,12 @@ class ProcessGuard:
             self.middleware.backend_error("withdraw the waiter of", key, spec, message, e)
 
     def release_queue_lock(self, message: "MessageProxy", state: Delivery, strict: bool = False) -> None:
-        """Release the enqueue lock; ``strict`` raises on a backend
+        """Release the enqueue lock, once, unless the lock type has none
+        or keeps it until it expires; ``strict`` raises on a backend
         failure so the delivery is retried instead of leaving the lock
         to block new sends until it expires.
         """
-        if state.queue_released or not state.spec.lock.queue_lock:
+        if state.queue_released or state.spec.lock.queue_release in (None, "expiry"):
             return
         middleware = self.middleware
         key = middleware.key(state.spec, state.digest, "queue")
@@ -212,12 +208,12 @@ class ProcessGuard:
         self.report_lost(lease.actor, lease.key, lease.owner)
 
     def renewal_failed(self, lease: Lease) -> None:
-        self.middleware.events.emit(LockEvent("backend_error", lease.actor, lease.key, _message_id(lease.owner)))
+        self.middleware.events.emit(LockEvent("backend_error", lease.actor, lease.key, message_id_of(lease.owner)))
 
     def report_lost(self, actor: str, key: str, owner: str) -> None:
         self.middleware.logger.error(
             "Lock %r was lost: message %s no longer holds it (its lease expired or it was taken over).",
             key,
-            _message_id(owner),
+            message_id_of(owner),
         )
-        self.middleware.events.emit(LockEvent("lock_lost", actor, key, _message_id(owner)))
+        self.middleware.events.emit(LockEvent("lock_lost", actor, key, message_id_of(owner)))
