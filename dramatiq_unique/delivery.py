@@ -30,6 +30,10 @@ class Delivery:
     fence: Optional[int] = None
     keeps_queue_lock: bool = False
     queue_released: bool = False
+    #: The middleware itself skipped this delivery on purpose (a
+    #: reschedule, a copy that lost its claim): Dramatiq's WARNING
+    #: "Message ... was skipped." says nothing an operator needs.
+    quiet_skip: bool = False
 
 
 def message_id_of(owner: Optional[str]) -> Optional[str]:

@@ -64,7 +64,13 @@ LOG_LINES: tuple[LogLine, ...] = (
         "DEBUG",
         _MIDDLEWARE,
         "Moved UniqueMiddleware before %s.",
-        "worker boot placed the middleware before TimeLimit and Retries",
+        "worker boot placed the middleware before AgeLimit, TimeLimit and Retries",
+    ),
+    LogLine(
+        "DEBUG",
+        _MIDDLEWARE,
+        "Moved %s before UniqueMiddleware.",
+        "worker boot placed Prometheus first, so it counts the deliveries the middleware skips",
     ),
     LogLine(
         "DEBUG",

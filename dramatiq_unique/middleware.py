@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from dramatiq.logging import get_logger
 from dramatiq.middleware import (
+    AgeLimit,
     Callbacks,
     Middleware,
     MiddlewareError,
@@ -27,6 +28,7 @@ from dramatiq.middleware import (
     ShutdownNotifications,
     TimeLimit,
 )
+from dramatiq.middleware.prometheus import Prometheus
 
 from . import settings as config
 from .backend import LockBackend
@@ -44,8 +46,15 @@ if TYPE_CHECKING:
     from dramatiq.broker import MessageProxy
 
 #: Middleware that must come after ours: their after-hooks then run
-#: before ours, and their interrupts cannot land inside our hooks.
-_RUN_AFTER = (TimeLimit, ShutdownNotifications, Callbacks, Pipelines, Retries)
+#: before ours, their interrupts cannot land inside our hooks, and a copy
+#: of a message that we skip never reaches them (AgeLimit would
+#: dead-letter both copies of an expired message).
+_RUN_AFTER = (AgeLimit, TimeLimit, ShutdownNotifications, Callbacks, Pipelines, Retries)
+
+#: Middleware that must come before ours: it counts a delivery in its
+#: before-hook and uncounts it in ``after_skip_message``, so it must see
+#: the deliveries we skip from the start.
+_RUN_BEFORE = (Prometheus,)
 
 
 class UniqueMiddleware(Middleware):
@@ -212,17 +221,23 @@ class UniqueMiddleware(Middleware):
         if self.specs:
             self.attach(broker)
         self._retries = any(isinstance(m, Retries) for m in broker.middleware)
-        self._move_before_interrupters(broker)
+        self._move_before_interrupters(broker, worker)
 
-    def _move_before_interrupters(self, broker: "Broker") -> None:
-        # Safe while emit_before iterates: only earlier items shift, and
-        # the one shifted into our old slot was already visited.
+    def _move_before_interrupters(self, broker: "Broker", worker: "Worker") -> None:
+        # Called while emit_before iterates over the stack.  Moving
+        # ourselves earlier is safe: only visited items shift.  A
+        # middleware moved in front of us from behind is never visited,
+        # so it gets its hook here, and we are visited twice: idempotent.
         stack = broker.middleware
         targets = [i for i, m in enumerate(stack) if isinstance(m, _RUN_AFTER)]
         here = stack.index(self)
         if targets and min(targets) < here:
             stack.insert(min(targets), stack.pop(here))
             self.logger.debug("Moved UniqueMiddleware before %s.", type(stack[min(targets) + 1]).__name__)
+        for late in [m for m in stack[stack.index(self) + 1 :] if isinstance(m, _RUN_BEFORE)]:
+            stack.insert(stack.index(self), stack.pop(stack.index(late)))
+            self.logger.debug("Moved %s before UniqueMiddleware.", type(late).__name__)
+            late.before_worker_boot(broker, worker)
 
     def after_worker_shutdown(self, broker: "Broker", worker: "Worker") -> None:
         if self._leases is not None:
