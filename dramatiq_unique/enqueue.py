@@ -16,8 +16,7 @@ import threading
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from dramatiq.worker import ConsumerThread
-
+from .compat import ConsumerThread
 from .errors import DuplicateMessage
 from .events import LockEvent
 from .spec import ActorSpec

@@ -28,11 +28,11 @@ from dramatiq.middleware import (
     ShutdownNotifications,
     TimeLimit,
 )
-from dramatiq.middleware.prometheus import Prometheus
 
 from . import settings as config
 from .backend import LockBackend
 from .backends.stub import StubBackend
+from .compat import Prometheus
 from .delivery import Delivery, attach, delivery, message_id_of
 from .enqueue import EnqueueGuard
 from .errors import ConfigurationError, LockBackendError
