@@ -39,6 +39,7 @@ from .errors import ConfigurationError, LockBackendError
 from .events import EventHub, Listener, LockEvent
 from .leases import LeaseKeeper
 from .process import ProcessGuard
+from .quiet import install as quiet_our_skips
 from .spec import ACTOR_OPTIONS, ActorSpec, actor_spec
 
 if TYPE_CHECKING:
@@ -222,6 +223,7 @@ class UniqueMiddleware(Middleware):
             self.attach(broker)
         self._retries = any(isinstance(m, Retries) for m in broker.middleware)
         self._move_before_interrupters(broker, worker)
+        quiet_our_skips()
 
     def _move_before_interrupters(self, broker: "Broker", worker: "Worker") -> None:
         # Called while emit_before iterates over the stack.  Moving

@@ -68,6 +68,7 @@ class ProcessGuard:
         key = middleware.key(spec, state.digest, "run")
         if not self._claim(message, key):
             state.keeps_queue_lock = True
+            state.quiet_skip = True
             raise SkipMessage("a copy of this message was handed the lock first")
         owner = self._owner(message)
         taken_at = time.monotonic() * 1000
@@ -132,6 +133,7 @@ class ProcessGuard:
             self._withdraw(key, ticket, spec, message)
             raise middleware.backend_error("reschedule a message waiting for", key, spec, message, e) from e
         state.keeps_queue_lock = True
+        state.quiet_skip = True
         message.options["store_results"] = False
         middleware.emit("rescheduled", spec, key, message)
         middleware.logger.debug("Rescheduled %s: run lock %r is held.", message, key)
