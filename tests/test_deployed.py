@@ -10,9 +10,7 @@ not import ``prometheus_client`` at the top, for the reason given in
 
 from __future__ import annotations
 
-import json
 import re
-import time
 import urllib.request
 import uuid
 from dataclasses import dataclass, field
@@ -107,8 +105,8 @@ def contended_run(order: str, redis_url: str, tmp: Any) -> Run:
 
 
 @pytest.fixture(scope="module", params=["prometheus_first", "unique_first"])
-def contended(request: pytest.FixtureRequest, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
-    pytest.importorskip("prometheus_client", reason="install the prometheus extra")
+def contended(request: pytest.FixtureRequest, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+              ) -> Iterator[Run]:
     yield contended_run(request.param, redis_url, tmp_path_factory.mktemp(request.param))
 
 
