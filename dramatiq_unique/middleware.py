@@ -100,7 +100,7 @@ class UniqueMiddleware(Middleware):
         reschedule_delay: Optional[int] = None,
         enabled: Optional[bool] = None,
         on_backend_error: Optional[str] = None,
-        record_lock_args: bool = False,
+        record_lock_args: Optional[bool] = None,
         listeners: Iterable[Listener] = (),
     ) -> None:
         self.logger = get_logger(__name__, type(self))
@@ -112,15 +112,14 @@ class UniqueMiddleware(Middleware):
             reschedule_delay=reschedule_delay,
             enabled=enabled,
             on_backend_error=on_backend_error,
+            record_lock_args=record_lock_args,
         )
         if backend is not None and not isinstance(backend, LockBackend):
             raise ConfigurationError(
                 f"backend={backend!r} is invalid: expected a LockBackend, e.g. RedisBackend(url=...)."
             )
-        if not isinstance(record_lock_args, bool):
-            raise ConfigurationError(f"record_lock_args={record_lock_args!r} is invalid: expected True or False.")
         self.enabled = self.settings.enabled
-        self.record_lock_args = record_lock_args
+        self.record_lock_args = self.settings.record_lock_args
         self.events = EventHub()
         for listener in listeners:
             self.events.subscribe(listener)

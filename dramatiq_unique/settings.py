@@ -58,6 +58,7 @@ class Settings:
     reschedule_delay: int = DEFAULT_RESCHEDULE_DELAY
     enabled: bool = True
     on_backend_error: str = DEFAULT_ON_BACKEND_ERROR
+    record_lock_args: bool = False
 
     def merge(self, **overrides: Any) -> "Settings":
         """Return a copy with every override that is not None applied
@@ -156,7 +157,12 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "reschedule_delay": _non_negative_int,
     "enabled": _flag,
     "on_backend_error": _policy,
+    "record_lock_args": _flag,
 }
+
+#: The settings written as milliseconds, and as on/off words.
+_DURATIONS = ("lock_ttl", "lease", "reschedule_delay")
+_FLAGS = ("enabled", "record_lock_args")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -164,13 +170,13 @@ _FALSE = {"0", "false", "no", "off"}
 
 def _parse(variable: str, raw: str, field: str) -> Any:
     what = f"Environment variable {variable}="
-    if field in ("lock_ttl", "lease", "reschedule_delay"):
+    if field in _DURATIONS:
         try:
             number = int(raw.strip())
         except ValueError:
             raise ConfigurationError(f"{what}{raw!r} is invalid: expected a whole number of milliseconds.") from None
         return _CHECKS[field](what, number)
-    if field == "enabled":
+    if field in _FLAGS:
         if raw.strip().lower() not in _TRUE | _FALSE:
             raise ConfigurationError(f"{what}{raw!r} is invalid: expected 1/0 or true/false.")
         return raw.strip().lower() in _TRUE

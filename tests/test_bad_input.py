@@ -583,7 +583,7 @@ def read_setting(name: str, value: Any, *, text: bool) -> tuple[bool, Any]:
             except ValueError:
                 return False, None
         return is_whole(value, low, MAX_DURATION), value
-    if name == "enabled":
+    if name in ("enabled", "record_lock_args"):
         if not text:
             return isinstance(value, bool), value
         word = value.strip().lower()
@@ -713,8 +713,6 @@ def argument_faults(arguments: dict[str, Any]) -> set[str]:
     for name, value in arguments.items():
         if name == "backend":
             good = value is None or isinstance(value, LockBackend)
-        elif name == "record_lock_args":
-            good = isinstance(value, bool)
         else:
             good = value is None or read_setting(name, value, text=False)[0]
         if not good:
@@ -732,7 +730,7 @@ def test_constructor_arguments_are_checked_at_construction(arguments: dict[str, 
         if not faults:
             middleware = UniqueMiddleware(**arguments)
             for name, value in arguments.items():
-                if value is not None and name not in ("backend", "record_lock_args"):
+                if value is not None and name != "backend":
                     assert getattr(middleware.settings, name) == value
             return
         with pytest.raises(ConfigurationError) as info:
