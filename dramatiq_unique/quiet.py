@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import TYPE_CHECKING, cast
 
 from .compat import SKIPPED_MESSAGE_LOG, WORKER_THREAD_LOGGER
 from .delivery import delivery
+
+if TYPE_CHECKING:
+    from dramatiq.broker import MessageProxy
 
 _install_mutex = threading.Lock()
 
@@ -28,7 +32,7 @@ class QuietSkips(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.msg != SKIPPED_MESSAGE_LOG or not isinstance(record.args, tuple) or not record.args:
             return True
-        state = delivery(record.args[0])
+        state = delivery(cast("MessageProxy", record.args[0]))
         return state is None or not state.quiet_skip
 
 

@@ -1,0 +1,51 @@
+"""The pytest plugin that installing dramatiq-unique registers is loaded
+by every pytest run in that environment: it must import nothing heavy,
+and a broken Dramatiq or a missing redis must not break a run.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args: str, path: list[Path], cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in [*path, ROOT])}
+    env.pop("PYTEST_DISABLE_PLUGIN_AUTOLOAD", None)
+    return subprocess.run([sys.executable, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def test_loading_the_plugin_imports_neither_dramatiq_nor_redis(tmp_path):
+    code = ("import sys, dramatiq_unique.testing; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('dramatiq', 'redis', 'prometheus_client')))")
+    done = run("-c", code, path=[], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_a_broken_dramatiq_does_not_break_an_unrelated_pytest_run(tmp_path):
+    if not [e for e in importlib.metadata.entry_points(group="pytest11") if e.value == "dramatiq_unique.testing"]:
+        pytest.fail("The pytest plugin is not installed: run `pip install -e .` in the repository.")
+    # Given an environment whose dramatiq and redis cannot be imported
+    shadow = tmp_path / "shadow"
+    for name in ("dramatiq", "redis"):
+        (shadow / name).mkdir(parents=True)
+        (shadow / name / "__init__.py").write_text(f"raise ImportError('{name} is broken here')\n")
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "test_unrelated.py").write_text("def test_it():\n    assert 1 + 1 == 2\n")
+    # When pytest runs an unrelated test there, with the plugin loaded
+    done = run("-m", "pytest", "-p", "no:cacheprovider", "-q", "test_unrelated.py", path=[shadow], cwd=project)
+    # Then the run passes
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 passed" in done.stdout
+    listed = run("-m", "pytest", "-p", "no:cacheprovider", "--fixtures", "test_unrelated.py", path=[shadow],
+                 cwd=project)
+    assert "unique_stub_backend" in listed.stdout
