@@ -21,7 +21,8 @@ def page_tests(**env: str) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items() if k != "CI"}
     environ.update(PYTHONPATH=str(ROOT), CHROMIUM="/nonexistent/chromium", **env)
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", "tests/test_dashboard.py", "-k", "page"],
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", "-k", "page",
+         "tests/test_dashboard.py"],
         cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300,
     )
 
