@@ -46,7 +46,14 @@ def _admin(args: argparse.Namespace) -> "LockAdmin":
         raise CommandError("no Redis to read locks from: give --redis URL or set dramatiq_unique_redis_url.")
     try:
         from .backends.redis import RedisBackend
-
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] != "redis":
+            raise
+        raise CommandError(
+            "the lock commands need redis-py, which comes with the redis extra: "
+            "run `pip install 'dramatiq-unique[redis]'`."
+        ) from None
+    try:
         backend = RedisBackend(url=url, socket_connect_timeout=5, socket_timeout=30)
     except Exception as e:
         raise CommandError(f"cannot connect to {url}: {' '.join(str(e).split())}") from None

@@ -1,6 +1,9 @@
-"""The pytest plugin that installing dramatiq-unique registers is loaded
-by every pytest run in that environment: it must import nothing heavy,
-and a broken Dramatiq or a missing redis must not break a run.
+"""What installing dramatiq-unique does to an environment.
+
+The pytest plugin it registers is loaded by every pytest run there: it
+must import nothing heavy, and a broken Dramatiq or a missing redis
+must not break a run.  Without the ``redis`` extra, the command says
+which extra to install.
 """
 
 from __future__ import annotations
@@ -30,14 +33,32 @@ def test_loading_the_plugin_imports_neither_dramatiq_nor_redis(tmp_path):
     assert done.stdout.strip() == "[]"
 
 
+def shadowed(tmp_path: Path, *names: str) -> Path:
+    """A directory whose packages ``names`` fail to import, like missing ones."""
+    shadow = tmp_path / "shadow"
+    for name in names:
+        (shadow / name).mkdir(parents=True)
+        (shadow / name / "__init__.py").write_text(
+            f"raise ModuleNotFoundError(\"No module named '{name}'\", name='{name}')\n"
+        )
+    return shadow
+
+
+def test_without_the_redis_extra_the_command_names_it(tmp_path):
+    done = run("-m", "dramatiq_unique", "locks", "--redis", "redis://127.0.0.1:1/0", path=[shadowed(tmp_path, "redis")],
+               cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.strip() == (
+        "dramatiq-unique: the lock commands need redis-py, which comes with the redis extra: "
+        "run `pip install 'dramatiq-unique[redis]'`."
+    )
+
+
 def test_a_broken_dramatiq_does_not_break_an_unrelated_pytest_run(tmp_path):
     if not [e for e in importlib.metadata.entry_points(group="pytest11") if e.value == "dramatiq_unique.testing"]:
         pytest.fail("The pytest plugin is not installed: run `pip install -e .` in the repository.")
     # Given an environment whose dramatiq and redis cannot be imported
-    shadow = tmp_path / "shadow"
-    for name in ("dramatiq", "redis"):
-        (shadow / name).mkdir(parents=True)
-        (shadow / name / "__init__.py").write_text(f"raise ImportError('{name} is broken here')\n")
+    shadow = shadowed(tmp_path, "dramatiq", "redis")
     project = tmp_path / "project"
     project.mkdir()
     (project / "test_unrelated.py").write_text("def test_it():\n    assert 1 + 1 == 2\n")
