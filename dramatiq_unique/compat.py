@@ -8,6 +8,7 @@ between those versions; every other module imports them from here.
 from __future__ import annotations
 
 import dramatiq
+from dramatiq.middleware import age_limit as age_limit_module
 from dramatiq.middleware.prometheus import Prometheus
 
 try:  # Dramatiq 2.x
@@ -27,4 +28,14 @@ WORKER_THREAD_LOGGER = "dramatiq.worker.WorkerThread"
 #: recognises by identity of text, not by a translation of it.
 SKIPPED_MESSAGE_LOG = "Message %s was skipped."
 
-__all__ = ["ConsumerThread", "DRAMATIQ_VERSION", "Prometheus", "SKIPPED_MESSAGE_LOG", "WORKER_THREAD_LOGGER"]
+#: ``age_limit_module.current_millis`` is AgeLimit's own clock, looked up
+#: at call time (tests patch it), in 1.x and 2.x alike.
+
+__all__ = [
+    "ConsumerThread",
+    "DRAMATIQ_VERSION",
+    "Prometheus",
+    "SKIPPED_MESSAGE_LOG",
+    "WORKER_THREAD_LOGGER",
+    "age_limit_module",
+]

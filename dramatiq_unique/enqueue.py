@@ -17,6 +17,7 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .compat import ConsumerThread
+from .delivery import copy_of
 from .errors import DuplicateMessage
 from .events import LockEvent
 from .spec import ActorSpec
@@ -97,16 +98,26 @@ class EnqueueGuard:
 
     def _take(self, message: Any, delay: Optional[int], spec: ActorSpec, fresh: bool) -> None:
         middleware = self.middleware
-        key = middleware.key(spec, message.options["unique_digest"], "queue")
+        digest = message.options["unique_digest"]
+        key = middleware.key(spec, digest, "queue")
         ttl = (delay or 0) + (spec.lock_ttl or middleware.settings.lock_ttl)
         recorded = (
             spec.canonical(spec.key_material(message.args, message.kwargs))
             if fresh and middleware.record_lock_args
             else None
         )
+        # A re-enqueued copy of a message that a reschedule made twice
+        # over may not run (see Copy): it must not take the lock back.
+        copy = None if fresh or not spec.lock.run_lock else copy_of(message, middleware.key(spec, digest, "run"))
         try:
             got = middleware.backend.acquire(  # type: ignore[union-attr]
-                key, message.message_id, ttl=ttl, limit=spec.lock_limit, lock=spec.lock.name, lock_args=recorded
+                key,
+                message.message_id,
+                ttl=ttl,
+                limit=spec.lock_limit,
+                lock=spec.lock.name,
+                lock_args=recorded,
+                copy=copy,
             )
         except Exception as e:
             error = middleware.backend_error("take the enqueue lock", key, spec, message, e)
@@ -114,6 +125,9 @@ class EnqueueGuard:
                 message.options.pop("unique_digest", None)
                 raise error from e
             middleware.logger.warning("Enqueueing %s without its lock %r.", message, key)
+            return
+        if got.refused:
+            middleware.logger.debug("Re-enqueued %s without its lock %r: %s.", message, key, got.refused)
             return
         if got.acquired:
             taken = _taken.get()

@@ -79,6 +79,24 @@ LOG_LINES: tuple[LogLine, ...] = (
         "a delivery met a held run lock and will be tried again (event rescheduled)",
     ),
     LogLine(
+        "DEBUG",
+        _MIDDLEWARE,
+        "Skipped %s: %s.",
+        "a copy of a rescheduled message did not run because another copy of it runs (see the hand-off model)",
+    ),
+    LogLine(
+        "DEBUG",
+        _MIDDLEWARE,
+        "Re-enqueued %s without its lock %r: %s.",
+        "a retry or delay-queue move of a copy that will be skipped did not take the enqueue lock back",
+    ),
+    LogLine(
+        "WARNING",
+        "dramatiq_unique.results",
+        "Could not store why %s did not run: %r",
+        "the Results backend failed to store the conflict that ended a message; its caller times out",
+    ),
+    LogLine(
         "INFO",
         _MIDDLEWARE,
         "Duplicate %s not enqueued: lock %r is held by message %s.",

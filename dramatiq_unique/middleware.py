@@ -305,6 +305,7 @@ class UniqueMiddleware(Middleware):
     def after_nack(self, broker: "Broker", message: "MessageProxy") -> None:
         state = delivery(message) or self._late_state(message)
         if state is not None:
+            self._process.retire(message, state)
             self._process.release_queue_lock(message, state)
 
     def _late_state(self, message: "MessageProxy") -> Optional[Delivery]:
