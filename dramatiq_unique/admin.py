@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
-from .backend import LockBackend, LockInfo
+from .backend import LockBackend, LockInfo, Waiter
 from .delivery import message_id_of
 from .errors import LockBackendError, UniqueError
 from .settings import DEFAULT_PREFIX
@@ -71,6 +71,8 @@ class Lock:
       holders(tuple[Holder, ...]): Its holders, soonest deadline first.
       lock_args(str): JSON of the lock args, when they were recorded.
       fence(int): The last fencing token handed out.
+      waiting(tuple[Waiter, ...]): For a run lock, the messages waiting
+        to be handed it, first in line first.
     """
 
     key: str
@@ -81,6 +83,7 @@ class Lock:
     holders: tuple[Holder, ...]
     lock_args: Optional[str] = None
     fence: int = 0
+    waiting: tuple[Waiter, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready dict, with the lock args decoded."""
@@ -93,6 +96,7 @@ class Lock:
             "fence": self.fence,
             "lock_args": _decoded(self.lock_args),
             "holders": [{"owner": h.owner, "message_id": h.message_id, "deadline": h.deadline} for h in self.holders],
+            "waiting": [{"message_id": w.message_id, "since": w.order} for w in self.waiting],
         }
 
 
@@ -246,7 +250,12 @@ class LockAdmin:
         if parts is None:
             return None
         info = self._call(f"inspect {key!r}", self.backend.inspect, key)
-        return _from_info(info, parts) if info is not None else None
+        if info is None:
+            return None
+        waiting = []
+        if parts["phase"] == "run":
+            waiting = self._call(f"list the waiters of {key!r}", self.backend.waiters, key)
+        return _from_info(info, parts, tuple(waiting))
 
     def _delete(self, key: str) -> bool:
         return self._call(f"delete {key!r}", self.backend.delete, key)
@@ -273,7 +282,7 @@ class LockAdmin:
             raise LockBackendError(f"Lock backend {where} failed to {doing}: {reason}", backend=where) from e
 
 
-def _from_info(info: LockInfo, parts: "re.Match[str]") -> Lock:
+def _from_info(info: LockInfo, parts: "re.Match[str]", waiting: tuple[Waiter, ...] = ()) -> Lock:
     holders = sorted(
         (Holder(owner, message_id_of(owner) or owner, deadline) for owner, deadline in info.holders.items()),
         key=lambda h: (h.deadline, h.owner),
@@ -287,4 +296,5 @@ def _from_info(info: LockInfo, parts: "re.Match[str]") -> Lock:
         holders=tuple(holders),
         lock_args=info.lock_args,
         fence=info.fence,
+        waiting=waiting,
     )

@@ -108,6 +108,21 @@ class LockInfo:
     fence: int = 0
 
 
+@dataclass(frozen=True)
+class Waiter:
+    """A message waiting for a run lock, to be handed the key when a
+    holder releases it (see :meth:`LockBackend.wait`).
+
+    Attributes:
+      message_id(str): The waiting message.
+      order(int): Its place in line, the lowest first: when the message
+        was first sent, in Unix milliseconds.
+    """
+
+    message_id: str
+    order: int
+
+
 class LockBackend(abc.ABC):
     """ABC for lock backends.  Durations are in milliseconds."""
 
@@ -220,6 +235,12 @@ class LockBackend(abc.ABC):
     def delete(self, key: str) -> bool:
         """Drop ``key`` and all its holders: an operator's override."""
         raise NotImplementedError  # pragma: no cover
+
+    def waiters(self, key: str) -> list[Waiter]:
+        """The messages waiting for run lock ``key``, first in line
+        first; for operators.  A backend without waiting lists has none.
+        """
+        return []
 
     def describe(self) -> str:
         """A short description for error messages, e.g. a URL."""

@@ -64,8 +64,14 @@ def _admin(args: argparse.Namespace) -> "LockAdmin":
 
 def _remaining(deadline: int) -> str:
     seconds = (deadline - time.time() * 1000) / 1000
-    if seconds <= 0:
-        return "expired"
+    return _duration(seconds) if seconds > 0 else "expired"
+
+
+def _ago(since: int) -> str:
+    return _duration(max(0.0, (time.time() * 1000 - since) / 1000))
+
+
+def _duration(seconds: float) -> str:
     if seconds < 60:
         return f"{seconds:.1f} s"
     minutes = int(seconds // 60)
@@ -91,7 +97,8 @@ def _print_table(rows: list[list[str]], headers: list[str]) -> None:
 
 def _row(lock: "Lock") -> list[str]:
     soonest = _remaining(lock.holders[0].deadline)
-    return [lock.actor, lock.digest, lock.phase, lock.lock or "?", str(len(lock.holders)), soonest]
+    waiting = str(len(lock.waiting)) if lock.phase == "run" else "-"
+    return [lock.actor, lock.digest, lock.phase, lock.lock or "?", str(len(lock.holders)), soonest, waiting]
 
 
 def _locks(args: argparse.Namespace) -> int:
@@ -103,7 +110,8 @@ def _locks(args: argparse.Namespace) -> int:
     if not locks:
         print(f"No locks under prefix {admin.prefix!r}.")
         return 0
-    _print_table([_row(lock) for lock in locks], ["ACTOR", "DIGEST", "PHASE", "LOCK", "HOLDERS", "NEXT EXPIRY"])
+    headers = ["ACTOR", "DIGEST", "PHASE", "LOCK", "HOLDERS", "NEXT EXPIRY", "WAITING"]
+    _print_table([_row(lock) for lock in locks], headers)
     print(f"{len(locks)} lock{'s' if len(locks) != 1 else ''} under prefix {admin.prefix!r}.")
     return 0
 
@@ -120,6 +128,10 @@ def _print_lock(lock: "Lock") -> None:
     for holder in lock.holders:
         print(f"  message {holder.message_id}  owner {holder.owner}")
         print(f"    expires {_timestamp(holder.deadline)} (in {_remaining(holder.deadline)})")
+    if lock.phase == "run":
+        print(f"waiting    {len(lock.waiting)}")
+        for waiter in lock.waiting:
+            print(f"  message {waiter.message_id}  sent {_timestamp(waiter.order)} ({_ago(waiter.order)} ago)")
 
 
 def _inspect(args: argparse.Namespace) -> int:

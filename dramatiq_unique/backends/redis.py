@@ -14,7 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from ..backend import Acquisition, Copy, LockBackend, LockInfo, Release, Start
+from ..backend import Acquisition, Copy, LockBackend, LockInfo, Release, Start, Waiter
 
 _LUA = resources.files(__package__).joinpath("lua")
 
@@ -208,6 +208,10 @@ class RedisBackend(LockBackend):
 
     def delete(self, key: str) -> bool:
         return bool(self.client.delete(key))
+
+    def waiters(self, key: str) -> list[Waiter]:
+        waiting = self.client.zrange(_waiting(key)[0], 0, -1, withscores=True)
+        return [Waiter(_text(message_id), int(order)) for message_id, order in waiting]
 
     def _now_ms(self, key: Optional[str] = None) -> int:
         # On a Cluster, ask the node that holds the key: its clock set the deadlines.

@@ -8,7 +8,7 @@ import time as mod_time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
-from ..backend import Acquisition, Copy, LockBackend, LockInfo, Release, Start
+from ..backend import Acquisition, Copy, LockBackend, LockInfo, Release, Start, Waiter
 
 
 def _now_ms() -> int:
@@ -218,3 +218,9 @@ class StubBackend(LockBackend):
     def delete(self, key: str) -> bool:
         with self._mutex:
             return self._entries.pop(key, None) is not None
+
+    def waiters(self, key: str) -> list[Waiter]:
+        with self._mutex:
+            waiting = self._live_waiters(key)
+            lines = sorted((order, message_id) for message_id, (order, _) in waiting.order.items()) if waiting else []
+        return [Waiter(message_id, order) for order, message_id in lines]
