@@ -54,6 +54,16 @@ def test_without_the_redis_extra_the_command_names_it(tmp_path):
     )
 
 
+def test_without_the_redis_extra_a_redis_url_names_it(tmp_path):
+    code = "from dramatiq_unique import UniqueMiddleware; UniqueMiddleware(redis_url='redis://127.0.0.1:1/0')"
+    done = run("-c", code, path=[shadowed(tmp_path, "redis")], cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        "ModuleNotFoundError: No module named 'redis': RedisBackend needs redis-py, which comes with the redis "
+        "extra: run `pip install 'dramatiq-unique[redis]'`."
+    )
+
+
 def test_a_broken_dramatiq_does_not_break_an_unrelated_pytest_run(tmp_path):
     if not [e for e in importlib.metadata.entry_points(group="pytest11") if e.value == "dramatiq_unique.testing"]:
         pytest.fail("The pytest plugin is not installed: run `pip install -e .` in the repository.")

@@ -12,7 +12,14 @@ from importlib import resources
 from typing import Any, Iterator, Optional, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
-import redis
+try:
+    import redis
+except ModuleNotFoundError as e:  # tested in a subprocess: tests/test_install.py
+    raise ModuleNotFoundError(
+        f"{e}: RedisBackend needs redis-py, which comes with the redis extra: "
+        "run `pip install 'dramatiq-unique[redis]'`.",
+        name=e.name,
+    ) from None
 
 from ..backend import Acquisition, Copy, LockBackend, LockInfo, Release, Start, Waiter
 
