@@ -115,7 +115,8 @@ def test_inprogress_gauge_is_never_negative_and_returns_to_zero(contended):
     print(f"{contended.order}: {len(contended.gauges)} scrapes, in-progress min {min(contended.gauges)}, "
           f"max {max(contended.gauges)}, final {total(contended.final, INPROGRESS)}; "
           f"{TOTAL} {total(contended.final, TOTAL, actor_name='hold')} for {contended.runs} runs "
-          f"and {rescheduled} reschedules")
+          f"and {rescheduled} reschedules; dramatiq_delayed_messages_inprogress "
+          f"{total(contended.final, 'dramatiq_delayed_messages_inprogress')}")
     assert rescheduled >= 1, "the run was not contended"
     assert min(contended.gauges) >= 0
     assert max(contended.gauges) >= 1, "no scrape saw a message in progress"
