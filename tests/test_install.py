@@ -65,7 +65,9 @@ def test_without_the_redis_extra_a_redis_url_names_it(tmp_path):
 
 
 def test_a_broken_dramatiq_does_not_break_an_unrelated_pytest_run(tmp_path):
-    if not [e for e in importlib.metadata.entry_points(group="pytest11") if e.value == "dramatiq_unique.testing"]:
+    every = importlib.metadata.entry_points()
+    plugins = every.select(group="pytest11") if hasattr(every, "select") else every.get("pytest11", [])  # 3.9
+    if not [e for e in plugins if e.value == "dramatiq_unique.testing"]:
         pytest.fail("The pytest plugin is not installed: run `pip install -e .` in the repository.")
     # Given an environment whose dramatiq and redis cannot be imported
     shadow = shadowed(tmp_path, "dramatiq", "redis")
