@@ -139,6 +139,7 @@ class ProcessGuard:
         state.keeps_queue_lock = state.quiet_skip = True  # the copy that runs owns the message's locks
         store_nothing(message)
         reason = SKIP_REASONS.get(verdict, verdict)
+        self.middleware.emit("skipped", state.spec, self.middleware.key(state.spec, state.digest, "run"), message)
         self.middleware.logger.debug("Skipped %s: %s.", message, reason)
         raise CopySkipped(f"skipped: {reason}")
 
