@@ -130,3 +130,24 @@ def test_a_stalled_lock_redis_does_not_run_a_finished_message_again(make_harness
     figure("timed_out_calls", stalled_calls)
     assert stalled_calls >= 1
     assert starts_of(h, waiting.message_id) == 1
+
+
+def test_a_lock_redis_that_forgets_its_records_loses_no_message(make_harness, lock_server, figure):
+    # Given ten messages rescheduled behind a running one, their records in a lock Redis without persistence
+    h = make_harness("redis", FAULTS_LOCK_URL=lock_server.url, FAULTS_RESCHEDULE_DELAY="500", FAULTS_EVENTS=EVENTS)
+    h.workers(processes=1, threads=4)
+    holder = h.app.hold.send("k", gate="a")
+    h.started(holder.message_id)
+    waiting = [h.app.hold.send("k") for _ in range(10)]
+    wait_for(lambda: all(copies(h, "rescheduled", m.message_id) for m in waiting), what="every reschedule")
+    # When that Redis restarts empty, and the holder ends
+    lock_server.restart()
+    h.open_gate("a")
+    # Then every waiting message still runs: at least once, as documented
+    for message in waiting:
+        h.finished(message.message_id)
+    wait_for(lambda: in_flight(h) == 0, what="every copy to be gone")
+    twice = sum(1 for m in waiting if starts_of(h, m.message_id) > 1)
+    figure("waiting_messages", len(waiting))
+    figure("ran_twice_after_the_restart", twice)
+    assert all(starts_of(h, m.message_id) >= 1 for m in waiting)
