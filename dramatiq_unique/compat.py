@@ -8,6 +8,7 @@ between those versions; every other module imports them from here.
 from __future__ import annotations
 
 import dramatiq
+from dramatiq.asyncio import async_to_sync
 from dramatiq.middleware import age_limit as age_limit_module
 from dramatiq.middleware.prometheus import Prometheus
 
@@ -33,6 +34,7 @@ SKIPPED_MESSAGE_LOG = "Message %s was skipped."
 
 __all__ = [
     "ConsumerThread",
+    "async_to_sync",
     "DRAMATIQ_VERSION",
     "Prometheus",
     "SKIPPED_MESSAGE_LOG",

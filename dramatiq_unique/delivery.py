@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from .backend import Copy
+from .coroutines import CoroutineWatch
 from .leases import Lease
 from .spec import ActorSpec
 
@@ -33,6 +34,8 @@ class Delivery:
     run_confirmed: bool = False
     #: This copy settled its claim (see ``Copy``): it is the one that runs.
     claimed: bool = False
+    #: For an async actor: whether its coroutine has really ended.
+    coroutine: Optional[CoroutineWatch] = None
     lease: Optional[Lease] = None
     fence: Optional[int] = None
     keeps_queue_lock: bool = False

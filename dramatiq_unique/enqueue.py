@@ -123,6 +123,9 @@ class EnqueueGuard:
             error = middleware.backend_error("take the enqueue lock", key, spec, message, e)
             if fresh and middleware.settings.on_backend_error == "fail":
                 message.options.pop("unique_digest", None)
+                # The call may have been applied and only its reply lost:
+                # the guard gives back whatever this new message holds.
+                self._record(key, message.message_id)
                 raise error from e
             middleware.logger.warning("Enqueueing %s without its lock %r.", message, key)
             return
@@ -130,10 +133,8 @@ class EnqueueGuard:
             middleware.logger.debug("Re-enqueued %s without its lock %r: %s.", message, key, got.refused)
             return
         if got.acquired:
-            taken = _taken.get()
-            if not got.reentered and taken is not None:
-                taken.append((key, message.message_id))
             if not got.reentered:
+                self._record(key, message.message_id)
                 middleware.emit("locked", spec, key, message)
             return
         if not fresh:
@@ -143,6 +144,14 @@ class EnqueueGuard:
             middleware.emit("lock_lost", spec, key, message, got.holder)
             return
         self._refuse(message, spec, key, got.holder)
+
+    def _record(self, key: str, owner: str) -> None:
+        """Remember a lock this guarded call took, to give it back if
+        the message is not enqueued after all.
+        """
+        taken = _taken.get()
+        if taken is not None:
+            taken.append((key, owner))
 
     def _refuse(self, message: Any, spec: ActorSpec, key: str, holder: Optional[str]) -> None:
         middleware = self.middleware

@@ -32,6 +32,7 @@ EVENTS = (
     "duplicate",  # a send was refused: its key was held (client conflict)
     "conflict",  # a delivery met a held run lock and was dropped, failed or dead-lettered
     "rescheduled",  # a delivery met a held run lock and was re-enqueued for later
+    "skipped",  # a copy of a message did not run: another copy of the same message runs
     "released",  # a lock was released by its owner
     "lock_lost",  # a lock expired or was taken before its owner released it
     "backend_error",  # the lock backend failed, including a failed lease renewal
@@ -82,7 +83,7 @@ LOG_LINES: tuple[LogLine, ...] = (
         "DEBUG",
         _MIDDLEWARE,
         "Skipped %s: %s.",
-        "a copy of a rescheduled message did not run because another copy of it runs (see the hand-off model)",
+        "a copy of a rescheduled message did not run because another copy of it runs (event skipped)",
     ),
     LogLine(
         "DEBUG",

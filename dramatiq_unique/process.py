@@ -22,6 +22,7 @@ from dramatiq.middleware import AgeLimit, SkipMessage
 
 from .backend import Copy
 from .compat import age_limit_module
+from .coroutines import watch
 from .delivery import Delivery, attach, copy_of, message_id_of, set_fence
 from .errors import CopySkipped, LockConflict, Rescheduled
 from .events import LockEvent
@@ -114,6 +115,8 @@ class ProcessGuard:
         if queue_key is not None:
             self._queue_lock_released(message, state, queue_key, started.queue_released)
         state.run_confirmed, state.fence = True, got.fence
+        if spec.actor_name in middleware.async_actors:
+            state.coroutine = watch()
         state.lease = middleware.leases.hold(key, owner, taken_at, actor=spec.actor_name)
         set_fence(got.fence)
         middleware.emit("locked", spec, key, message)
@@ -139,6 +142,7 @@ class ProcessGuard:
         state.keeps_queue_lock = state.quiet_skip = True  # the copy that runs owns the message's locks
         store_nothing(message)
         reason = SKIP_REASONS.get(verdict, verdict)
+        self.middleware.emit("skipped", state.spec, self.middleware.key(state.spec, state.digest, "run"), message)
         self.middleware.logger.debug("Skipped %s: %s.", message, reason)
         raise CopySkipped(f"skipped: {reason}")
 
@@ -246,6 +250,13 @@ class ProcessGuard:
         if state.run_key is None or state.run_owner is None:
             return
         middleware = self.middleware
+        if state.coroutine is not None and state.coroutine.defer(lambda: self.end_run(broker, message, state)):
+            middleware.logger.error(
+                "Message %s is still running after it was interrupted: its run lock %r is kept until it ends.",
+                message,
+                state.run_key,
+            )
+            return
         key, owner, lease, confirmed = state.run_key, state.run_owner, state.lease, state.run_confirmed
         state.run_key = state.run_owner = state.lease = None
         set_fence(None)
