@@ -108,7 +108,7 @@ def redis_url() -> Iterator[str]:
         return
     if shutil.which("redis-server") is None:
         pytest.fail("redis-server is not installed: run `apt-get install redis-server`, or set REDIS_URL "
-                    f"to a Redis whose database {TEST_DB} the suite may flush.")
+                    f"to a Redis database the suite may flush, e.g. redis://127.0.0.1:6379/{TEST_DB}.")
     port = free_port()
     process = start_redis_server(port)
     try:
