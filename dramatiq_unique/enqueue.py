@@ -21,6 +21,7 @@ from dramatiq.worker import ConsumerThread
 from .delivery import copy_of
 from .errors import DuplicateMessage
 from .events import LockEvent
+from .results import store_failure
 from .spec import ActorSpec
 
 if TYPE_CHECKING:
@@ -58,7 +59,10 @@ class EnqueueGuard:
             try:
                 return original(message, delay=delay)
             except _Refused as refused:
-                return message.copy(options={"unique_duplicate_of": refused.holder})
+                unsent = message.copy(options={"unique_duplicate_of": refused.holder})
+                duplicate = DuplicateMessage(str(refused), key=refused.key, holder=refused.holder)
+                store_failure(broker, unsent, duplicate)  # a caller waiting on it learns why at once
+                return unsent
             except BaseException:
                 release(taken, message.actor_name)
                 raise
