@@ -33,6 +33,14 @@ if TYPE_CHECKING:
 _taken: ContextVar[Optional[list[tuple[str, str]]]] = ContextVar("dramatiq_unique_taken", default=None)
 
 
+def _maybe_applied(error: Exception) -> bool:
+    """Whether a failed call may have taken effect: a timeout (builtin,
+    socket or redis-py) may have lost only its reply; a refused
+    connection never sent anything.
+    """
+    return "timeout" in type(error).__name__.lower()
+
+
 class _Refused(DuplicateMessage):
     """A duplicate under ``on_conflict="log"``: the guarded enqueue
     returns the message without sending it.
@@ -128,9 +136,10 @@ class EnqueueGuard:
             error = middleware.backend_error("take the enqueue lock", key, spec, message, e)
             if fresh and middleware.settings.on_backend_error == "fail":
                 message.options.pop("unique_digest", None)
-                # The call may have been applied and only its reply lost:
-                # the guard gives back whatever this new message holds.
-                self._record(key, message.message_id)
+                if _maybe_applied(e):
+                    # Only the reply may be lost: the guard gives back
+                    # whatever this new message holds.
+                    self._record(key, message.message_id)
                 raise error from e
             middleware.logger.warning("Enqueueing %s without its lock %r.", message, key)
             return
