@@ -10,7 +10,7 @@ Add the middleware, then give actors a ``lock``::
 
 from __future__ import annotations
 
-from .backend import Acquisition, LockBackend, LockInfo, Release
+from .backend import Acquisition, LockBackend, LockInfo, Release, Replacement
 from .backends import StubBackend
 from .delivery import fence_token
 from .errors import (
@@ -19,6 +19,7 @@ from .errors import (
     LockBackendError,
     LockConflict,
     Rescheduled,
+    Superseded,
     UniqueError,
 )
 from .events import EVENTS, LockEvent
@@ -52,9 +53,11 @@ __all__ = [
     "LockInfo",
     "LockType",
     "Release",
+    "Replacement",
     "Rescheduled",
     "STRATEGIES",
     "StubBackend",
+    "Superseded",
     "UniqueError",
     "UniqueMiddleware",
     "digest_for",

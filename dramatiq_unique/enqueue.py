@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from dramatiq.worker import ConsumerThread
 
+from . import replace
 from .errors import DuplicateMessage
 from .events import LockEvent
 from .spec import ActorSpec
@@ -52,6 +53,7 @@ class EnqueueGuard:
 
         @functools.wraps(original)
         def enqueue(message: Any, *, delay: Optional[int] = None) -> Any:
+            delay = replace.debounce_delay(self, message, delay)
             taken: list[tuple[str, str]] = []
             token = _taken.set(taken)
             try:
@@ -97,6 +99,8 @@ class EnqueueGuard:
             self._take(message, delay, spec, fresh)
 
     def _take(self, message: Any, delay: Optional[int], spec: ActorSpec, fresh: bool) -> None:
+        if spec.client == "replace":
+            return replace.take(self, message, delay, spec, fresh)
         middleware = self.middleware
         key = middleware.key(spec, message.options["unique_digest"], "queue")
         ttl = (delay or 0) + (spec.lock_ttl or middleware.settings.lock_ttl)

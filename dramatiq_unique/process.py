@@ -22,6 +22,7 @@ from .delivery import Delivery, attach, message_id_of, set_fence
 from .errors import LockConflict, Rescheduled
 from .events import LockEvent
 from .leases import Lease
+from .replace import skip_if_superseded
 from .spec import ActorSpec
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ class ProcessGuard:
         message.options["unique_digest"] = digest  # so a retry re-enters, even if the sender had no middleware
         # An unstamped message took no enqueue lock (sent while disabled, or without the middleware).
         state = attach(message, Delivery(spec, digest, queue_released=not stamped))
+        skip_if_superseded(self.middleware, broker, message, state)
         if spec.lock.run_lock:
             self._take_run_lock(broker, message, state)
         if spec.lock.queue_release == "run_start":

@@ -14,11 +14,11 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from ..backend import Acquisition, LockBackend, LockInfo, Release
+from ..backend import Acquisition, LockBackend, LockInfo, Release, Replacement
 
 _SCRIPTS = {
     name: resources.files(__package__).joinpath("lua", f"{name}.lua").read_text()
-    for name in ("acquire", "release", "extend", "wait", "claim")
+    for name in ("acquire", "release", "extend", "wait", "claim", "replace", "current")
 }
 
 #: The URL scheme that connects to a Cluster.
@@ -43,6 +43,15 @@ def _waiting(key: str) -> list[str]:
     Cluster slot.
     """
     return [f"{key}:wait", f"{key}:tickets"]
+
+
+def _superseded(key: str) -> str:
+    """The superseded record of an enqueue lock key: same hash tag."""
+    return f"{key}:superseded"
+
+
+#: replace.lua's status codes.
+_REPLACED = {0: "refused", 1: "acquired", 2: "reentered", 3: "replaced"}
 
 
 def _text(value: Any) -> str:
@@ -142,13 +151,50 @@ class RedisBackend(LockBackend):
                 self.scripts["extend"](keys=[key], args=[owner, ttl], client=pipe)
         return [bool(result) for result in pipe.execute()]
 
+    def replace(
+        self,
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        lock: str = "",
+        lock_args: Optional[str] = None,
+        keep_started: bool = False,
+        debounce: int = 0,
+        debounce_max: int = 0,
+        superseded_ttl: int,
+    ) -> Replacement:
+        status, other, fence, delay = self.scripts["replace"](
+            keys=[key, _superseded(key)],
+            args=[owner, ttl, lock, lock_args or "", int(keep_started), debounce, debounce_max, superseded_ttl],
+            client=self.client,
+        )
+        return Replacement(_REPLACED[int(status)], _text(other) if other else None, int(delay), int(fence))
+
+    def current(
+        self, key: str, owner: str, *, reenter: bool = False, ttl: int = 0, lock: str = ""
+    ) -> tuple[int, Optional[str]]:
+        status, other = self.scripts["current"](
+            keys=[key, _superseded(key)], args=[owner, "reenter" if reenter else "start", ttl, lock], client=self.client
+        )
+        return int(status), _text(other) if other else None
+
     def inspect(self, key: str) -> Optional[LockInfo]:
         fields = {_text(name): _text(value) for name, value in self.client.hgetall(key).items()}
         now = self._now_ms(key)
         holders = {name: int(value) for name, value in fields.items() if not name.startswith("!") and int(value) > now}
         if not holders:
             return None
-        return LockInfo(key, fields.get("!lock") or None, holders, fields.get("!args"), int(fields.get("!fence", 0)))
+        current = fields.get("!current")
+        return LockInfo(
+            key,
+            fields.get("!lock") or None,
+            holders,
+            fields.get("!args"),
+            int(fields.get("!fence", 0)),
+            current=current if current in holders else None,
+            superseded=int(fields.get("!superseded", 0)),
+        )
 
     def scan(self, pattern: str) -> Iterator[str]:
         seen = set()
