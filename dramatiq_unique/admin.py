@@ -70,6 +70,10 @@ class Lock:
       holders(tuple[Holder, ...]): Its holders, soonest deadline first.
       lock_args(str): JSON of the lock args, when they were recorded.
       fence(int): The last fencing token handed out.
+      current(str): Under ``on_conflict="replace"`` or ``debounce``,
+        the message id of the newest send, the one that runs.
+      superseded(int): How many messages sends of this key superseded
+        since it was taken.
     """
 
     key: str
@@ -80,6 +84,8 @@ class Lock:
     holders: tuple[Holder, ...]
     lock_args: Optional[str] = None
     fence: int = 0
+    current: Optional[str] = None
+    superseded: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready dict, with the lock args decoded."""
@@ -92,6 +98,8 @@ class Lock:
             "fence": self.fence,
             "lock_args": _decoded(self.lock_args),
             "holders": [{"owner": h.owner, "message_id": h.message_id, "deadline": h.deadline} for h in self.holders],
+            "current": self.current,
+            "superseded": self.superseded,
         }
 
 
@@ -286,4 +294,6 @@ def _from_info(info: LockInfo, parts: "re.Match[str]") -> Lock:
         holders=tuple(holders),
         lock_args=info.lock_args,
         fence=info.fence,
+        current=info.current,
+        superseded=info.superseded,
     )
