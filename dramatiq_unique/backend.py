@@ -220,6 +220,17 @@ class LockBackend(abc.ABC):
         """
         raise NotImplementedError  # pragma: no cover
 
+    @abc.abstractmethod
+    def unreplace(self, key: str, owner: str) -> Optional[str]:
+        """Undo the :meth:`replace` of ``owner``, whose message was never
+        published: the message it superseded is current again, with
+        ``owner``'s deadline.  ``owner``'s slot is left to :meth:`release`.
+
+        Returns:
+          str: The message made current again, or None.
+        """
+        raise NotImplementedError  # pragma: no cover
+
     def describe(self) -> str:
         """A short description for error messages, e.g. a URL."""
         return type(self).__name__

@@ -61,6 +61,7 @@ class EnqueueGuard:
             except _Refused as refused:
                 return message.copy(options={"unique_duplicate_of": refused.holder})
             except BaseException:
+                replace.restore(self, message, taken)
                 release(taken, message.actor_name)
                 raise
             finally:

@@ -100,6 +100,12 @@ LOG_LINES: tuple[LogLine, ...] = (
     LogLine(
         "INFO",
         _MIDDLEWARE,
+        "Message %s is current again in %r: its replacement was not enqueued.",
+        "the broker failed to publish a replacing send, so the message it superseded runs after all",
+    ),
+    LogLine(
+        "INFO",
+        _MIDDLEWARE,
         "Released %r: its message was not enqueued.",
         "the broker failed to publish, so the lock the send took was given back",
     ),

@@ -119,6 +119,28 @@ def _reenter(guard: "EnqueueGuard", message: Any, spec: ActorSpec, key: str, ttl
         middleware.emit("lock_lost", spec, key, message, other)
 
 
+def restore(guard: "EnqueueGuard", message: Any, taken: list[tuple[str, str]]) -> None:
+    """After a failed publish, make the message that this send superseded
+    current again, so that it runs; the guard then releases this send's
+    own slot.  A backend failure here leaves the superseded message
+    superseded, as the send's error tells its caller.
+    """
+    middleware = guard.middleware
+    spec = middleware.specs.get(message.actor_name)
+    if spec is None or spec.client != "replace":
+        return
+    for key, owner in taken:
+        try:
+            previous = middleware.backend.unreplace(key, owner)  # type: ignore[union-attr]
+        except Exception as e:
+            middleware.backend_error("restore the message superseded by an unsent one in", key, spec, message, e)
+            continue
+        if previous is not None:
+            middleware.logger.info(
+                "Message %s is current again in %r: its replacement was not enqueued.", previous, key
+            )
+
+
 def _note_taken(key: str, owner: str) -> None:
     from .enqueue import _taken  # the guard gives back what a failed publish took
 

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import dramatiq
 import pytest
 from dramatiq.brokers.stub import StubBroker
+from dramatiq.middleware import MiddlewareError
 from dramatiq.results import ResultFailure, Results
 from dramatiq.results.backends import StubBackend as ResultsStub
 
@@ -107,6 +108,19 @@ def test_debounce_delays_each_send_and_caps_the_burst(backend: LockBackend) -> N
     backend.current(key, "b")
     third = replace(backend, key, "c", debounce=1000, debounce_max=1100)
     assert third.status == "replaced" and third.delay == 1000
+
+
+def test_unreplace_makes_the_superseded_message_current_again(backend: LockBackend) -> None:
+    key = lock_key()
+    replace(backend, key, "a")
+    replace(backend, key, "b")
+    assert backend.unreplace(key, "a") is None  # not current
+    assert backend.unreplace(key, "b") == "a"
+    assert backend.unreplace(key, "b") is None  # once
+    backend.release(key, "b")
+    info = backend.inspect(key)
+    assert info is not None and set(info.holders) == {"a"} and (info.current, info.superseded) == ("a", 0)
+    assert backend.current(key, "a") == (1, None)
 
 
 def test_the_superseded_record_expires(backend: LockBackend) -> None:
@@ -310,6 +324,38 @@ def test_a_superseded_message_waiting_for_its_retry_never_runs_again(rig: Rig, c
     assert rig.ran("flaky") == [1, 2]
     assert rig.middleware.events.count("superseded") == 1
     assert rig.middleware.events.count("lock_lost") == 0 and unwanted(caplog) == []
+    assert list(rig.middleware.backend.scan("*")) == []  # type: ignore[union-attr]
+
+
+def test_a_failed_replacing_publish_leaves_the_superseded_message_to_run(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    class BrokerDown(MiddlewareError):
+        pass
+
+    class Outage(dramatiq.Middleware):
+        down = False
+
+        def before_enqueue(self, broker: Any, message: Any, delay: Any) -> None:
+            if self.down:
+                raise BrokerDown("publish failed")
+
+    outage = Outage()
+    rig.broker.add_middleware(outage)
+
+    @dramatiq.actor(lock="until_executed", on_conflict="replace", lock_args=["doc"])
+    def reindex(doc: int, n: int) -> None:
+        rig.record("reindex", n, 0)
+
+    reindex.send(1, 1)
+    outage.down = True
+    with pytest.raises(BrokerDown):
+        reindex.send(1, 2)
+    outage.down = False
+    assert "is current again" in caplog.text
+    rig.start()
+    rig.idle()
+    assert rig.ran("reindex") == [1]
     assert list(rig.middleware.backend.scan("*")) == []  # type: ignore[union-attr]
 
 

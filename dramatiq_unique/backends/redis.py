@@ -18,7 +18,7 @@ from ..backend import Acquisition, LockBackend, LockInfo, Release, Replacement
 
 _SCRIPTS = {
     name: resources.files(__package__).joinpath("lua", f"{name}.lua").read_text()
-    for name in ("acquire", "release", "extend", "wait", "claim", "replace", "current")
+    for name in ("acquire", "release", "extend", "wait", "claim", "replace", "current", "unreplace")
 }
 
 #: The URL scheme that connects to a Cluster.
@@ -178,6 +178,10 @@ class RedisBackend(LockBackend):
             keys=[key, _superseded(key)], args=[owner, "reenter" if reenter else "start", ttl, lock], client=self.client
         )
         return int(status), _text(other) if other else None
+
+    def unreplace(self, key: str, owner: str) -> Optional[str]:
+        previous = self.scripts["unreplace"](keys=[key, _superseded(key)], args=[owner], client=self.client)
+        return _text(previous) if previous else None
 
     def inspect(self, key: str) -> Optional[LockInfo]:
         fields = {_text(name): _text(value) for name, value in self.client.hgetall(key).items()}

@@ -38,6 +38,7 @@ class _Entry:
     started: Optional[str] = None
     burst: int = 0
     superseded: int = 0
+    previous: Optional[str] = None
 
 
 @dataclass
@@ -183,6 +184,7 @@ class StubBackend(LockBackend):
                 record.by[current] = owner
                 record.expires_at = max(record.expires_at, now + superseded_ttl)
                 entry.superseded += 1
+                entry.previous = current
                 status = "replaced"
             else:
                 entry = self._entries[key] = _Entry()
@@ -221,6 +223,19 @@ class StubBackend(LockBackend):
             entry = self._entries[key] = _Entry({owner: now + ttl}, lock, current=owner, burst=now)
             self._fence(entry)
             return 1, owner
+
+    def unreplace(self, key: str, owner: str) -> Optional[str]:
+        with self._mutex:
+            now = _now_ms()
+            entry = self._live(key, now)
+            previous = entry.previous if entry is not None and entry.current == owner in entry.holders else None
+            if entry is None or previous is None or self._superseded_by(key, previous, now) != owner:
+                return None
+            del self._superseded[key].by[previous]
+            entry.previous, entry.current = None, previous
+            entry.superseded -= 1
+            entry.holders.setdefault(previous, entry.holders[owner])
+            return previous
 
     def extend(self, locks: Sequence[tuple[str, str]], ttl: int) -> list[bool]:
         with self._mutex:

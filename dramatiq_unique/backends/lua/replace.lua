@@ -5,7 +5,9 @@
 --          "!current" = the current message, "!started" = the current
 --          message once a worker has started it, "!burst" = server ms
 --          of the first send of the debounce burst, "!superseded" =
---          how many messages the key's holders superseded.
+--          how many messages the key's holders superseded,
+--          "!previous" = the message the current one superseded (for
+--          unreplace.lua, when the current one's publish fails).
 -- KEYS[2]  superseded: hash superseded message id -> id of the message
 --          that replaced it; lives ARGV[8] ms after the last replace.
 -- ARGV[1]  owner (message id)   ARGV[2] ttl ms   ARGV[3] lock type
@@ -56,9 +58,10 @@ if current then
   redis.call("HSET", KEYS[2], current, owner)
   if redis.call("PTTL", KEYS[2]) < tonumber(ARGV[8]) then redis.call("PEXPIRE", KEYS[2], ARGV[8]) end
   redis.call("HINCRBY", key, "!superseded", 1)
+  redis.call("HSET", key, "!previous", current)
   status = 3
 else
-  redis.call("HDEL", key, "!superseded", "!args")
+  redis.call("HDEL", key, "!superseded", "!args", "!previous")
 end
 local delay, debounce, cap = 0, tonumber(ARGV[6]), tonumber(ARGV[7])
 if debounce > 0 then
