@@ -375,3 +375,42 @@ def test_debounce_runs_the_last_send_of_a_burst_once_after_the_quiet_window(rig:
     assert rig.runs[0][2] >= last + 0.2
     assert rig.middleware.events.count("superseded") == 19
     assert list(rig.middleware.backend.scan("*")) == []  # type: ignore[union-attr]
+
+
+# Operators -------------------------------------------------------------------------
+
+
+def test_operators_see_the_current_message_and_how_many_it_superseded(
+    stub_broker: StubBroker, redis_backend: Any, redis_url: str
+) -> None:
+    import json
+    import subprocess
+    import sys
+    from wsgiref.util import setup_testing_defaults
+
+    from dramatiq_unique import digest_for
+    from dramatiq_unique.admin import LockAdmin
+    from dramatiq_unique.dashboard import make_app
+    from tests.procs import ROOT
+
+    prefix = f"ops-{uuid.uuid4().hex[:8]}"
+    stub_broker.add_middleware(UniqueMiddleware(backend=redis_backend, prefix=prefix))
+
+    @dramatiq.actor(broker=stub_broker, debounce=60_000, lock_args=["doc"])
+    def reindex(doc: int, n: int) -> None:
+        pass
+
+    sent = [reindex.send(1, n) for n in range(3)]
+    digest = digest_for(reindex, 1, 0)
+    [lock] = LockAdmin(redis_backend, prefix=prefix).inspect(digest)
+    assert (lock.current, lock.superseded) == (sent[-1].message_id, 2)
+
+    shown = subprocess.run([sys.executable, "-m", "dramatiq_unique", "inspect", digest, "--redis", redis_url,
+                            "--prefix", prefix], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert f"current    {sent[-1].message_id}  (superseded 2)" in shown.stdout, shown.stderr
+
+    environ: dict[str, Any] = {"PATH_INFO": f"/api/locks/{digest}"}
+    setup_testing_defaults(environ)
+    body = b"".join(make_app(redis_backend, prefix=prefix)(environ, lambda status, headers: None))
+    [seen] = json.loads(body)["locks"]
+    assert (seen["current"], seen["superseded"]) == (sent[-1].message_id, 2)
