@@ -17,6 +17,7 @@ worker's consumer does.  It checks:
 
 from __future__ import annotations
 
+import uuid
 from typing import Any, Optional
 
 import dramatiq
@@ -31,6 +32,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from dramatiq_unique import StubBackend, UniqueMiddleware, digest_for
+from dramatiq_unique.backends.redis import RedisBackend
 
 QUEUE = "replace-machine"
 
@@ -41,12 +43,16 @@ class ReplaceMachine(RuleBasedStateMachine):
     #: their enqueue lock at the start see it taken by a new send while a
     #: retry waits, and say so, as without replace.
     never_lost = True
+    #: Locks on this Redis instead of a StubBackend.
+    redis_url: Optional[str] = None
 
     def __init__(self) -> None:
         super().__init__()
         self.broker = StubBroker()
         self.broker.emit_after("process_boot")
-        self.middleware = UniqueMiddleware(backend=StubBackend())
+        self.prefix = f"machine-{uuid.uuid4().hex[:8]}"
+        backend = RedisBackend(url=self.redis_url) if self.redis_url else StubBackend()
+        self.middleware = UniqueMiddleware(backend=backend, prefix=self.prefix)
         self.broker.add_middleware(self.middleware)
 
         @dramatiq.actor(broker=self.broker, queue_name=QUEUE, lock=self.lock, on_conflict="replace",
@@ -196,9 +202,16 @@ class ReplaceMachine(RuleBasedStateMachine):
         assert not self.pool, f"the queues did not drain: {self.pool[:3]}"
         if self.newest is not None and self.newest not in self.exhausted:
             assert self.successes.get(self.newest) == 1, "the newest message did not run once"
-        assert list(self.middleware.backend.scan("*")) == []  # type: ignore[union-attr]
+        backend = self.middleware.backend
+        assert backend is not None
+        keys = list(backend.scan(f"{self.prefix}:*"))
+        assert [key for key in keys if not key.endswith(":superseded")] == [], "a lock was left"
         self.middleware.after_worker_shutdown(self.broker, None)  # type: ignore[arg-type]
         self.broker.close()
+        if isinstance(backend, RedisBackend):
+            if keys:
+                backend.client.delete(*keys)
+            backend.client.close()
 
 
 class UntilExecutingMachine(ReplaceMachine):
@@ -211,10 +224,28 @@ class UntilAndWhileExecutingMachine(ReplaceMachine):
     never_lost = False
 
 
-MACHINE_SETTINGS = settings(max_examples=60, stateful_step_count=30, deadline=None,
-                            suppress_health_check=[HealthCheck.too_slow])
+MACHINES = [ReplaceMachine, UntilExecutingMachine, UntilAndWhileExecutingMachine]
 
 
-@pytest.mark.parametrize("machine", [ReplaceMachine, UntilExecutingMachine, UntilAndWhileExecutingMachine])
+def settings_for(examples: int) -> settings:
+    return settings(max_examples=examples, stateful_step_count=30, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.parametrize("machine", MACHINES)
 def test_replace_rules(machine: type[ReplaceMachine]) -> None:
-    run_state_machine_as_test(machine, settings=MACHINE_SETTINGS)
+    run_state_machine_as_test(machine, settings=settings_for(60))
+
+
+@pytest.mark.parametrize("machine", MACHINES)
+def test_replace_rules_with_locks_on_redis(machine: type[ReplaceMachine], redis_url: str) -> None:
+    on_redis = type(f"Redis{machine.__name__}", (machine,), {"redis_url": redis_url})
+    run_state_machine_as_test(on_redis, settings=settings_for(15))
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("machine", MACHINES)
+def test_replace_rules_soak(machine: type[ReplaceMachine], redis_url: str) -> None:
+    run_state_machine_as_test(machine, settings=settings_for(1000))
+    on_redis = type(f"Redis{machine.__name__}", (machine,), {"redis_url": redis_url})
+    run_state_machine_as_test(on_redis, settings=settings_for(200))
