@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from dramatiq.worker import ConsumerThread
 
 from . import replace
+from .delivery import copy_of
 from .errors import DuplicateMessage
 from .events import LockEvent
 from .spec import ActorSpec
@@ -103,29 +104,43 @@ class EnqueueGuard:
         if spec.client == "replace":
             return replace.take(self, message, delay, spec, fresh)
         middleware = self.middleware
-        key = middleware.key(spec, message.options["unique_digest"], "queue")
+        digest = message.options["unique_digest"]
+        key = middleware.key(spec, digest, "queue")
         ttl = (delay or 0) + (spec.lock_ttl or middleware.settings.lock_ttl)
         recorded = (
             spec.canonical(spec.key_material(message.args, message.kwargs))
             if fresh and middleware.record_lock_args
             else None
         )
+        # A re-enqueued copy of a message that a reschedule made twice
+        # over may not run (see Copy): it must not take the lock back.
+        copy = None if fresh or not spec.lock.run_lock else copy_of(message, middleware.key(spec, digest, "run"))
         try:
             got = middleware.backend.acquire(  # type: ignore[union-attr]
-                key, message.message_id, ttl=ttl, limit=spec.lock_limit, lock=spec.lock.name, lock_args=recorded
+                key,
+                message.message_id,
+                ttl=ttl,
+                limit=spec.lock_limit,
+                lock=spec.lock.name,
+                lock_args=recorded,
+                copy=copy,
             )
         except Exception as e:
             error = middleware.backend_error("take the enqueue lock", key, spec, message, e)
             if fresh and middleware.settings.on_backend_error == "fail":
                 message.options.pop("unique_digest", None)
+                # The call may have been applied and only its reply lost:
+                # the guard gives back whatever this new message holds.
+                self._record(key, message.message_id)
                 raise error from e
             middleware.logger.warning("Enqueueing %s without its lock %r.", message, key)
             return
+        if got.refused:
+            middleware.logger.debug("Re-enqueued %s without its lock %r: %s.", message, key, got.refused)
+            return
         if got.acquired:
-            taken = _taken.get()
-            if not got.reentered and taken is not None:
-                taken.append((key, message.message_id))
             if not got.reentered:
+                self._record(key, message.message_id)
                 middleware.emit("locked", spec, key, message)
             return
         if not fresh:
@@ -135,6 +150,14 @@ class EnqueueGuard:
             middleware.emit("lock_lost", spec, key, message, got.holder)
             return
         self._refuse(message, spec, key, got.holder)
+
+    def _record(self, key: str, owner: str) -> None:
+        """Remember a lock this guarded call took, to give it back if
+        the message is not enqueued after all.
+        """
+        taken = _taken.get()
+        if taken is not None:
+            taken.append((key, owner))
 
     def _refuse(self, message: Any, spec: ActorSpec, key: str, holder: Optional[str]) -> None:
         middleware = self.middleware

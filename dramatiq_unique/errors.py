@@ -69,6 +69,13 @@ class Rescheduled(UniqueError, SkipMessage):
     """
 
 
+class CopySkipped(UniqueError, SkipMessage):
+    """Raised to skip a copy of a message when another copy of the same
+    message runs instead: the other copy of a reschedule, or a copy of
+    an earlier reschedule.  It stores no result and is not retried.
+    """
+
+
 class Superseded(UniqueError):
     """Stored as the result of a message that a newer send replaced
     (``on_conflict="replace"`` or ``debounce``): the message did not

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from dramatiq.common import current_millis
 from dramatiq.middleware import MiddlewareError, SkipMessage
 
-from .delivery import Delivery
+from .delivery import Delivery, copy_of
 from .errors import Superseded
 from .results import store_failure
 from .spec import ActorSpec
@@ -92,7 +92,7 @@ def _replace(guard: "EnqueueGuard", message: Any, delay: Optional[int], spec: Ac
         guard._refuse(message, spec, key, got.holder)
     if got.status == "reentered":
         return
-    _note_taken(key, message.message_id)
+    guard._record(key, message.message_id)
     middleware.emit("locked", spec, key, message)
     if got.status == "replaced" and got.holder is not None:
         message.options["unique_replaced"] = got.holder
@@ -104,15 +104,20 @@ def _replace(guard: "EnqueueGuard", message: Any, delay: Optional[int], spec: Ac
 
 def _reenter(guard: "EnqueueGuard", message: Any, spec: ActorSpec, key: str, ttl: int) -> None:
     middleware = guard.middleware
+    # A copy of a reschedule that may not run must not take the lock back (see Copy).
+    run_key = middleware.key(spec, message.options["unique_digest"], "run")
+    copy = copy_of(message, run_key) if spec.lock.run_lock else None
     status, other = middleware.backend.current(  # type: ignore[union-attr]
-        key, message.message_id, reenter=True, ttl=ttl, lock=spec.lock.name
+        key, message.message_id, reenter=True, ttl=ttl, lock=spec.lock.name, copy=copy
     )
     if status == SUPERSEDED:
         # It goes on and is skipped when delivered: raising would lose
         # or strand a delay-queue move.
         return
-    if status == 1:
-        _note_taken(key, message.message_id)
+    if status == 3:
+        middleware.logger.debug("Re-enqueued %s without its lock %r: %s.", message, key, other)
+    elif status == 1:
+        guard._record(key, message.message_id)
         middleware.emit("locked", spec, key, message)
     elif status == 0:
         middleware.logger.warning("Lock %r of %s lapsed and is held by %s; enqueueing it anyway.", key, message, other)
@@ -139,14 +144,6 @@ def restore(guard: "EnqueueGuard", message: Any, taken: list[tuple[str, str]]) -
             middleware.logger.info(
                 "Message %s is current again in %r: its replacement was not enqueued.", previous, key
             )
-
-
-def _note_taken(key: str, owner: str) -> None:
-    from .enqueue import _taken  # the guard gives back what a failed publish took
-
-    taken = _taken.get()
-    if taken is not None:
-        taken.append((key, owner))
 
 
 def skip_if_superseded(
@@ -190,15 +187,15 @@ def skip_if_superseded(
 
 
 def _withdraw_waiter(middleware: "UniqueMiddleware", message: "MessageProxy", state: Delivery) -> None:
-    """A rescheduled copy of a superseded message takes back its waiter
-    record, so the run lock is never handed to it.
+    """A copy of a rescheduled, superseded message claims its attempt,
+    which takes its waiter off the run lock, so that the key is never
+    handed to it.
     """
-    attempt = message.options.get("unique_reschedules", 0)
-    if not attempt or not state.spec.lock.run_lock:
+    if not message.options.get("unique_reschedules") or not state.spec.lock.run_lock:
         return
     key = middleware.key(state.spec, state.digest, "run")
     try:
-        middleware.backend.claim(key, f"{message.message_id}:{attempt}")  # type: ignore[union-attr]
+        middleware.backend.claim(copy_of(message, key))  # type: ignore[union-attr]
     except Exception as e:
         middleware.backend_error("withdraw the waiter of", key, state.spec, message, e)
 

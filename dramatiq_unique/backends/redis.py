@@ -14,11 +14,25 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from ..backend import Acquisition, LockBackend, LockInfo, Release, Replacement
+from ..backend import Acquisition, Copy, LockBackend, LockInfo, Release, Replacement, Start
+
+_LUA = resources.files(__package__).joinpath("lua")
+
+
+def _source(name: str) -> str:
+    """A script's text, with each ``--@include NAME`` line replaced by
+    the library ``NAME.lua``.
+    """
+    lines = _LUA.joinpath(f"{name}.lua").read_text().splitlines(keepends=True)
+    return "".join(_source(line.split()[1]) if line.startswith("--@include ") else line for line in lines)
+
 
 _SCRIPTS = {
-    name: resources.files(__package__).joinpath("lua", f"{name}.lua").read_text()
-    for name in ("acquire", "release", "extend", "wait", "claim", "replace", "current", "unreplace")
+    name: _source(name)
+    for name in (
+        *("acquire", "start", "release", "extend", "wait", "claim", "withdraw"),
+        *("replace", "current", "unreplace"),  # on_conflict="replace" and debounce
+    )
 }
 
 #: The URL scheme that connects to a Cluster.
@@ -39,10 +53,27 @@ def _without_password(url: str) -> str:
 
 
 def _waiting(key: str) -> list[str]:
-    """The waiters and tickets keys of a lock key: same hash tag, same
-    Cluster slot.
+    """The waiters and bodies keys of a run lock key: same hash tag,
+    same Cluster slot.
     """
-    return [f"{key}:wait", f"{key}:tickets"]
+    return [f"{key}:wait", f"{key}:bodies"]
+
+
+def _records(copy: Copy) -> list[str]:
+    """The keys a :class:`Copy` is settled on: its message record, then
+    the waiters and bodies of its run lock.
+    """
+    return [f"{copy.key}:m:{copy.message_id}", *_waiting(copy.key)]
+
+
+def _copy_args(copy: Copy) -> list[Any]:
+    return [copy.message_id, copy.attempt, copy.via]
+
+
+def _acquisition(status: int, holder: Any, fence: Any) -> Acquisition:
+    if status == 3:
+        return Acquisition(False, refused=_text(holder))
+    return Acquisition(status in (1, 2), reentered=status == 2, holder=_text(holder), fence=int(fence))
 
 
 def _superseded(key: str) -> str:
@@ -117,12 +148,30 @@ class RedisBackend(LockBackend):
         return f"RedisBackend(redis at {where})"
 
     def acquire(
-        self, key: str, owner: str, *, ttl: int, limit: int = 1, lock: str = "", lock_args: Optional[str] = None
+        self,
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        limit: int = 1,
+        lock: str = "",
+        lock_args: Optional[str] = None,
+        copy: Optional[Copy] = None,
     ) -> Acquisition:
-        status, holder, fence = self.scripts["acquire"](
-            keys=[key], args=[owner, ttl, limit, lock, lock_args or ""], client=self.client
+        keys, args = [key], [owner, ttl, limit, lock, lock_args or ""]  # type: list[str], list[Any]
+        if copy is not None:
+            keys, args = keys + _records(copy), args + _copy_args(copy)
+        status, holder, fence = self.scripts["acquire"](keys=keys, args=args, client=self.client)
+        return _acquisition(status, holder, fence)
+
+    def start(
+        self, key: str, owner: str, *, ttl: int, limit: int, lock: str, copy: Copy, queue_key: Optional[str] = None
+    ) -> Start:
+        keys = [key, *_records(copy)] + ([queue_key] if queue_key else [])
+        status, holder, fence, queue = self.scripts["start"](
+            keys=keys, args=[owner, ttl, limit, lock, *_copy_args(copy)], client=self.client
         )
-        return Acquisition(status != 0, reentered=status == 2, holder=_text(holder), fence=int(fence))
+        return Start(_acquisition(status, holder, fence), queue_released=bool(queue))
 
     def release(self, key: str, owner: str, *, hand_over: bool = True) -> Release:
         held, promoted = self.scripts["release"](
@@ -130,11 +179,16 @@ class RedisBackend(LockBackend):
         )
         return Release(bool(held), promoted or None)
 
-    def wait(self, key: str, ticket: str, message: bytes, *, order: int, ttl: int) -> None:
-        self.scripts["wait"](keys=_waiting(key), args=[ticket, message, order, ttl], client=self.client)
+    def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> None:
+        self.scripts["wait"](
+            keys=_records(copy), args=[copy.message_id, message, order, copy.attempt, ttl], client=self.client
+        )
 
-    def claim(self, key: str, ticket: str) -> bool:
-        return bool(self.scripts["claim"](keys=_waiting(key), args=[ticket], client=self.client))
+    def claim(self, copy: Copy) -> bool:
+        return bool(self.scripts["claim"](keys=_records(copy), args=_copy_args(copy), client=self.client))
+
+    def withdraw(self, copy: Copy) -> None:
+        self.scripts["withdraw"](keys=_records(copy), args=_copy_args(copy), client=self.client)
 
     def extend(self, locks: Sequence[tuple[str, str]], ttl: int) -> list[bool]:
         if not locks:
@@ -172,11 +226,20 @@ class RedisBackend(LockBackend):
         return Replacement(_REPLACED[int(status)], _text(other) if other else None, int(delay), int(fence))
 
     def current(
-        self, key: str, owner: str, *, reenter: bool = False, ttl: int = 0, lock: str = ""
+        self,
+        key: str,
+        owner: str,
+        *,
+        reenter: bool = False,
+        ttl: int = 0,
+        lock: str = "",
+        copy: Optional[Copy] = None,
     ) -> tuple[int, Optional[str]]:
-        status, other = self.scripts["current"](
-            keys=[key, _superseded(key)], args=[owner, "reenter" if reenter else "start", ttl, lock], client=self.client
-        )
+        keys: list[str] = [key, _superseded(key)]
+        args: list[Any] = [owner, "reenter" if reenter else "start", ttl, lock]
+        if reenter and copy is not None:
+            keys, args = keys + _records(copy), args + [copy.attempt, copy.via]
+        status, other = self.scripts["current"](keys=keys, args=args, client=self.client)
         return int(status), _text(other) if other else None
 
     def unreplace(self, key: str, owner: str) -> Optional[str]:

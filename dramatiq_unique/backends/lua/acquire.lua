@@ -1,46 +1,20 @@
--- acquire: take one of ARGV[3] slots of a lock for an owner.
+--@include _take
+--@include _claim
+-- acquire: take one of ARGV[3] slots of a lock for an owner, unless the
+-- message is a copy that may not run.
 --
--- KEYS[1]  the lock hash: field <owner> = deadline (server ms),
---          "!fence" = last fencing token, "!lock" = lock type,
---          "!args" = lock args JSON (only when recorded).
+-- KEYS[1]  the lock hash (see _take.lua)
+-- KEYS[2..4], optional: the message record, waiters and bodies of the
+--          run lock whose waiter this message may be (see wait.lua)
 -- ARGV[1]  owner      ARGV[2] ttl ms      ARGV[3] limit
 -- ARGV[4]  lock type  ARGV[5] lock args JSON, or "" to record none
+-- ARGV[6..8], with KEYS[2..4]: message id, attempt, via of this copy
 --
--- Returns {status, holder, fence}: status 1 acquired, 2 re-entered,
--- 0 held by others (holder names one of them).  Expired holders are
--- dropped first; the key expires with its last holder's deadline.
-local key, owner = KEYS[1], ARGV[1]
-local time = redis.call("TIME")
-local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-local deadline = now + tonumber(ARGV[2])
-local fields = redis.call("HGETALL", key)
-local live, other, mine, latest, fence = 0, false, false, deadline, 0
-for i = 1, #fields, 2 do
-  local name, value = fields[i], tonumber(fields[i + 1])
-  if name == "!fence" then
-    fence = value
-  elseif string.sub(name, 1, 1) ~= "!" then
-    if value <= now then
-      redis.call("HDEL", key, name)
-    elseif name == owner then
-      mine = value
-    else
-      live, other = live + 1, name
-      if value > latest then latest = value end
-    end
-  end
+-- Returns {status, holder, fence} as take() does, or {3, verdict, 0}
+-- when this copy of its message may not run (see _claim.lua): it then
+-- takes nothing.
+if KEYS[2] then
+  local verdict = claim(KEYS[2], KEYS[3], KEYS[4], ARGV[6], tonumber(ARGV[7]), ARGV[8], false)
+  if verdict ~= "run" then return {3, verdict, 0} end
 end
-if mine then
-  if mine > deadline then deadline = mine end
-  redis.call("HSET", key, owner, string.format("%.0f", deadline))
-  redis.call("PEXPIREAT", key, string.format("%.0f", math.max(latest, deadline)))
-  return {2, owner, fence}
-end
-if live >= tonumber(ARGV[3]) then
-  return {0, other, fence}
-end
-fence = math.max(fence + 1, tonumber(time[1]) * 1000000 + tonumber(time[2]))
-redis.call("HSET", key, owner, string.format("%.0f", deadline), "!fence", string.format("%.0f", fence), "!lock", ARGV[4])
-if ARGV[5] ~= "" then redis.call("HSET", key, "!args", ARGV[5]) end
-redis.call("PEXPIREAT", key, string.format("%.0f", latest))
-return {1, owner, fence}
+return take(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])
