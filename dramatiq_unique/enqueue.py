@@ -22,6 +22,7 @@ from . import replace
 from .delivery import copy_of
 from .errors import DuplicateMessage
 from .events import LockEvent
+from .results import store_failure
 from .spec import ActorSpec
 
 if TYPE_CHECKING:
@@ -31,6 +32,14 @@ if TYPE_CHECKING:
 
 #: The locks taken fresh during the current guarded enqueue call.
 _taken: ContextVar[Optional[list[tuple[str, str]]]] = ContextVar("dramatiq_unique_taken", default=None)
+
+
+def _maybe_applied(error: Exception) -> bool:
+    """Whether a failed call may have taken effect: a timeout (builtin,
+    socket or redis-py) may have lost only its reply; a refused
+    connection never sent anything.
+    """
+    return "timeout" in type(error).__name__.lower()
 
 
 class _Refused(DuplicateMessage):
@@ -60,7 +69,10 @@ class EnqueueGuard:
             try:
                 return original(message, delay=delay)
             except _Refused as refused:
-                return message.copy(options={"unique_duplicate_of": refused.holder})
+                unsent = message.copy(options={"unique_duplicate_of": refused.holder})
+                duplicate = DuplicateMessage(str(refused), key=refused.key, holder=refused.holder)
+                store_failure(broker, unsent, duplicate)  # a caller waiting on it learns why at once
+                return unsent
             except BaseException:
                 replace.restore(self, message, taken)
                 release(taken, message.actor_name)
@@ -129,9 +141,10 @@ class EnqueueGuard:
             error = middleware.backend_error("take the enqueue lock", key, spec, message, e)
             if fresh and middleware.settings.on_backend_error == "fail":
                 message.options.pop("unique_digest", None)
-                # The call may have been applied and only its reply lost:
-                # the guard gives back whatever this new message holds.
-                self._record(key, message.message_id)
+                if _maybe_applied(e):
+                    # Only the reply may be lost: the guard gives back
+                    # whatever this new message holds.
+                    self._record(key, message.message_id)
                 raise error from e
             middleware.logger.warning("Enqueueing %s without its lock %r.", message, key)
             return

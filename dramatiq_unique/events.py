@@ -185,6 +185,12 @@ LOG_LINES: tuple[LogLine, ...] = (
     LogLine(
         "ERROR",
         _MIDDLEWARE,
+        "Message %s is still running after it was interrupted: its run lock %r is kept until it ends.",
+        "an async actor ignored its time limit's cancellation; the lock is released when its coroutine ends",
+    ),
+    LogLine(
+        "ERROR",
+        _MIDDLEWARE,
         "Lock %r was lost: message %s no longer holds it (its lease expired or it was taken over).",
         "a running message lost its run lock; another may run alongside it (event lock_lost)",
     ),

@@ -168,6 +168,10 @@ class HandoffModel(RuleBasedStateMachine):
             self.sent[message.message_id] = actor
         self.collect()
 
+    def queued(self, delayed: bool) -> bool:
+        return any(name.endswith(".DQ") == delayed for name, _ in self.pool)
+
+    @precondition(lambda self: self.queued(delayed=False))
     @rule(index=st.integers(0, 50))
     def deliver(self, index: int) -> None:
         """A worker receives any queued copy and runs its before-hooks."""
@@ -192,6 +196,7 @@ class HandoffModel(RuleBasedStateMachine):
             self.flights.append(Flight(proxy, taken[1]))
         self.collect()
 
+    @precondition(lambda self: self.flights)
     @rule(index=st.integers(0, 50), fails=st.booleans())
     def finish(self, index: int, fails: bool) -> None:
         """A started actor returns or raises; the after-hooks run."""
@@ -208,6 +213,7 @@ class HandoffModel(RuleBasedStateMachine):
         self.post_process(proxy)
         self.collect()
 
+    @precondition(lambda self: self.queued(delayed=True))
     @rule(index=st.integers(0, 50))
     def move(self, index: int) -> None:
         """The delay-queue consumer moves a due copy to its queue, then
@@ -223,6 +229,7 @@ class HandoffModel(RuleBasedStateMachine):
         self.post_process(proxy)
         self.collect()
 
+    @precondition(lambda self: self.flights)
     @rule(index=st.integers(0, 50))
     def crash(self, index: int) -> None:
         """The worker running a started actor dies: no hooks run, its
@@ -292,7 +299,7 @@ class HandoffModel(RuleBasedStateMachine):
                 self.leases_run_out()
             if self.flights:
                 self.finish(0, False)
-            elif any(name.endswith(".DQ") for name, _ in self.pool):
+            elif self.queued(delayed=True):
                 self.move(0)
             elif self.pool:
                 self.deliver(0)

@@ -43,3 +43,28 @@ def test_a_dropped_or_rejected_message_gives_its_caller_the_conflict(stub_broker
     finally:
         release.set()
         worker.stop()
+
+
+def test_a_refused_duplicate_in_a_group_gives_its_caller_the_duplicate(stub_broker):
+    # Given an enqueue lock held by a queued message, and a group with a duplicate of it
+    results = ResultsStub()
+    stub_broker.add_middleware(Results(backend=results))
+    stub_broker.add_middleware(unique())
+
+    @dramatiq.actor(broker=stub_broker, lock="until_executed", store_results=True)
+    def report(day: str) -> str:
+        return f"report {day}"
+
+    holder = report.send("monday")
+    members = dramatiq.group([report.message("tuesday"), report.message("monday")], broker=stub_broker).run()
+    worker = make_worker(stub_broker)
+    try:
+        # Then the refused member's caller gets a ResultFailure naming the holder, and the rest run
+        with pytest.raises(ResultFailure) as failure:
+            members.children[1].get_result(backend=results, block=True, timeout=5_000)
+        assert failure.value.orig_exc_type == "DuplicateMessage"
+        assert holder.message_id in failure.value.orig_exc_msg
+        assert members.children[0].get_result(backend=results, block=True, timeout=5_000) == "report tuesday"
+        assert holder.get_result(backend=results, block=True, timeout=5_000) == "report monday"
+    finally:
+        worker.stop()
