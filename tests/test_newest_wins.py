@@ -30,8 +30,9 @@ from tests.apps import newest
 from tests.conftest import wait_for
 from tests.procs import WorkerGroup
 
-#: The key suffixes of locks and waiters; ``:superseded`` records expire on their own.
-LOCK_SUFFIXES = (":queue", ":run", ":wait", ":tickets")
+#: The key suffixes of locks and waiters; ``:superseded`` and message
+#: records (``:m:<id>``) expire on their own.
+LOCK_SUFFIXES = (":queue", ":run", ":wait", ":bodies")
 
 
 @dataclass

@@ -72,6 +72,22 @@ def test_a_started_holder_keeps_its_slot_and_gives_it_up_on_its_next_delivery(ba
     assert backend.inspect(key) is None
 
 
+def test_a_send_after_the_current_message_finished_leaves_a_running_superseded_one_alone(
+    backend: LockBackend,
+) -> None:
+    key = lock_key()
+    replace(backend, key, "a")
+    backend.current(key, "a")  # a runs
+    replace(backend, key, "b")  # supersedes a, which keeps its slot
+    backend.current(key, "b")
+    assert backend.release(key, "b").held  # b ran and finished first
+    got = replace(backend, key, "c")
+    assert (got.status, got.holder) == ("acquired", None)  # a was superseded already
+    assert backend.release(key, "a").held  # a finishes: its slot was never taken from it
+    info = backend.inspect(key)
+    assert info is not None and set(info.holders) == {"c"} and info.current == "c"
+
+
 def test_keep_started_refuses_a_send_once_the_holder_started(backend: LockBackend) -> None:
     key = lock_key()
     replace(backend, key, "a", keep_started=True)

@@ -232,7 +232,9 @@ class StubBackend(LockBackend):
                 return Replacement("reentered", owner, 0, entry.fence)
             current = None
             if entry is not None:
-                current = entry.current if entry.current in entry.holders else next(iter(entry.holders))
+                # As replace.lua: no live current message leaves only superseded, started slots.
+                current = next(iter(entry.holders)) if entry.current is None else entry.current
+                current = current if current in entry.holders else None
             status, burst = "acquired", now
             if entry is not None and current is not None:
                 started = entry.started == current
@@ -247,8 +249,10 @@ class StubBackend(LockBackend):
                 entry.superseded += 1
                 entry.previous = current
                 status = "replaced"
-            else:
+            elif entry is None:
                 entry = self._entries[key] = _Entry()
+            else:
+                entry.superseded, entry.previous, entry.lock_args = 0, None, None
             delay = 0
             if debounce > 0:
                 due = now + debounce

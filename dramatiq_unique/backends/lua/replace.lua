@@ -44,8 +44,12 @@ if live[owner] then
   if redis.call("PTTL", key) < deadline - now then redis.call("PEXPIREAT", key, string.format("%.0f", deadline)) end
   return {2, owner, fence, 0}
 end
+-- Without a live current message, the slots left are those of started
+-- holders that were superseded already: the key is free to replace
+-- into.  (A key taken without replace has no "!current": its holder is
+-- the current one.)
 local current = meta["!current"]
-if not (current and live[current]) then current = any end
+if current == nil then current = any elseif not live[current] then current = false end
 local status, burst = 1, now
 if current then
   local started = meta["!started"] == current
