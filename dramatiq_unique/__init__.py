@@ -14,7 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .backend import Acquisition, LockBackend, LockInfo, Release
+    from .backend import Acquisition, LockBackend, LockInfo, Release, Replacement
     from .backends import StubBackend
     from .delivery import fence_token
     from .errors import (
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         LockBackendError,
         LockConflict,
         Rescheduled,
+        Superseded,
         UniqueError,
     )
     from .events import EVENTS, LockEvent
@@ -47,6 +48,7 @@ _EXPORTS = {
     "LockBackend": ".backend",
     "LockInfo": ".backend",
     "Release": ".backend",
+    "Replacement": ".backend",
     "StubBackend": ".backends",
     "fence_token": ".delivery",
     "ConfigurationError": ".errors",
@@ -54,6 +56,7 @@ _EXPORTS = {
     "LockBackendError": ".errors",
     "LockConflict": ".errors",
     "Rescheduled": ".errors",
+    "Superseded": ".errors",
     "UniqueError": ".errors",
     "EVENTS": ".events",
     "LockEvent": ".events",
@@ -81,6 +84,7 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted({*globals(), *_EXPORTS})
 
+
 __all__ = [
     "Acquisition",
     "ConfigurationError",
@@ -99,9 +103,11 @@ __all__ = [
     "LockInfo",
     "LockType",
     "Release",
+    "Replacement",
     "Rescheduled",
     "STRATEGIES",
     "StubBackend",
+    "Superseded",
     "UniqueError",
     "UniqueMiddleware",
     "digest_for",

@@ -3,9 +3,9 @@
 Lock keys look like ``{prefix}:{actor}:{<digest>}:queue`` (an enqueue
 lock, owned by a message id) or ``...:run`` (a run lock, owned by
 ``<message_id>/<nonce>``).  Keys are found with ``SCAN`` through
-:meth:`LockBackend.scan`, never ``KEYS``, and the ``:wait`` and
-``:bodies`` and ``:m:<message id>`` companions of a lock are never
-listed or touched.
+:meth:`LockBackend.scan`, never ``KEYS``, and the ``:wait``,
+``:bodies``, ``:m:<message id>`` and ``:superseded`` companions of a
+lock are never listed or touched.
 
 Examples:
   >>> admin = LockAdmin(RedisBackend(url="redis://127.0.0.1:6379/0"))
@@ -73,6 +73,10 @@ class Lock:
       fence(int): The last fencing token handed out.
       waiting(tuple[Waiter, ...]): For a run lock, the messages waiting
         to be handed it, first in line first.
+      current(str): Under ``on_conflict="replace"`` or ``debounce``,
+        the message id of the newest send, the one that runs.
+      superseded(int): How many messages sends of this key superseded
+        since it was taken.
     """
 
     key: str
@@ -84,6 +88,8 @@ class Lock:
     lock_args: Optional[str] = None
     fence: int = 0
     waiting: tuple[Waiter, ...] = ()
+    current: Optional[str] = None
+    superseded: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready dict, with the lock args decoded."""
@@ -97,6 +103,8 @@ class Lock:
             "lock_args": _decoded(self.lock_args),
             "holders": [{"owner": h.owner, "message_id": h.message_id, "deadline": h.deadline} for h in self.holders],
             "waiting": [{"message_id": w.message_id, "since": w.order} for w in self.waiting],
+            "current": self.current,
+            "superseded": self.superseded,
         }
 
 
@@ -297,4 +305,6 @@ def _from_info(info: LockInfo, parts: "re.Match[str]", waiting: tuple[Waiter, ..
         lock_args=info.lock_args,
         fence=info.fence,
         waiting=waiting,
+        current=info.current,
+        superseded=info.superseded,
     )

@@ -124,6 +124,8 @@ def _print_lock(lock: "Lock") -> None:
     print(f"lock       {lock.lock or '?'}")
     print(f"fence      {lock.fence}")
     print(f"lock args  {lock.lock_args if lock.lock_args is not None else '(not recorded)'}")
+    if lock.current is not None:
+        print(f"current    {lock.current}  (superseded {lock.superseded})")
     print(f"holders    {len(lock.holders)}")
     for holder in lock.holders:
         print(f"  message {holder.message_id}  owner {holder.owner}")

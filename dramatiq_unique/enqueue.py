@@ -16,6 +16,7 @@ import threading
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from . import replace
 from .compat import ConsumerThread
 from .delivery import copy_of
 from .errors import DuplicateMessage
@@ -61,6 +62,7 @@ class EnqueueGuard:
 
         @functools.wraps(original)
         def enqueue(message: Any, *, delay: Optional[int] = None) -> Any:
+            delay = replace.debounce_delay(self, message, delay)
             taken: list[tuple[str, str]] = []
             token = _taken.set(taken)
             try:
@@ -71,6 +73,7 @@ class EnqueueGuard:
                 store_failure(broker, unsent, duplicate)  # a caller waiting on it learns why at once
                 return unsent
             except BaseException:
+                replace.restore(self, message, taken)
                 release(taken, message.actor_name)
                 raise
             finally:
@@ -109,6 +112,8 @@ class EnqueueGuard:
             self._take(message, delay, spec, fresh)
 
     def _take(self, message: Any, delay: Optional[int], spec: ActorSpec, fresh: bool) -> None:
+        if spec.client == "replace":
+            return replace.take(self, message, delay, spec, fresh)
         middleware = self.middleware
         digest = message.options["unique_digest"]
         key = middleware.key(spec, digest, "queue")

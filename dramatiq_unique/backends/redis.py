@@ -21,7 +21,7 @@ except ModuleNotFoundError as e:  # tested in a subprocess: tests/test_install.p
         name=e.name,
     ) from None
 
-from ..backend import Acquisition, Copy, LockBackend, LockInfo, Release, Start, Waiter
+from ..backend import Acquisition, Copy, LockBackend, LockInfo, Release, Replacement, Start, Waiter
 
 _LUA = resources.files(__package__).joinpath("lua")
 
@@ -34,7 +34,13 @@ def _source(name: str) -> str:
     return "".join(_source(line.split()[1]) if line.startswith("--@include ") else line for line in lines)
 
 
-_SCRIPTS = {name: _source(name) for name in ("acquire", "start", "release", "extend", "wait", "claim", "withdraw")}
+_SCRIPTS = {
+    name: _source(name)
+    for name in (
+        *("acquire", "start", "release", "extend", "wait", "claim", "withdraw"),
+        *("replace", "current", "unreplace"),  # on_conflict="replace" and debounce
+    )
+}
 
 #: The URL scheme that connects to a Cluster.
 CLUSTER_SCHEME = "redis+cluster://"
@@ -75,6 +81,15 @@ def _acquisition(status: int, holder: Any, fence: Any) -> Acquisition:
     if status == 3:
         return Acquisition(False, refused=_text(holder))
     return Acquisition(status in (1, 2), reentered=status == 2, holder=_text(holder), fence=int(fence))
+
+
+def _superseded(key: str) -> str:
+    """The superseded record of an enqueue lock key: same hash tag."""
+    return f"{key}:superseded"
+
+
+#: replace.lua's status codes.
+_REPLACED = {0: "refused", 1: "acquired", 2: "reentered", 3: "replaced"}
 
 
 def _text(value: Any) -> str:
@@ -197,13 +212,63 @@ class RedisBackend(LockBackend):
                 self.scripts["extend"](keys=[key], args=[owner, ttl], client=pipe)
         return [bool(result) for result in pipe.execute()]
 
+    def replace(
+        self,
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        lock: str = "",
+        lock_args: Optional[str] = None,
+        keep_started: bool = False,
+        debounce: int = 0,
+        debounce_max: int = 0,
+        superseded_ttl: int,
+    ) -> Replacement:
+        status, other, fence, delay = self.scripts["replace"](
+            keys=[key, _superseded(key)],
+            args=[owner, ttl, lock, lock_args or "", int(keep_started), debounce, debounce_max, superseded_ttl],
+            client=self.client,
+        )
+        return Replacement(_REPLACED[int(status)], _text(other) if other else None, int(delay), int(fence))
+
+    def current(
+        self,
+        key: str,
+        owner: str,
+        *,
+        reenter: bool = False,
+        ttl: int = 0,
+        lock: str = "",
+        copy: Optional[Copy] = None,
+    ) -> tuple[int, Optional[str]]:
+        keys: list[str] = [key, _superseded(key)]
+        args: list[Any] = [owner, "reenter" if reenter else "start", ttl, lock]
+        if reenter and copy is not None:
+            keys, args = keys + _records(copy), args + [copy.attempt, copy.via]
+        status, other = self.scripts["current"](keys=keys, args=args, client=self.client)
+        return int(status), _text(other) if other else None
+
+    def unreplace(self, key: str, owner: str) -> Optional[str]:
+        previous = self.scripts["unreplace"](keys=[key, _superseded(key)], args=[owner], client=self.client)
+        return _text(previous) if previous else None
+
     def inspect(self, key: str) -> Optional[LockInfo]:
         fields = {_text(name): _text(value) for name, value in self.client.hgetall(key).items()}
         now = self._now_ms(key)
         holders = {name: int(value) for name, value in fields.items() if not name.startswith("!") and int(value) > now}
         if not holders:
             return None
-        return LockInfo(key, fields.get("!lock") or None, holders, fields.get("!args"), int(fields.get("!fence", 0)))
+        current = fields.get("!current")
+        return LockInfo(
+            key,
+            fields.get("!lock") or None,
+            holders,
+            fields.get("!args"),
+            int(fields.get("!fence", 0)),
+            current=current if current in holders else None,
+            superseded=int(fields.get("!superseded", 0)),
+        )
 
     def scan(self, pattern: str) -> Iterator[str]:
         seen = set()

@@ -141,8 +141,12 @@
     release.addEventListener("click", () =>
       confirmRelease({ digest: lock.digest, phase: lock.phase, holder: holder.owner },
         "Release holder " + holder.owner + " of the " + lock.phase + " lock " + lock.key + "?"));
-    const item = el("li", { className: "holder" },
-      el("code", { title: holder.owner }, holder.message_id), el("span", { className: "when" }, remaining, release));
+    const parts = [el("code", { title: holder.owner }, holder.message_id)];
+    if (lock.current !== null && lock.current === holder.message_id) {
+      // replace / debounce: the newest send, the one that runs
+      parts.push(el("span", { className: "current" }, "current, superseded " + lock.superseded));
+    }
+    const item = el("li", { className: "holder" }, ...parts, el("span", { className: "when" }, remaining, release));
     item.dataset.owner = holder.owner;
     return item;
   }
