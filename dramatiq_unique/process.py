@@ -74,7 +74,7 @@ class ProcessGuard:
                 self.release_queue_lock(message, state, strict=True)
         elif _expired(broker, message):
             # AgeLimit, after us, dead-letters it; only one copy of it may be.
-            self._settle(message, state)
+            self._settle(message, state, strict=True)
         else:
             self._take_run_lock(broker, message, state)
 
@@ -123,17 +123,22 @@ class ProcessGuard:
         set_fence(got.fence)
         middleware.emit("locked", spec, key, message)
 
-    def _settle(self, message: "MessageProxy", state: Delivery) -> None:
+    def _settle(self, message: "MessageProxy", state: Delivery, strict: bool = False) -> None:
         """Claim a copy that will not start, so that no other copy of
         its message starts either; skip it if another copy won.
+        ``strict`` raises on a backend failure, so that the delivery is
+        retried rather than dead-lettered beside a copy that won.
         """
-        copy = copy_of(message, self.middleware.key(state.spec, state.digest, "run"))
+        middleware = self.middleware
+        copy = copy_of(message, middleware.key(state.spec, state.digest, "run"))
         if state.claimed or not copy.attempt:
             return
         try:
             may_run = self.backend.claim(copy)
         except Exception as e:
-            self.middleware.backend_error("settle the copies of", copy.key, state.spec, message, e)
+            error = middleware.backend_error("settle the copies of", copy.key, state.spec, message, e)
+            if strict and middleware.settings.on_backend_error == "fail":
+                raise error from e
             return
         state.claimed = True
         if not may_run:

@@ -28,7 +28,14 @@ from dramatiq.results import Results
 from dramatiq.results.backends import StubBackend as ResultsStub
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from dramatiq_unique import LockBackendError, StubBackend, UniqueMiddleware
 from dramatiq_unique.backend import LockBackend
@@ -131,6 +138,7 @@ class HandoffModel(RuleBasedStateMachine):
         self.starts: Counter[str] = Counter()
         self.crashes: Counter[str] = Counter()
         self.dead: Counter[str] = Counter()
+        self.dead_of_backend_errors: Counter[str] = Counter()
         self.succeeded: set[str] = set()
         self.aged = False
 
@@ -154,9 +162,22 @@ class HandoffModel(RuleBasedStateMachine):
         self.broker.emit_before(verb, proxy)
         if proxy.failed:
             self.dead[proxy.message_id] += 1
+            if isinstance(proxy._exception, LockBackendError):
+                # Retries gave up on a copy that the lock backend failed on every time
+                self.dead_of_backend_errors[proxy.message_id] += 1
         self.broker.emit_after(verb, proxy)
 
     # Rules ---------------------------------------------------------------------------
+
+    @initialize(actor=st.sampled_from(sorted(ACTORS)))
+    def a_reschedule_in_flight(self, actor: str) -> None:
+        """Every example starts at the seam: one message of the key
+        running, and a second one rescheduled behind it.
+        """
+        self.send(actor, KEYS[0])
+        self.deliver(0)
+        self.send(actor, KEYS[0])
+        self.deliver(0)
 
     @rule(actor=st.sampled_from(sorted(ACTORS)), key=st.sampled_from(KEYS))
     def send(self, actor: str, key: int) -> None:
@@ -282,7 +303,8 @@ class HandoffModel(RuleBasedStateMachine):
 
     @invariant()
     def no_message_is_dead_lettered_twice(self) -> None:
-        assert all(count == 1 for count in self.dead.values()), self.dead
+        # ...unless the lock backend failed on every attempt of a copy (see the docs)
+        assert all(count <= 1 + self.dead_of_backend_errors[m] for m, count in self.dead.items()), self.dead
 
     @invariant()
     def a_result_is_only_ever_a_real_one(self) -> None:
