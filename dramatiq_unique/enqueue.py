@@ -7,17 +7,25 @@ wrapper turns a refused duplicate into a returned, unsent message, and
 releases any lock its call took when the publish fails.  That covers
 ``send``, ``send_with_options``, ``broker.enqueue``, pipelines, groups
 and callbacks alike.
+
+A new lock is taken for the provisional window only, and confirmed to
+its full lifetime by the process's :class:`~.confirm.Confirmer` once
+the publish has returned (see :mod:`dramatiq_unique.confirm`): a
+producer that dies in between leaves a key that frees itself.
 """
 
 from __future__ import annotations
 
 import functools
 import threading
+import time
 from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from dramatiq.worker import ConsumerThread
 
+from .confirm import Confirmer, Pending
 from .errors import DuplicateMessage
 from .events import LockEvent
 from .spec import ActorSpec
@@ -27,8 +35,18 @@ if TYPE_CHECKING:
 
     from .middleware import UniqueMiddleware
 
-#: The locks taken fresh during the current guarded enqueue call.
-_taken: ContextVar[Optional[list[tuple[str, str]]]] = ContextVar("dramatiq_unique_taken", default=None)
+
+@dataclass
+class _Call:
+    """What the current guarded enqueue call did to locks."""
+
+    #: Locks taken fresh: released if the publish fails.
+    taken: list[tuple[str, str]] = field(default_factory=list)
+    #: Provisional locks: confirmed once the publish returns.
+    provisional: list[Pending] = field(default_factory=list)
+
+
+_taken: ContextVar[Optional[_Call]] = ContextVar("dramatiq_unique_taken", default=None)
 
 
 class _Refused(DuplicateMessage):
@@ -42,27 +60,36 @@ class EnqueueGuard:
 
     def __init__(self, middleware: "UniqueMiddleware") -> None:
         self.middleware = middleware
+        #: The Redis broker's namespace, to record where each message
+        #: goes for the reaper; None on other brokers.
+        self.namespace: Optional[str] = None
+        self._confirmer: Optional[Confirmer] = None
 
     def install(self, broker: "Broker") -> None:
         """Wrap ``broker.enqueue``, once."""
         if getattr(broker.enqueue, "_unique_guard", None) is self:
             return
+        namespace = getattr(broker, "namespace", None)
+        self.namespace = namespace if isinstance(namespace, str) else None
         original: Callable[..., Any] = broker.enqueue
-        release = self._release_all
+        release, confirm = self._release_all, self._confirm_all
 
         @functools.wraps(original)
         def enqueue(message: Any, *, delay: Optional[int] = None) -> Any:
-            taken: list[tuple[str, str]] = []
-            token = _taken.set(taken)
+            call = _Call()
+            token = _taken.set(call)
             try:
-                return original(message, delay=delay)
+                sent = original(message, delay=delay)
             except _Refused as refused:
                 return message.copy(options={"unique_duplicate_of": refused.holder})
             except BaseException:
-                release(taken, message.actor_name)
+                release(call.taken, message.actor_name)
                 raise
             finally:
                 _taken.reset(token)
+            if call.provisional:
+                confirm(call.provisional)
+            return sent
 
         enqueue._unique_guard = self  # type: ignore[attr-defined]
         broker.enqueue = enqueue  # type: ignore[method-assign]
@@ -77,6 +104,30 @@ class EnqueueGuard:
             except Exception as e:
                 self.middleware.logger.error("Could not release %r after a failed enqueue: %r", key, e)
                 events.emit(LockEvent("backend_error", actor, key, owner))
+
+    @property
+    def confirmer(self) -> Confirmer:
+        """This process's confirmer for the middleware's backend."""
+        backend = self.middleware.backend
+        assert backend is not None
+        if self._confirmer is None or self._confirmer.backend is not backend:
+            if self._confirmer is not None:
+                self._confirmer.stop(timeout=0)
+            self._confirmer = Confirmer(backend, on_lapsed=self._lapsed)
+        return self._confirmer
+
+    def _confirm_all(self, provisional: list[Pending]) -> None:
+        # De-duplicated: a RabbitMQ publish retry re-enters the same lock.
+        self.confirmer.submit({(lock.key, lock.owner): lock for lock in provisional}.values())
+
+    def _lapsed(self, lock: Pending) -> None:
+        self.middleware.events.emit(LockEvent("lock_lost", lock.actor, lock.key, lock.owner))
+
+    def flush(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for this process's
+        provisional locks to be confirmed.
+        """
+        return self._confirmer is None or self._confirmer.flush(timeout)
 
     def is_fresh(self, message: Any) -> bool:
         """Whether this enqueue is a new send, which may be refused,
@@ -96,7 +147,28 @@ class EnqueueGuard:
         if spec.lock.queue_lock:
             self._take(message, delay, spec, fresh)
 
-    def _take(self, message: Any, delay: Optional[int], spec: ActorSpec, fresh: bool) -> None:
+    def where(self, message: Any) -> str:
+        """Where ``message`` is being published, as the reaper looks for
+        it: ``namespace\tqueue\tredis_message_id`` on the Redis broker;
+        on other brokers the namespace and id are empty (a RabbitMQ
+        message cannot be looked up by id), the queue is still named.
+        """
+        redis_id = message.options.get("redis_message_id")
+        if self.namespace is None or not isinstance(redis_id, str):
+            return f"\t{message.queue_name}\t"
+        return f"{self.namespace}\t{message.queue_name}\t{redis_id}"
+
+    def _take(
+        self, message: Any, delay: Optional[int], spec: ActorSpec, fresh: bool, *, provisional: bool = True
+    ) -> None:
+        """Take or re-enter the enqueue lock of ``message``.
+
+        Parameters:
+          provisional(bool): Inside a guarded enqueue call, hold a new
+            lock for the provisional window only and confirm it once the
+            publish returns.  False takes the full lifetime at once, for
+            a path that publishes atomically with the lock.
+        """
         middleware = self.middleware
         key = middleware.key(spec, message.options["unique_digest"], "queue")
         ttl = (delay or 0) + (spec.lock_ttl or middleware.settings.lock_ttl)
@@ -105,9 +177,19 @@ class EnqueueGuard:
             if fresh and middleware.record_lock_args
             else None
         )
+        call = _taken.get()
+        window = middleware.settings.provisional_window if provisional and call is not None else 0
+        started = time.monotonic() * 1000
         try:
             got = middleware.backend.acquire(  # type: ignore[union-attr]
-                key, message.message_id, ttl=ttl, limit=spec.lock_limit, lock=spec.lock.name, lock_args=recorded
+                key,
+                message.message_id,
+                ttl=ttl,
+                limit=spec.lock_limit,
+                lock=spec.lock.name,
+                lock_args=recorded,
+                provisional=window,
+                where=self.where(message),
             )
         except Exception as e:
             error = middleware.backend_error("take the enqueue lock", key, spec, message, e)
@@ -117,9 +199,10 @@ class EnqueueGuard:
             middleware.logger.warning("Enqueueing %s without its lock %r.", message, key)
             return
         if got.acquired:
-            taken = _taken.get()
-            if not got.reentered and taken is not None:
-                taken.append((key, message.message_id))
+            if not got.reentered and call is not None:
+                call.taken.append((key, message.message_id))
+            if got.provisional and call is not None:
+                call.provisional.append(Pending(key, message.message_id, ttl, spec.actor_name, started + window))
             if not got.reentered:
                 middleware.emit("locked", spec, key, message)
             return

@@ -39,6 +39,7 @@ from .errors import ConfigurationError, LockBackendError
 from .events import EventHub, Listener, LockEvent
 from .leases import LeaseKeeper
 from .process import ProcessGuard
+from .reap import PeriodicReaper, start_periodic_reaper
 from .spec import ACTOR_OPTIONS, ActorSpec, actor_spec
 
 if TYPE_CHECKING:
@@ -74,6 +75,13 @@ class UniqueMiddleware(Middleware):
       enabled(bool): False turns all locking off.
       on_backend_error(str): ``"fail"`` never runs or enqueues a message
         without its lock; ``"run_unlocked"`` carries on without it.
+      provisional_window(int): How long a new enqueue lock holds before
+        its publish is confirmed, in milliseconds; a producer that dies
+        in between frees its key after this.  0 takes ``lock_ttl`` at
+        once.
+      reap_interval(int): Every this many milliseconds, one worker
+        releases the enqueue locks whose message vanished from the Redis
+        broker; 0 (the default) never.
       record_lock_args(bool): Store the lock args JSON with each enqueue
         lock, for operators.
       listeners(list[callable]): Called with every :class:`LockEvent`,
@@ -99,6 +107,8 @@ class UniqueMiddleware(Middleware):
         reschedule_delay: Optional[int] = None,
         enabled: Optional[bool] = None,
         on_backend_error: Optional[str] = None,
+        provisional_window: Optional[int] = None,
+        reap_interval: Optional[int] = None,
         record_lock_args: bool = False,
         listeners: Iterable[Listener] = (),
     ) -> None:
@@ -111,6 +121,8 @@ class UniqueMiddleware(Middleware):
             reschedule_delay=reschedule_delay,
             enabled=enabled,
             on_backend_error=on_backend_error,
+            provisional_window=provisional_window,
+            reap_interval=reap_interval,
         )
         if backend is not None and not isinstance(backend, LockBackend):
             raise ConfigurationError(
@@ -129,6 +141,7 @@ class UniqueMiddleware(Middleware):
         self._guard = EnqueueGuard(self)
         self._process = ProcessGuard(self)
         self._retries = True
+        self._reaper: Optional["PeriodicReaper"] = None
 
     @property
     def actor_options(self) -> set[str]:
@@ -222,6 +235,7 @@ class UniqueMiddleware(Middleware):
             self.attach(broker)
         self._retries = any(isinstance(m, Retries) for m in broker.middleware)
         self._move_before_interrupters(broker, worker)
+        self._reaper = start_periodic_reaper(self, broker)
 
     def _move_before_interrupters(self, broker: "Broker", worker: "Worker") -> None:
         # Called while emit_before iterates over the stack.  Moving
@@ -242,6 +256,9 @@ class UniqueMiddleware(Middleware):
     def after_worker_shutdown(self, broker: "Broker", worker: "Worker") -> None:
         if self._leases is not None:
             self._leases.stop()
+        if self._reaper is not None:
+            self._reaper.stop()
+        self._guard.flush(timeout=5)
 
     # Enqueue --------------------------------------------------------
 

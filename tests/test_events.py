@@ -29,7 +29,16 @@ from tests.conftest import free_port, make_worker, start_redis_server, unique, w
 PACKAGE = Path(__file__).resolve().parent.parent / "dramatiq_unique"
 
 #: The modules whose log lines ``LOG_LINES`` documents: the middleware at run time.
-RUNTIME_MODULES = ("middleware.py", "enqueue.py", "process.py", "leases.py", "events.py", "spec.py")
+RUNTIME_MODULES = (
+    "middleware.py",
+    "enqueue.py",
+    "process.py",
+    "leases.py",
+    "events.py",
+    "spec.py",
+    "confirm.py",
+    "reap.py",
+)
 
 
 @dataclass

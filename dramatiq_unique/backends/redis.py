@@ -14,11 +14,11 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from ..backend import Acquisition, LockBackend, LockInfo, Release
+from ..backend import Acquisition, EnqueueRecord, LockBackend, LockInfo, Release
 
 _SCRIPTS = {
     name: resources.files(__package__).joinpath("lua", f"{name}.lua").read_text()
-    for name in ("acquire", "release", "extend", "wait", "claim")
+    for name in ("acquire", "release", "extend", "wait", "claim", "confirm", "reap")
 }
 
 #: The URL scheme that connects to a Cluster.
@@ -108,12 +108,25 @@ class RedisBackend(LockBackend):
         return f"RedisBackend(redis at {where})"
 
     def acquire(
-        self, key: str, owner: str, *, ttl: int, limit: int = 1, lock: str = "", lock_args: Optional[str] = None
+        self,
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        limit: int = 1,
+        lock: str = "",
+        lock_args: Optional[str] = None,
+        provisional: int = 0,
+        where: Optional[str] = None,
     ) -> Acquisition:
-        status, holder, fence = self.scripts["acquire"](
-            keys=[key], args=[owner, ttl, limit, lock, lock_args or ""], client=self.client
+        status, holder, fence, confirm = self.scripts["acquire"](
+            keys=[key],
+            args=[owner, ttl, limit, lock, lock_args or "", provisional, int(where is not None), where or ""],
+            client=self.client,
         )
-        return Acquisition(status != 0, reentered=status == 2, holder=_text(holder), fence=int(fence))
+        return Acquisition(
+            status != 0, reentered=status == 2, holder=_text(holder), fence=int(fence), provisional=confirm == 1
+        )
 
     def release(self, key: str, owner: str, *, hand_over: bool = True) -> Release:
         held, promoted = self.scripts["release"](
@@ -142,13 +155,45 @@ class RedisBackend(LockBackend):
                 self.scripts["extend"](keys=[key], args=[owner, ttl], client=pipe)
         return [bool(result) for result in pipe.execute()]
 
+    def confirm(self, locks: Sequence[tuple[str, str, int]]) -> list[bool]:
+        return self._each("confirm", locks)
+
+    def _each(self, script: str, calls: Sequence[tuple[str, str, int]]) -> list[bool]:
+        """Run a one-key ``script`` once per ``(key, owner, ttl)``, in
+        one round trip (as :meth:`extend` does).
+        """
+        if not calls:
+            return []
+        if len(calls) == 1:
+            key, owner, ttl = calls[0]
+            return [bool(self.scripts[script](keys=[key], args=[owner, ttl], client=self.client))]
+        pipe = self.client.pipeline(transaction=False)
+        for key, owner, ttl in calls:
+            if self.cluster:
+                # A Cluster pipeline refuses EVALSHA but sends EVAL, one batch per node.
+                pipe.execute_command("EVAL", _SCRIPTS[script], 1, key, owner, ttl)
+            else:
+                self.scripts[script](keys=[key], args=[owner, ttl], client=pipe)
+        return [bool(result) for result in pipe.execute()]
+
+    def reap(self, key: str, owner: str, record: EnqueueRecord) -> bool:
+        return bool(self.scripts["reap"](keys=[key], args=[owner, record.encode()], client=self.client))
+
     def inspect(self, key: str) -> Optional[LockInfo]:
         fields = {_text(name): _text(value) for name, value in self.client.hgetall(key).items()}
         now = self._now_ms(key)
         holders = {name: int(value) for name, value in fields.items() if not name.startswith("!") and int(value) > now}
         if not holders:
             return None
-        return LockInfo(key, fields.get("!lock") or None, holders, fields.get("!args"), int(fields.get("!fence", 0)))
+        records = {owner: EnqueueRecord.decode(fields.get(f"!m:{owner}", "")) for owner in holders}
+        return LockInfo(
+            key,
+            fields.get("!lock") or None,
+            holders,
+            fields.get("!args"),
+            int(fields.get("!fence", 0)),
+            {owner: record for owner, record in records.items() if record is not None},
+        )
 
     def scan(self, pattern: str) -> Iterator[str]:
         seen = set()

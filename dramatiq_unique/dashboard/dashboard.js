@@ -110,7 +110,19 @@
     release.addEventListener("click", () =>
       confirmRelease({ digest: lock.digest, phase: lock.phase, holder: holder.owner },
         "Release holder " + holder.owner + " of the " + lock.phase + " lock " + lock.key + "?"));
-    const item = el("li", { className: "holder" }, el("code", { title: holder.owner }, holder.message_id), remaining, release);
+    const parts = [el("code", { title: holder.owner }, holder.message_id), remaining];
+    if (holder.taken_at !== null && holder.taken_at !== undefined) {
+      // An enqueue lock: how long ago it was taken, and whether its
+      // publish is still unconfirmed (it then lapses at its deadline).
+      const age = el("span", { className: "age", title: "taken " + new Date(holder.taken_at).toISOString() });
+      age.dataset.taken = holder.taken_at;
+      parts.push(age);
+      if (holder.provisional) {
+        parts.push(el("span", { className: "provisional", title: "lapses at its deadline unless its publish is confirmed" },
+          "provisional"));
+      }
+    }
+    const item = el("li", { className: "holder" }, ...parts, release);
     item.dataset.owner = holder.owner;
     return item;
   }
@@ -120,6 +132,9 @@
       const left = Number(span.dataset.deadline) - serverNow();
       span.textContent = formatRemaining(left);
       span.classList.toggle("expired", left <= 0);
+    }
+    for (const span of document.querySelectorAll(".age")) {
+      span.textContent = "age " + formatRemaining(serverNow() - Number(span.dataset.taken));
     }
   }
 

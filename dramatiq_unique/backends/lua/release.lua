@@ -13,7 +13,7 @@
 local key, owner = KEYS[1], ARGV[1]
 local deadline = redis.call("HGET", key, owner)
 if not deadline then return {0, false} end
-redis.call("HDEL", key, owner)
+redis.call("HDEL", key, owner, "!m:" .. owner)
 local time = redis.call("TIME")
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 -- Lapsed holders count for nothing: drop them, or the key would
@@ -26,7 +26,7 @@ for i = 1, #fields, 2 do
     if tonumber(fields[i + 1]) > now then
       holders = holders + 1
     else
-      redis.call("HDEL", key, name)
+      redis.call("HDEL", key, name, "!m:" .. name)
     end
   end
 end
