@@ -261,9 +261,9 @@ def _reap(args: argparse.Namespace) -> int:
     ]
     if rows:
         _print_table(rows, ["ACTOR", "MESSAGE", "QUEUE", "AGE", "LOCK ARGS"])
-    verb = "Released" if args.yes else "Would release (run with --yes to release)"
     done = sum(1 for s in report.suspects if s.released) if args.yes else len(report.suspects)
-    print(f"{verb} {done} enqueue lock{'s' if done != 1 else ''} whose message is in no queue.")
+    what = f"{done} enqueue lock{'s' if done != 1 else ''} whose message is in no queue"
+    print(f"Released {what}." if args.yes else f"Would release {what} (run with --yes to release them).")
     print(
         f"Looked up {report.checked}; left alone {report.skipped} (provisional, younger than --min-age, "
         f"or until_expired); {report.unknown} with no Redis broker place recorded (RabbitMQ messages cannot "

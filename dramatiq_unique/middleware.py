@@ -204,6 +204,16 @@ class UniqueMiddleware(Middleware):
             )
         return self._leases
 
+    def flush_confirmations(self, timeout: float = 5.0) -> bool:
+        """Wait at most ``timeout`` seconds until every provisional
+        enqueue lock this process took is confirmed (a process also does
+        this when it exits).
+
+        Returns:
+          bool: True when none is left waiting.
+        """
+        return self._guard.flush(timeout)
+
     def key(self, spec: ActorSpec, digest: str, phase: str) -> str:
         """The backend key of one lock: prefix, actor in clear text, and
         the digest inside a Cluster hash tag.
@@ -258,7 +268,7 @@ class UniqueMiddleware(Middleware):
             self._leases.stop()
         if self._reaper is not None:
             self._reaper.stop()
-        self._guard.flush(timeout=5)
+        self.flush_confirmations()
 
     # Enqueue --------------------------------------------------------
 
