@@ -41,7 +41,7 @@ DEFAULT_BATCH = 500
 #: How long the confirmer gathers locks before a round trip, in
 #: milliseconds: a busy producer then shares one round trip among many
 #: sends, at the price of this much more time in the crash window.
-DEFAULT_LINGER = 5
+DEFAULT_LINGER = 20
 
 #: How long a failed confirmation waits before it is tried again, in
 #: milliseconds.

@@ -64,6 +64,7 @@ class EnqueueGuard:
         #: goes for the reaper; None on other brokers.
         self.namespace: Optional[str] = None
         self._confirmer: Optional[Confirmer] = None
+        self._confirmer_mutex = threading.Lock()
 
     def install(self, broker: "Broker") -> None:
         """Wrap ``broker.enqueue``, once."""
@@ -110,15 +111,24 @@ class EnqueueGuard:
         """This process's confirmer for the middleware's backend."""
         backend = self.middleware.backend
         assert backend is not None
-        if self._confirmer is None or self._confirmer.backend is not backend:
-            if self._confirmer is not None:
-                self._confirmer.stop(timeout=0)
-            self._confirmer = Confirmer(backend, on_lapsed=self._lapsed)
-        return self._confirmer
+        with self._confirmer_mutex:
+            if self._confirmer is None or self._confirmer.backend is not backend:
+                if self._confirmer is not None:
+                    self._confirmer.stop(timeout=0)
+                self._confirmer = Confirmer(backend, on_lapsed=self._lapsed)
+            return self._confirmer
 
     def _confirm_all(self, provisional: list[Pending]) -> None:
-        # De-duplicated: a RabbitMQ publish retry re-enters the same lock.
-        self.confirmer.submit({(lock.key, lock.owner): lock for lock in provisional}.values())
+        # The message is published: nothing here may raise to the caller.
+        try:
+            # De-duplicated: a RabbitMQ publish retry re-enters the same lock.
+            self.confirmer.submit({(lock.key, lock.owner): lock for lock in provisional}.values())
+        except Exception as e:  # e.g. no new threads at interpreter shutdown
+            self.middleware.logger.error(
+                "Could not queue %d enqueue lock(s) for confirmation: %r; they lapse after the provisional window.",
+                len(provisional),
+                e,
+            )
 
     def _lapsed(self, lock: Pending) -> None:
         self.middleware.events.emit(LockEvent("lock_lost", lock.actor, lock.key, lock.owner))

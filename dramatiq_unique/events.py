@@ -187,6 +187,12 @@ LOG_LINES: tuple[LogLine, ...] = (
         "a published message's enqueue lock could not be confirmed in its provisional window (event lock_lost)",
     ),
     LogLine(
+        "ERROR",
+        _MIDDLEWARE,
+        "Could not queue %d enqueue lock(s) for confirmation: %r; they lapse after the provisional window.",
+        "a published message's lock could not be handed to the confirmer, e.g. at interpreter shutdown",
+    ),
+    LogLine(
         "WARNING",
         _MIDDLEWARE,
         "reap_interval is set, but a %s cannot look messages up by id: no periodic reaper.",

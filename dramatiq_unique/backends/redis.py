@@ -167,14 +167,27 @@ class RedisBackend(LockBackend):
         if len(calls) == 1:
             key, owner, ttl = calls[0]
             return [bool(self.scripts[script](keys=[key], args=[owner, ttl], client=self.client))]
-        pipe = self.client.pipeline(transaction=False)
-        for key, owner, ttl in calls:
-            if self.cluster:
+        if self.cluster:
+            pipe = self.client.pipeline(transaction=False)
+            for key, owner, ttl in calls:
                 # A Cluster pipeline refuses EVALSHA but sends EVAL, one batch per node.
                 pipe.execute_command("EVAL", _SCRIPTS[script], 1, key, owner, ttl)
-            else:
-                self.scripts[script](keys=[key], args=[owner, ttl], client=pipe)
-        return [bool(result) for result in pipe.execute()]
+            return [bool(result) for result in pipe.execute()]
+        # Plain EVALSHA: a third cheaper than Script calls, for a path
+        # that runs once per send.  The scripts are idempotent, so after a
+        # NOSCRIPT (Redis restarted) the whole batch is simply sent again.
+        sha = self.scripts[script].sha
+        for attempt in range(2):
+            pipe = self.client.pipeline(transaction=False)
+            for key, owner, ttl in calls:
+                pipe.execute_command("EVALSHA", sha, 1, key, owner, ttl)
+            try:
+                return [bool(result) for result in pipe.execute()]
+            except redis.exceptions.NoScriptError:
+                if attempt:
+                    raise
+                self.client.script_load(_SCRIPTS[script])
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def reap(self, key: str, owner: str, record: EnqueueRecord) -> bool:
         return bool(self.scripts["reap"](keys=[key], args=[owner, record.encode()], client=self.client))
