@@ -10,7 +10,7 @@ Add the middleware, then give actors a ``lock``::
 
 from __future__ import annotations
 
-from .backend import Acquisition, LockBackend, LockInfo, Release
+from .backend import Acquisition, EnqueueRecord, LockBackend, LockInfo, Release
 from .backends import StubBackend
 from .delivery import fence_token
 from .errors import (
@@ -29,6 +29,8 @@ from .settings import (
     DEFAULT_LOCK_TTL,
     DEFAULT_ON_BACKEND_ERROR,
     DEFAULT_PREFIX,
+    DEFAULT_PROVISIONAL_WINDOW,
+    DEFAULT_REAP_INTERVAL,
     DEFAULT_RESCHEDULE_DELAY,
 )
 
@@ -41,8 +43,11 @@ __all__ = [
     "DEFAULT_LOCK_TTL",
     "DEFAULT_ON_BACKEND_ERROR",
     "DEFAULT_PREFIX",
+    "DEFAULT_PROVISIONAL_WINDOW",
+    "DEFAULT_REAP_INTERVAL",
     "DEFAULT_RESCHEDULE_DELAY",
     "DuplicateMessage",
+    "EnqueueRecord",
     "EVENTS",
     "LOCK_TYPES",
     "LockBackend",

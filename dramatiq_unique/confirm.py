@@ -27,8 +27,7 @@ import threading
 import time as mod_time
 import weakref
 from collections import deque
-from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, NamedTuple, Optional
 
 from dramatiq.logging import get_logger
 
@@ -62,8 +61,7 @@ def _now_ms() -> float:
     return mod_time.monotonic() * 1000
 
 
-@dataclass(frozen=True)
-class Pending:
+class Pending(NamedTuple):
     """A provisional lock awaiting confirmation.
 
     Attributes:

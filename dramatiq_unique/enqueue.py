@@ -20,7 +20,6 @@ import functools
 import threading
 import time
 from contextvars import ContextVar
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from dramatiq.worker import ConsumerThread
@@ -36,14 +35,16 @@ if TYPE_CHECKING:
     from .middleware import UniqueMiddleware
 
 
-@dataclass
 class _Call:
     """What the current guarded enqueue call did to locks."""
 
-    #: Locks taken fresh: released if the publish fails.
-    taken: list[tuple[str, str]] = field(default_factory=list)
-    #: Provisional locks: confirmed once the publish returns.
-    provisional: list[Pending] = field(default_factory=list)
+    __slots__ = ("taken", "provisional")
+
+    def __init__(self) -> None:
+        #: Locks taken fresh: released if the publish fails.
+        self.taken: list[tuple[str, str]] = []
+        #: Provisional locks: confirmed once the publish returns.
+        self.provisional: list[Pending] = []
 
 
 _taken: ContextVar[Optional[_Call]] = ContextVar("dramatiq_unique_taken", default=None)
