@@ -170,6 +170,31 @@ def test_a_producer_that_dies_inside_the_publish_leaves_a_key_that_frees_itself(
     wait_for(lambda: o.lock("k") is None, what="the lock of k to be released")
 
 
+def test_in_the_crash_window_the_lock_lapses_and_the_queued_message_still_runs_sanely(orphans):
+    o = orphans()
+    # Given a producer that dies after its publish returned, before confirming the lock of k
+    died = o.produce("die-after-publish", "run", "k")
+    assert died.returncode == 9, died.stderr
+    original = o.lock("k").holders[0].message_id
+    # Then the lock lapses after the window although the message is queued, and a second send is accepted
+    wait_for(lambda: o.lock("k") is None, timeout=WINDOW / 1000 + 5, what="the provisional lock to lapse")
+    second = o.app.job_run.send("k", gate="second")
+    assert second.options.get("unique_duplicate_of") is None
+    assert o.app.unique.flush_confirmations()
+    # And when a worker runs both in turn, the original's release leaves the second's lock alone
+    o.workers(threads=1)
+    wait_for(lambda: len(o.runs()) == 1 and len(o.runs("starts")) == 2, timeout=30, what="the original's run")
+    assert o.runs()[0]["message_id"] == original
+    assert o.lock("k").holders[0].message_id == second.message_id
+    # And each runs once, and k is free after both
+    o.open_gate("second")
+    wait_for(lambda: len(o.runs()) == 2, timeout=30, what="both runs")
+    assert sorted(run["message_id"] for run in o.runs()) == sorted([original, second.message_id])
+    wait_for(lambda: o.lock("k") is None, what="k to be free after both runs")
+    group = o.groups[0]
+    wait_for(lambda: "lapsed before it was released" in group.output(), what="the lapse to be logged")
+
+
 def test_a_producer_that_exits_right_after_send_leaves_a_confirmed_lock(orphans):
     o = orphans()
     # Given a producer process that sends k and exits at once

@@ -13,10 +13,12 @@ workers build the same thing:
   end, pid) and makes each last at least 100 ms.
 * ``dramatiq_unique_*``: the middleware's settings, as in production.
 
-Run as ``python -m tests.apps.orphans die|send ACTOR KEY``: ``send``
-sends one message and exits normally; ``die`` sends one and dies with
+Run as ``python -m tests.apps.orphans MODE QUEUE KEY``: ``send`` sends
+one message and exits normally; ``die`` sends one and dies with
 ``os._exit(9)`` inside the broker's low-level publish, after the
-enqueue lock was taken and before anything was published.
+enqueue lock was taken and before anything was published;
+``die-after-publish`` dies after the publish returned, before the lock
+was handed to the confirmer (the crash window).
 """
 
 from __future__ import annotations
@@ -112,9 +114,20 @@ def _die_inside_publish() -> None:
         broker.do_enqueue = die  # type: ignore[attr-defined]
 
 
+def _die_before_confirming() -> None:
+    from dramatiq_unique.confirm import Confirmer
+
+    def die(*args: Any, **kwargs: Any) -> None:
+        os._exit(9)
+
+    Confirmer.submit = die  # type: ignore[method-assign]
+
+
 if __name__ == "__main__":
     mode, queue, key = sys.argv[1:4]
     if mode == "die":
         _die_inside_publish()
+    elif mode == "die-after-publish":
+        _die_before_confirming()
     message = ACTORS[queue].send(key)
     print(json.dumps({"message_id": message.message_id, "duplicate_of": message.options.get("unique_duplicate_of")}))
