@@ -11,7 +11,7 @@ Timeline of one send, with the default window::
 
   t=0       send(): acquire, provisional until t=30 s (caller's thread)
   t=0+      publish returns; the lock is queued for confirmation
-  t=0.01 s  the confirmer confirms it, with the others queued meanwhile:
+  t=0.1 s   the confirmer confirms it, with the others queued meanwhile:
             it now lasts lock_ttl (+ the message's delay)
   (crash between acquire and publish: the key is free at t=30 s)
 
@@ -32,21 +32,22 @@ from typing import Callable, Iterable, NamedTuple, Optional
 from dramatiq.logging import get_logger
 
 from .backend import LockBackend
-from .leases import _Renewal
 
 #: How many locks one round trip confirms at most.
 DEFAULT_BATCH = 500
 
 #: How long the confirmer gathers locks before a round trip, in
-#: milliseconds: a busy producer then shares one round trip among many
-#: sends, at the price of this much more time in the crash window.
-DEFAULT_LINGER = 20
+#: milliseconds: a busy producer then shares one round trip (and one
+#: wake-up of the thread) among many sends, at the price of this much
+#: more time in the crash window.
+DEFAULT_LINGER = 100
 
 #: How long a failed confirmation waits before it is tried again, in
 #: milliseconds.
 RETRY_INTERVAL = 500
 
-#: The longest any one round trip is awaited, in milliseconds.
+#: How long a round trip may take before the thread making it is
+#: abandoned and a new one takes over its locks, in milliseconds.
 CALL_TIMEOUT = 5_000
 
 #: How many locks may wait for confirmation; more are not confirmed and
@@ -100,36 +101,62 @@ class Confirmer:
         # Also run in a forked child: the parent's thread is not there,
         # and its condition may have been held at the fork.
         self._pid = os.getpid()
-        self._wakeup = threading.Condition()
+        self._wakeup = threading.Condition(threading.Lock())
         self._waiting: deque[Pending] = deque()
-        self._busy = 0
+        #: The batch being confirmed, and since when (monotonic ms).
+        self._inflight: list[Pending] = []
+        self._busy_since: Optional[float] = None
+        #: Bumped to abandon a thread stuck in a call; it then exits.
+        self._generation = 0
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
-        self._call: Optional[_Renewal] = None
+        self._hurry = False
 
     def submit(self, locks: Iterable[Pending]) -> None:
         """Queue ``locks`` for confirmation; never blocks on the backend."""
+        # The sending thread runs this once per send: keep it lean.
         with self._wakeup:
-            room = MAX_WAITING - len(self._waiting)
-            batch = list(locks)
-            if len(batch) > room:
+            waiting = self._waiting
+            was_empty = not waiting
+            waiting.extend(locks)
+            if len(waiting) > MAX_WAITING:
                 self.logger.warning(
                     "Dropped %d lock(s) waiting for confirmation: they lapse after the provisional window.",
-                    len(batch) - max(room, 0),
+                    len(waiting) - MAX_WAITING,
                 )
-                batch = batch[: max(room, 0)]
-            self._waiting.extend(batch)
-            if self._thread is None or not self._thread.is_alive():
-                self._stopping = False
-                self._thread = threading.Thread(target=self._run, name="dramatiq-unique-confirm", daemon=True)
-                self._thread.start()
-            elif len(self._waiting) == len(batch):
-                self._wakeup.notify_all()
+                while len(waiting) > MAX_WAITING:
+                    waiting.pop()
+            if self._thread is None or self._busy_since is not None:
+                self._check_thread()
+            if was_empty:
+                self._wakeup.notify()
+
+    def _check_thread(self) -> None:
+        """Start the thread if it is not running, or replace it when it
+        has waited for the backend longer than :data:`CALL_TIMEOUT` (a
+        silent network can hold a call for minutes).  Called with the
+        condition held.
+        """
+        if self._busy_since is not None and _now_ms() - self._busy_since > CALL_TIMEOUT:
+            self.logger.warning(
+                "Could not confirm %d enqueue lock(s): %r. Trying again.",
+                len(self._inflight),
+                TimeoutError(f"the lock backend did not answer within {CALL_TIMEOUT} ms"),
+            )
+            self._waiting.extendleft(reversed(self._inflight))
+            self._inflight, self._busy_since, self._thread = [], None, None
+            self._generation += 1
+        if self._thread is None or not self._thread.is_alive():
+            self._stopping = False
+            self._thread = threading.Thread(
+                target=self._run, args=(self._generation,), name="dramatiq-unique-confirm", daemon=True
+            )
+            self._thread.start()
 
     def waiting(self) -> int:
         """How many locks wait for confirmation, or are being confirmed."""
         with self._wakeup:
-            return len(self._waiting) + self._busy
+            return len(self._waiting) + len(self._inflight)
 
     def flush(self, timeout: float = EXIT_TIMEOUT) -> bool:
         """Wait until every submitted lock was confirmed (or gave up),
@@ -140,13 +167,18 @@ class Confirmer:
         """
         deadline = mod_time.monotonic() + timeout
         with self._wakeup:
-            self._wakeup.notify_all()
-            while self._waiting or self._busy:
-                left = deadline - mod_time.monotonic()
-                if left <= 0 or self._thread is None or not self._thread.is_alive():
-                    return False
-                self._wakeup.wait(timeout=min(left, 0.05))
-            return True
+            self._hurry = True
+            try:
+                while self._waiting or self._inflight:
+                    left = deadline - mod_time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._check_thread()
+                    self._wakeup.notify_all()
+                    self._wakeup.wait(timeout=min(left, 0.05))
+                return True
+            finally:
+                self._hurry = False
 
     def stop(self, timeout: float = EXIT_TIMEOUT) -> None:
         """Confirm what is waiting, at most ``timeout`` seconds, then
@@ -156,29 +188,41 @@ class Confirmer:
         with self._wakeup:
             self._stopping = True
             self._wakeup.notify_all()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=1)
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=1)
 
-    def _run(self) -> None:
+    def _run(self, generation: int) -> None:
+        try:
+            self._loop(generation)
+        finally:
+            with self._wakeup:
+                if self._generation == generation:
+                    self._thread = None
+
+    def _loop(self, generation: int) -> None:
         while True:
             with self._wakeup:
-                while not self._waiting and not self._stopping:
+                while not self._waiting and not self._stopping and self._generation == generation:
                     self._wakeup.wait()
-                if self._stopping and not self._waiting:
+                if not self._hurry and self._generation == generation:
+                    # Gather what the next moments bring into one round
+                    # trip: every wake-up of this thread costs the sending
+                    # thread a hand-over of the GIL.
+                    self._wakeup.wait(DEFAULT_LINGER / 1000)
+                if self._generation != generation or not self._waiting:
                     return
-            # Gather what the next few milliseconds bring into one round trip.
-            mod_time.sleep(DEFAULT_LINGER / 1000)
-            with self._wakeup:
                 batch = [self._waiting.popleft() for _ in range(min(DEFAULT_BATCH, len(self._waiting)))]
-                self._busy = len(batch)
+                self._inflight, self._busy_since = batch, _now_ms()
             try:
-                self._confirm(batch)
+                self._confirm(batch, generation)
             finally:
                 with self._wakeup:
-                    self._busy = 0
+                    if self._generation == generation:
+                        self._inflight, self._busy_since = [], None
                     self._wakeup.notify_all()
 
-    def _confirm(self, batch: list[Pending]) -> None:
+    def _confirm(self, batch: list[Pending], generation: int) -> None:
         now = _now_ms()
         due = [lock for lock in batch if lock.lapses_at > now]
         for lock in batch:
@@ -187,25 +231,15 @@ class Confirmer:
         if not due:
             return
         try:
-            self._call_backend(due)
+            # A slot that is gone was released by a worker that ran the
+            # message first, or lapsed: either way there is nothing to do.
+            self.backend.confirm([(lock.key, lock.owner, lock.ttl) for lock in due])
         except Exception as e:
             self.logger.warning("Could not confirm %d enqueue lock(s): %r. Trying again.", len(due), e)
             mod_time.sleep(min(RETRY_INTERVAL, max(0.0, min(lock.lapses_at for lock in due) - _now_ms())) / 1000)
             with self._wakeup:
-                self._waiting.extendleft(reversed(due))
-
-    def _call_backend(self, due: list[Pending]) -> list[bool]:
-        """Confirm ``due``, waiting no longer than :data:`CALL_TIMEOUT`
-        nor past the first of their windows.
-        """
-        if self._call is not None and not self._call.done.is_set():
-            raise TimeoutError("an earlier confirmation is still waiting for the lock backend")
-        locks = [(lock.key, lock.owner, lock.ttl) for lock in due]
-        self._call = _Renewal(lambda: self.backend.confirm(locks))
-        timeout = min(CALL_TIMEOUT, min(lock.lapses_at for lock in due) - _now_ms())
-        # A slot that is gone was released by a worker that ran the
-        # message first, or lapsed: either way there is nothing to do.
-        return self._call.result(timeout)
+                if self._generation == generation:
+                    self._waiting.extendleft(reversed(due))
 
     def _lapsed(self, lock: Pending) -> None:
         self.logger.error(

@@ -112,6 +112,9 @@ class EnqueueGuard:
         """This process's confirmer for the middleware's backend."""
         backend = self.middleware.backend
         assert backend is not None
+        confirmer = self._confirmer
+        if confirmer is not None and confirmer.backend is backend:
+            return confirmer
         with self._confirmer_mutex:
             if self._confirmer is None or self._confirmer.backend is not backend:
                 if self._confirmer is not None:
@@ -122,8 +125,10 @@ class EnqueueGuard:
     def _confirm_all(self, provisional: list[Pending]) -> None:
         # The message is published: nothing here may raise to the caller.
         try:
-            # De-duplicated: a RabbitMQ publish retry re-enters the same lock.
-            self.confirmer.submit({(lock.key, lock.owner): lock for lock in provisional}.values())
+            if len(provisional) > 1:
+                # De-duplicated: a RabbitMQ publish retry re-enters the same lock.
+                provisional = list({(lock.key, lock.owner): lock for lock in provisional}.values())
+            self.confirmer.submit(provisional)
         except Exception as e:  # e.g. no new threads at interpreter shutdown
             self.middleware.logger.error(
                 "Could not queue %d enqueue lock(s) for confirmation: %r; they lapse after the provisional window.",

@@ -195,6 +195,33 @@ def test_in_the_crash_window_the_lock_lapses_and_the_queued_message_still_runs_s
     wait_for(lambda: "lapsed before it was released" in group.output(), what="the lapse to be logged")
 
 
+def test_rabbitmq_publish_retries_reenter_the_provisional_lock_and_confirm_it_once(orphans, request, monkeypatch):
+    request.getfixturevalue("rabbitmq_url")
+    o = orphans("rabbitmq")
+    app = o.app
+    from pika.adapters.blocking_connection import BlockingChannel
+    from pika.exceptions import AMQPConnectionError
+
+    # Given a RabbitMQ publish that fails twice before it goes through
+    publish, failures = BlockingChannel.basic_publish, []
+
+    def flaky(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if len(failures) < 2:
+            failures.append(1)
+            raise AMQPConnectionError("cut")
+        return publish(self, *args, **kwargs)
+
+    monkeypatch.setattr(BlockingChannel, "basic_publish", flaky)
+    # When a message is sent: before_enqueue runs three times for it
+    message = app.job_kept.send("k")
+    assert failures == [1, 1] and message.options.get("unique_duplicate_of") is None
+    # Then it holds one lock, confirmed once the send returned, to its full lifetime
+    assert app.unique.flush_confirmations()
+    [lock] = list(o.admin.locks(phase="queue"))
+    assert [h.message_id for h in lock.holders] == [message.message_id]
+    assert not lock.holders[0].provisional and lock.holders[0].deadline > time.time() * 1000 + 86_000_000
+
+
 def test_a_producer_that_exits_right_after_send_leaves_a_confirmed_lock(orphans):
     o = orphans()
     # Given a producer process that sends k and exits at once

@@ -154,3 +154,99 @@ def threading_name() -> str:
     import threading
 
     return threading.current_thread().name
+
+
+def test_operators_see_the_age_deadline_and_state_of_enqueue_locks(redis_backend, redis_url):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.procs import ROOT
+
+    # Given one provisional and one confirmed enqueue lock, and a run lock
+    prefix = "p9ops"
+    provisional = f"{prefix}:job:{{{'a' * 32}}}:queue"
+    confirmed = f"{prefix}:job:{{{'b' * 32}}}:queue"
+    redis_backend.acquire(provisional, "m1", ttl=DAY, lock="until_executed", provisional=60_000, where="")
+    redis_backend.acquire(confirmed, "m2", ttl=DAY, lock="until_executed", provisional=60_000, where="")
+    redis_backend.confirm([(confirmed, "m2", DAY)])
+    redis_backend.acquire(f"{prefix}:job:{{{'c' * 32}}}:run", "m3/t", ttl=60_000, lock="while_executing")
+
+    def run(*args: str) -> str:
+        env = {k: v for k, v in os.environ.items() if not k.lower().startswith("dramatiq_unique_")}
+        done = subprocess.run([sys.executable, "-m", "dramatiq_unique", *args, "--redis", redis_url, "--prefix", prefix],
+                              env={**env, "PYTHONPATH": str(ROOT)}, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    # Then `locks` shows each one's age and state, `inspect` when it was taken and that it is provisional
+    rows = {line.split()[1]: line.split() for line in run("locks").splitlines()[1:-1]}
+    assert rows["a" * 32][-1] == "provisional" and rows["b" * 32][-1] == "confirmed" and rows["c" * 32][-1] == "-"
+    assert rows["a" * 32][5:7] != ["-"] and rows["c" * 32][5] == "-"
+    shown = run("inspect", "a" * 32)
+    assert "taken   " in shown and "provisional: lapses then unless its publish is confirmed" in shown
+    # And the JSON the dashboard serves says the same
+    data = {lock["digest"]: lock for lock in json.loads(run("locks", "--json"))}
+    [first] = data["a" * 32]["holders"]
+    assert first["provisional"] is True and time.time() * 1000 - 60_000 < first["taken_at"] <= time.time() * 1000
+    assert first["deadline"] <= time.time() * 1000 + 60_000
+    assert data["b" * 32]["holders"][0]["provisional"] is False
+    assert data["c" * 32]["holders"][0]["taken_at"] is None
+
+
+def test_the_confirmer_replaces_a_call_stuck_on_a_silent_backend(monkeypatch):
+    import threading
+
+    from dramatiq_unique import StubBackend, confirm
+    from dramatiq_unique.confirm import Confirmer, Pending
+
+    monkeypatch.setattr(confirm, "CALL_TIMEOUT", 200)
+    release = threading.Event()
+
+    class Silent(StubBackend):
+        """A backend whose first confirmation never answers (until the test ends)."""
+
+        calls = 0
+
+        def confirm(self, locks):  # type: ignore[no-untyped-def]
+            Silent.calls += 1
+            if Silent.calls == 1:
+                release.wait(10)
+            return super().confirm(locks)
+
+    backend = Silent()
+    lapsed: list[Pending] = []
+    confirmer = Confirmer(backend, on_lapsed=lapsed.append)
+    try:
+        # Given a provisional lock whose first confirmation gets stuck
+        backend.acquire(KEY, "m1", ttl=DAY, provisional=5_000, where="")
+        confirmer.submit([Pending(KEY, "m1", DAY, "job", time.monotonic() * 1000 + 5_000)])
+        wait_for(lambda: Silent.calls == 1, what="the first call")
+        # Then the next flush gives up on that call after CALL_TIMEOUT and confirms the lock on a new thread
+        assert confirmer.flush(timeout=3)
+        assert Silent.calls == 2
+        _, record = holder(backend)
+        assert record.provisional_until == 0 and lapsed == []
+    finally:
+        release.set()
+        confirmer.stop(timeout=1)
+
+
+def test_a_lock_that_could_not_be_confirmed_in_its_window_is_reported_lapsed():
+    from dramatiq_unique import StubBackend
+    from dramatiq_unique.confirm import Confirmer, Pending
+
+    class Down(StubBackend):
+        def confirm(self, locks):  # type: ignore[no-untyped-def]
+            raise ConnectionError("down")
+
+    lapsed: list[Pending] = []
+    confirmer = Confirmer(Down(), on_lapsed=lapsed.append)
+    try:
+        lock = Pending(KEY, "m1", DAY, "job", time.monotonic() * 1000 + 300)
+        confirmer.submit([lock])
+        wait_for(lambda: lapsed == [lock], timeout=5, what="the lock to be reported lapsed")
+        assert confirmer.flush(timeout=1)
+    finally:
+        confirmer.stop(timeout=1)

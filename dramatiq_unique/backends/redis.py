@@ -119,11 +119,12 @@ class RedisBackend(LockBackend):
         provisional: int = 0,
         where: Optional[str] = None,
     ) -> Acquisition:
-        status, holder, fence, confirm = self.scripts["acquire"](
-            keys=[key],
-            args=[owner, ttl, limit, lock, lock_args or "", provisional, int(where is not None), where or ""],
-            client=self.client,
-        )
+        args: list[Any] = [owner, ttl, limit, lock, lock_args or ""]
+        if where is not None:
+            args += [provisional, where]
+        elif provisional:
+            args.append(provisional)
+        status, holder, fence, confirm = self.scripts["acquire"](keys=[key], args=args, client=self.client)
         return Acquisition(
             status != 0, reentered=status == 2, holder=_text(holder), fence=int(fence), provisional=confirm == 1
         )

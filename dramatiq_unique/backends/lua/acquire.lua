@@ -6,11 +6,11 @@
 --          "!m:<owner>" = the enqueue record of an owner (see below).
 -- ARGV[1]  owner      ARGV[2] ttl ms      ARGV[3] limit
 -- ARGV[4]  lock type  ARGV[5] lock args JSON, or "" to record none
--- ARGV[6]  provisional ms: 0 takes ttl at once; otherwise a new slot
---          (or one still provisional) lasts min(provisional, ttl) until
---          confirm.lua moves it to its full ttl
--- ARGV[7]  "1" to keep an enqueue record, "0" not to
--- ARGV[8]  where the message is being published (opaque text)
+-- ARGV[6]  optional, provisional ms: 0 (or absent) takes ttl at once;
+--          otherwise a new slot (or one still provisional) lasts
+--          min(provisional, ttl) until confirm.lua gives it its full ttl
+-- ARGV[7]  optional: where the message is being published (opaque
+--          text); when given, the owner's enqueue record is kept
 --
 -- The enqueue record is "<taken ms>|<provisional until ms, 0 when
 -- confirmed>|<where>\n<where before>": the reaper looks for the message
@@ -24,7 +24,7 @@
 local key, owner = KEYS[1], ARGV[1]
 local time = redis.call("TIME")
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-local ttl, provisional = tonumber(ARGV[2]), tonumber(ARGV[6])
+local ttl, provisional = tonumber(ARGV[2]), tonumber(ARGV[6] or "0")
 local deadline, pending = now + ttl, 0
 if provisional > 0 and provisional < ttl then
   pending = now + provisional
@@ -46,9 +46,10 @@ for i = 1, #fields, 2 do
     end
   end
 end
-local record = ARGV[7] == "1"
+local where_now = ARGV[7]
+local record = where_now ~= nil
 local function write_record(taken, until_ms, before)
-  local text = string.format("%.0f|%.0f|%s\n%s", taken, until_ms, ARGV[8], before)
+  local text = string.format("%.0f|%.0f|%s\n%s", taken, until_ms, where_now, before)
   redis.call("HSET", key, "!m:" .. owner, text)
 end
 if mine then
@@ -69,7 +70,7 @@ if mine then
   if pending > 0 then pending = deadline end
   redis.call("HSET", key, owner, string.format("%.0f", deadline))
   if record then
-    if where == ARGV[8] then
+    if where == where_now then
       where = string.match(old or "", "\n(.*)$") or ""
     end
     write_record(taken, pending, where)
