@@ -4,7 +4,8 @@ Lock keys look like ``{prefix}:{actor}:{<digest>}:queue`` (an enqueue
 lock, owned by a message id) or ``...:run`` (a run lock, owned by
 ``<message_id>/<nonce>``).  Keys are found with ``SCAN`` through
 :meth:`LockBackend.scan`, never ``KEYS``, and the ``:wait`` and
-``:tickets`` companions of a lock are never listed or touched.
+``:bodies`` and ``:m:<message id>`` companions of a lock are never
+listed or touched.
 
 Examples:
   >>> admin = LockAdmin(RedisBackend(url="redis://127.0.0.1:6379/0"))

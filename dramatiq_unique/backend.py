@@ -26,6 +26,10 @@ class Acquisition:
       provisional(bool): True when the slot holds for the provisional
         window only: :meth:`LockBackend.confirm` it once the message is
         published.
+      refused(str): When the acquisition was asked for a :class:`Copy`
+        that may not run: "stale" (a copy of an earlier reschedule) or
+        "lost" (the other copy of its reschedule arrived first).
+        Nothing was taken.
     """
 
     acquired: bool
@@ -33,6 +37,45 @@ class Acquisition:
     holder: Optional[str] = None
     fence: int = 0
     provisional: bool = False
+    refused: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One copy of a message that may exist several times over: the
+    original, or the delayed or handed-over copy of a reschedule, each
+    also retried, redelivered and moved out of the delay queue under
+    the same message id.  See ``docs/reliability.md``, "The hand-off
+    model".
+
+    Attributes:
+      key(str): The run lock the message waits for, or waited for.
+      message_id(str): The logical message.
+      attempt(int): How many times it was rescheduled: 0 for the
+        original.
+      via(str): ``"delay"`` or ``"handoff"`` for the two copies of a
+        reschedule, ``""`` for the original.
+    """
+
+    key: str
+    message_id: str
+    attempt: int = 0
+    via: str = ""
+
+
+@dataclass(frozen=True)
+class Start:
+    """The outcome of :meth:`LockBackend.start`.
+
+    Attributes:
+      acquisition(Acquisition): Of the run lock; ``refused`` names why
+        this copy may not run ("stale" or "lost"), and then nothing
+        was taken.
+      queue_released(bool): The enqueue lock was held, and is released.
+    """
+
+    acquisition: Acquisition
+    queue_released: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,6 +166,7 @@ class LockBackend(abc.ABC):
         lock_args: Optional[str] = None,
         provisional: int = 0,
         where: Optional[str] = None,
+        copy: Optional[Copy] = None,
     ) -> Acquisition:
         """Take one of ``limit`` slots of ``key`` for ``owner`` until
         ``ttl`` from now.  Acquiring again with the same owner succeeds
@@ -142,6 +186,19 @@ class LockBackend(abc.ABC):
           where(str): Keep an :class:`EnqueueRecord` of the owner, with
             this as where its message is being published; None keeps
             none (run locks).
+          copy(Copy): A re-enqueued copy of a message that may have been
+            rescheduled: nothing is taken when it may not run.
+        """
+        raise NotImplementedError  # pragma: no cover
+
+    @abc.abstractmethod
+    def start(
+        self, key: str, owner: str, *, ttl: int, limit: int, lock: str, copy: Copy, queue_key: Optional[str] = None
+    ) -> Start:
+        """Claim the delivered ``copy`` (see :meth:`claim`), take a slot
+        of the run lock ``key`` for ``owner``, and release the enqueue
+        lock ``queue_key`` of the message once the slot is taken: one
+        round trip for everything a delivery takes before it runs.
         """
         raise NotImplementedError  # pragma: no cover
 
@@ -157,26 +214,36 @@ class LockBackend(abc.ABC):
         raise NotImplementedError  # pragma: no cover
 
     @abc.abstractmethod
-    def wait(self, key: str, ticket: str, message: bytes, *, order: int, ttl: int) -> None:
-        """Register an encoded message as waiting for ``key``.  Waiters
-        are promoted in ``order``, lowest first.  A message that waits
-        is also re-enqueued with a delay, so each ``ticket`` may arrive
-        twice: :meth:`claim` lets only the first arrival run.
+    def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> None:
+        """Register the message of ``copy`` as waiting for ``copy.key``,
+        as reschedule ``copy.attempt``, with ``message`` the encoded copy
+        to hand the key to.  Waiters are promoted in ``order``, lowest
+        first.  The caller also enqueues a delayed copy: whichever of the
+        two arrives first wins the attempt.
 
         Parameters:
-          ticket(str): Names this wait, e.g. message id and attempt.
-          ttl(int): How long the record lives, in milliseconds.
+          ttl(int): How long the records live, in milliseconds.
         """
         raise NotImplementedError  # pragma: no cover
 
     @abc.abstractmethod
-    def claim(self, key: str, ticket: str) -> bool:
-        """Record that one copy of ``ticket`` arrived.
+    def claim(self, copy: Copy) -> bool:
+        """Settle that ``copy`` arrived, without taking a lock.
 
         Returns:
-          bool: False when another copy of the same ticket arrived
-          first, so this one must be skipped; True otherwise,
-          including for tickets with no record.
+          bool: True when this copy may run: the first of its attempt to
+          arrive (it withdraws the message's waiter), a retry or
+          redelivery of that first copy, or a copy with no record.
+          False for a copy of an earlier attempt, or the second copy of
+          its attempt.
+        """
+        raise NotImplementedError  # pragma: no cover
+
+    @abc.abstractmethod
+    def withdraw(self, copy: Copy) -> None:
+        """Take back the wait that ``copy`` registered (as attempt
+        ``copy.attempt + 1``) when its delayed copy was never enqueued:
+        ``copy`` is its message's winner again and no hand-off happens.
         """
         raise NotImplementedError  # pragma: no cover
 

@@ -6,6 +6,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
+from .backend import Copy
+from .coroutines import CoroutineWatch
 from .leases import Lease
 from .spec import ActorSpec
 
@@ -26,6 +28,14 @@ class Delivery:
     digest: str
     run_key: Optional[str] = None
     run_owner: Optional[str] = None
+    #: The backend confirmed the run lock: a release that finds it gone
+    #: reports it lost.  A call whose reply was lost may have taken it
+    #: unconfirmed; the release then cleans up without a report.
+    run_confirmed: bool = False
+    #: This copy settled its claim (see ``Copy``): it is the one that runs.
+    claimed: bool = False
+    #: For an async actor: whether its coroutine has really ended.
+    coroutine: Optional[CoroutineWatch] = None
     lease: Optional[Lease] = None
     fence: Optional[int] = None
     keeps_queue_lock: bool = False
@@ -41,6 +51,12 @@ def message_id_of(owner: Optional[str]) -> Optional[str]:
     locks) or ``<message id>/<token>`` (run locks).
     """
     return owner.split("/")[0] if owner else None
+
+
+def copy_of(message: Any, key: str) -> Copy:
+    """Which copy of its message ``message`` is, for the run lock ``key``."""
+    options = message.options
+    return Copy(key, message.message_id, options.get("unique_reschedules", 0), options.get("unique_via", ""))
 
 
 def delivery(message: "MessageProxy") -> Optional[Delivery]:

@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from dramatiq.worker import ConsumerThread
 
 from .confirm import Confirmer, Pending
+from .delivery import copy_of
 from .errors import DuplicateMessage
 from .events import LockEvent
+from .results import store_failure
 from .spec import ActorSpec
 
 if TYPE_CHECKING:
@@ -48,6 +50,14 @@ class _Call:
 
 
 _taken: ContextVar[Optional[_Call]] = ContextVar("dramatiq_unique_taken", default=None)
+
+
+def _maybe_applied(error: Exception) -> bool:
+    """Whether a failed call may have taken effect: a timeout (builtin,
+    socket or redis-py) may have lost only its reply; a refused
+    connection never sent anything.
+    """
+    return "timeout" in type(error).__name__.lower()
 
 
 class _Refused(DuplicateMessage):
@@ -83,7 +93,10 @@ class EnqueueGuard:
             try:
                 sent = original(message, delay=delay)
             except _Refused as refused:
-                return message.copy(options={"unique_duplicate_of": refused.holder})
+                unsent = message.copy(options={"unique_duplicate_of": refused.holder})
+                duplicate = DuplicateMessage(str(refused), key=refused.key, holder=refused.holder)
+                store_failure(broker, unsent, duplicate)  # a caller waiting on it learns why at once
+                return unsent
             except BaseException:
                 release(call.taken, message.actor_name)
                 raise
@@ -186,7 +199,8 @@ class EnqueueGuard:
             a path that publishes atomically with the lock.
         """
         middleware = self.middleware
-        key = middleware.key(spec, message.options["unique_digest"], "queue")
+        digest = message.options["unique_digest"]
+        key = middleware.key(spec, digest, "queue")
         ttl = (delay or 0) + (spec.lock_ttl or middleware.settings.lock_ttl)
         recorded = (
             spec.canonical(spec.key_material(message.args, message.kwargs))
@@ -196,6 +210,9 @@ class EnqueueGuard:
         call = _taken.get()
         window = middleware.settings.provisional_window if provisional and call is not None else 0
         started = time.monotonic() * 1000
+        # A re-enqueued copy of a message that a reschedule made twice
+        # over may not run (see Copy): it must not take the lock back.
+        copy = None if fresh or not spec.lock.run_lock else copy_of(message, middleware.key(spec, digest, "run"))
         try:
             got = middleware.backend.acquire(  # type: ignore[union-attr]
                 key,
@@ -206,20 +223,27 @@ class EnqueueGuard:
                 lock_args=recorded,
                 provisional=window,
                 where=self.where(message),
+                copy=copy,
             )
         except Exception as e:
             error = middleware.backend_error("take the enqueue lock", key, spec, message, e)
             if fresh and middleware.settings.on_backend_error == "fail":
                 message.options.pop("unique_digest", None)
+                if _maybe_applied(e):
+                    # Only the reply may be lost: the guard gives back
+                    # whatever this new message holds.
+                    self._record(key, message.message_id)
                 raise error from e
             middleware.logger.warning("Enqueueing %s without its lock %r.", message, key)
             return
+        if got.refused:
+            middleware.logger.debug("Re-enqueued %s without its lock %r: %s.", message, key, got.refused)
+            return
         if got.acquired:
-            if not got.reentered and call is not None:
-                call.taken.append((key, message.message_id))
             if got.provisional and call is not None:
                 call.provisional.append(Pending(key, message.message_id, ttl, spec.actor_name, started + window))
             if not got.reentered:
+                self._record(key, message.message_id)
                 middleware.emit("locked", spec, key, message)
             return
         if not fresh:
@@ -229,6 +253,14 @@ class EnqueueGuard:
             middleware.emit("lock_lost", spec, key, message, got.holder)
             return
         self._refuse(message, spec, key, got.holder)
+
+    def _record(self, key: str, owner: str) -> None:
+        """Remember a lock this guarded call took, to give it back if
+        the message is not enqueued after all.
+        """
+        call = _taken.get()
+        if call is not None:
+            call.taken.append((key, owner))
 
     def _refuse(self, message: Any, spec: ActorSpec, key: str, holder: Optional[str]) -> None:
         middleware = self.middleware

@@ -67,3 +67,10 @@ class Rescheduled(UniqueError, SkipMessage):
     """Raised to skip a delivery that was re-enqueued for later because
     its key was held.  It does not count against ``max_retries``.
     """
+
+
+class CopySkipped(UniqueError, SkipMessage):
+    """Raised to skip a copy of a message when another copy of the same
+    message runs instead: the other copy of a reschedule, or a copy of
+    an earlier reschedule.  It stores no result and is not retried.
+    """

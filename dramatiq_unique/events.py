@@ -32,6 +32,7 @@ EVENTS = (
     "duplicate",  # a send was refused: its key was held (client conflict)
     "conflict",  # a delivery met a held run lock and was dropped, failed or dead-lettered
     "rescheduled",  # a delivery met a held run lock and was re-enqueued for later
+    "skipped",  # a copy of a message did not run: another copy of the same message runs
     "released",  # a lock was released by its owner
     "lock_lost",  # a lock expired or was taken before its owner released it
     "backend_error",  # the lock backend failed, including a failed lease renewal
@@ -77,6 +78,24 @@ LOG_LINES: tuple[LogLine, ...] = (
         _MIDDLEWARE,
         "Rescheduled %s: run lock %r is held.",
         "a delivery met a held run lock and will be tried again (event rescheduled)",
+    ),
+    LogLine(
+        "DEBUG",
+        _MIDDLEWARE,
+        "Skipped %s: %s.",
+        "a copy of a rescheduled message did not run because another copy of it runs (event skipped)",
+    ),
+    LogLine(
+        "DEBUG",
+        _MIDDLEWARE,
+        "Re-enqueued %s without its lock %r: %s.",
+        "a retry or delay-queue move of a copy that will be skipped did not take the enqueue lock back",
+    ),
+    LogLine(
+        "WARNING",
+        "dramatiq_unique.results",
+        "Could not store why %s did not run: %r",
+        "the Results backend failed to store the conflict that ended a message; its caller times out",
     ),
     LogLine(
         "INFO",
@@ -143,6 +162,12 @@ LOG_LINES: tuple[LogLine, ...] = (
         "dramatiq_unique.leases.LeaseKeeper",
         "Could not renew %d lease(s): %r. Trying again.",
         "lease renewal failed; it is retried every second until the lease runs out (event backend_error)",
+    ),
+    LogLine(
+        "ERROR",
+        _MIDDLEWARE,
+        "Message %s is still running after it was interrupted: its run lock %r is kept until it ends.",
+        "an async actor ignored its time limit's cancellation; the lock is released when its coroutine ends",
     ),
     LogLine(
         "ERROR",

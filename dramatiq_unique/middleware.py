@@ -33,6 +33,7 @@ from dramatiq.middleware.prometheus import Prometheus
 from . import settings as config
 from .backend import LockBackend
 from .backends.stub import StubBackend
+from .coroutines import track
 from .delivery import Delivery, attach, delivery, message_id_of
 from .enqueue import EnqueueGuard
 from .errors import ConfigurationError, LockBackendError
@@ -136,6 +137,8 @@ class UniqueMiddleware(Middleware):
         for listener in listeners:
             self.events.subscribe(listener)
         self.specs: dict[str, ActorSpec] = {}
+        #: Async actors with a run lock, whose coroutines are tracked.
+        self.async_actors: set[str] = set()
         self._leases: Optional[LeaseKeeper] = None
         self.backend = backend if backend is not None else self._backend_from_url()
         self._guard = EnqueueGuard(self)
@@ -239,6 +242,8 @@ class UniqueMiddleware(Middleware):
         if spec is not None:
             self.attach(broker)
             self.specs[actor.actor_name] = spec
+            if spec.lock.run_lock and track(actor):
+                self.async_actors.add(actor.actor_name)
 
     def before_worker_boot(self, broker: "Broker", worker: "Worker") -> None:
         if self.specs:
@@ -331,6 +336,7 @@ class UniqueMiddleware(Middleware):
     def after_nack(self, broker: "Broker", message: "MessageProxy") -> None:
         state = delivery(message) or self._late_state(message)
         if state is not None:
+            self._process.retire(message, state)
             self._process.release_queue_lock(message, state)
 
     def _late_state(self, message: "MessageProxy") -> Optional[Delivery]:

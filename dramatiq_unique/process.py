@@ -4,7 +4,9 @@ A run lock is owned by a token per execution and kept alive as a
 lease.  A delivery that meets a held run lock follows the actor's
 server strategy; ``reschedule`` re-enqueues it with a delay and also
 registers it as a waiter, so the holder's release hands the key over at
-once.  Whichever of the two copies arrives second is skipped.
+once.  Of the two copies, the first to arrive wins the reschedule; the
+other, and every stale copy, is skipped.  ``docs/reliability.md``,
+"The hand-off model", has the rules.
 """
 
 from __future__ import annotations
@@ -13,15 +15,19 @@ import itertools
 import os
 import random
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, NoReturn, Optional
 
 from dramatiq import Message
-from dramatiq.middleware import SkipMessage
+from dramatiq.middleware import AgeLimit, SkipMessage
+from dramatiq.middleware import age_limit as age_limit_module
 
-from .delivery import Delivery, attach, message_id_of, set_fence
-from .errors import LockConflict, Rescheduled
+from .backend import Copy
+from .coroutines import watch
+from .delivery import Delivery, attach, copy_of, message_id_of, set_fence
+from .errors import CopySkipped, LockConflict, Rescheduled
 from .events import LockEvent
 from .leases import Lease
+from .results import store_failure, store_nothing
 from .spec import ActorSpec
 
 if TYPE_CHECKING:
@@ -30,6 +36,12 @@ if TYPE_CHECKING:
 
     from .backend import LockBackend
     from .middleware import UniqueMiddleware
+
+#: Why a copy of a message may not run, by the claim's verdict.
+SKIP_REASONS = {
+    "stale": "it was rescheduled again, and a later copy of it runs",
+    "lost": "the other copy of its reschedule arrived first",
+}
 
 
 class ProcessGuard:
@@ -55,10 +67,14 @@ class ProcessGuard:
         message.options["unique_digest"] = digest  # so a retry re-enters, even if the sender had no middleware
         # An unstamped message took no enqueue lock (sent while disabled, or without the middleware).
         state = attach(message, Delivery(spec, digest, queue_released=not stamped))
-        if spec.lock.run_lock:
+        if not spec.lock.run_lock:
+            if spec.lock.queue_release == "run_start":
+                self.release_queue_lock(message, state, strict=True)
+        elif _expired(broker, message):
+            # AgeLimit, after us, dead-letters it; only one copy of it may be.
+            self._settle(message, state)
+        else:
             self._take_run_lock(broker, message, state)
-        if spec.lock.queue_release == "run_start":
-            self.release_queue_lock(message, state, strict=True)
 
     def _owner(self, message: "MessageProxy") -> str:
         return f"{message.message_id}/{self._token_prefix}.{os.getpid():x}.{next(self._tokens):x}"
@@ -66,85 +82,136 @@ class ProcessGuard:
     def _take_run_lock(self, broker: "Broker", message: "MessageProxy", state: Delivery) -> None:
         middleware, spec = self.middleware, state.spec
         key = middleware.key(spec, state.digest, "run")
-        if not self._claim(message, key):
-            state.keeps_queue_lock = True
-            raise SkipMessage("a copy of this message was handed the lock first")
+        queue_key = None
+        if spec.lock.queue_release == "run_start" and not state.queue_released:
+            queue_key = middleware.key(spec, state.digest, "queue")
         owner = self._owner(message)
         taken_at = time.monotonic() * 1000
+        # Set before the call: one whose reply is lost may have taken it.
+        state.run_key, state.run_owner = key, owner
         try:
-            got = self.backend.acquire(
-                key, owner, ttl=middleware.settings.lease, limit=spec.lock_limit, lock=spec.lock.name
+            started = self.backend.start(
+                key,
+                owner,
+                ttl=middleware.settings.lease,
+                limit=spec.lock_limit,
+                lock=spec.lock.name,
+                copy=copy_of(message, key),
+                queue_key=queue_key,
             )
         except Exception as e:
             error = middleware.backend_error("take the run lock", key, spec, message, e)
             if middleware.settings.on_backend_error == "run_unlocked":
                 middleware.logger.warning("Running %s without its lock %r.", message, key)
+                self.release_queue_lock(message, state)
                 return
             raise error from e
+        got, state.claimed = started.acquisition, True
         if not got.acquired:
+            state.run_key = state.run_owner = None
+            if got.refused:
+                self._skip_copy(message, state, got.refused)
             self._on_conflict(broker, message, state, key, got.holder)
-        state.run_key, state.run_owner, state.fence = key, owner, got.fence
+        if queue_key is not None:
+            self._queue_lock_released(message, state, queue_key, started.queue_released)
+        state.run_confirmed, state.fence = True, got.fence
+        if spec.actor_name in middleware.async_actors:
+            state.coroutine = watch()
         state.lease = middleware.leases.hold(key, owner, taken_at, actor=spec.actor_name)
         set_fence(got.fence)
         middleware.emit("locked", spec, key, message)
 
-    def _claim(self, message: "MessageProxy", key: str) -> bool:
-        attempt = message.options.get("unique_reschedules", 0)
-        return not attempt or self.backend.claim(key, f"{message.message_id}:{attempt}")
+    def _settle(self, message: "MessageProxy", state: Delivery) -> None:
+        """Claim a copy that will not start, so that no other copy of
+        its message starts either; skip it if another copy won.
+        """
+        copy = copy_of(message, self.middleware.key(state.spec, state.digest, "run"))
+        if state.claimed or not copy.attempt:
+            return
+        try:
+            may_run = self.backend.claim(copy)
+        except Exception as e:
+            self.middleware.backend_error("settle the copies of", copy.key, state.spec, message, e)
+            return
+        state.claimed = True
+        if not may_run:
+            self._skip_copy(message, state, "lost")
+
+    def _skip_copy(self, message: "MessageProxy", state: Delivery, verdict: str) -> NoReturn:
+        """Skip a copy of a message that another copy of it stands for."""
+        state.keeps_queue_lock = state.quiet_skip = True  # the copy that runs owns the message's locks
+        store_nothing(message)
+        reason = SKIP_REASONS.get(verdict, verdict)
+        self.middleware.emit("skipped", state.spec, self.middleware.key(state.spec, state.digest, "run"), message)
+        self.middleware.logger.debug("Skipped %s: %s.", message, reason)
+        raise CopySkipped(f"skipped: {reason}")
 
     def _on_conflict(
         self, broker: "Broker", message: "MessageProxy", state: Delivery, key: str, holder: Optional[str]
-    ) -> None:
+    ) -> NoReturn:
         middleware, spec = self.middleware, state.spec
         if spec.server == "reschedule":
             self._reschedule(broker, message, state, key)
         middleware.emit("conflict", spec, key, message, holder)
         holder_id = message_id_of(holder)
+        error = LockConflict(f"Run lock {key!r} is held by message {holder_id}.", key=key, holder=holder_id)
         if spec.server == "raise":
-            raise LockConflict(f"Run lock {key!r} is held by message {holder_id}.", key=key, holder=holder_id)
+            raise error
+        store_failure(broker, message, error)
         if spec.server == "reject":
             middleware.logger.warning("Dead-lettering %s: run lock %r is held by message %s.", message, key, holder_id)
             message.fail()
         else:
             middleware.logger.warning("Dropping %s: run lock %r is held by message %s.", message, key, holder_id)
-        message.options["store_results"] = False
         raise SkipMessage(f"run lock {key!r} is held")
 
-    def _reschedule(self, broker: "Broker", message: "MessageProxy", state: Delivery, key: str) -> None:
+    def _reschedule(self, broker: "Broker", message: "MessageProxy", state: Delivery, key: str) -> NoReturn:
         middleware, spec = self.middleware, state.spec
         attempt = message.options.get("unique_reschedules", 0) + 1
         base = spec.reschedule_delay if spec.reschedule_delay is not None else middleware.settings.reschedule_delay
-        copy = message.copy(options={"unique_reschedules": attempt, "unique_digest": state.digest})
-        ticket = f"{message.message_id}:{attempt}"
+        options = {"unique_reschedules": attempt, "unique_digest": state.digest}
         # Register before enqueueing: a delayed copy that arrived first
-        # would find no ticket to claim, and the hand-off would run it again.
+        # would find no record, and the hand-off would run it again.
         try:
-            order = int(message.message_timestamp)
-            self.backend.wait(key, ticket, copy.encode(), order=order, ttl=middleware.settings.lock_ttl)
+            handed = message.copy(options={**options, "unique_via": "handoff"})
+            waiting = Copy(key, message.message_id, attempt, "handoff")
+            order, ttl = int(message.message_timestamp), middleware.settings.lock_ttl
+            self.backend.wait(waiting, handed.encode(), order=order, ttl=ttl)
         except Exception as e:
             middleware.emit("backend_error", spec, key, message)
             middleware.logger.warning(
                 "Could not register %s as waiting for %r (%r); it runs after its delay.", message, key, e
             )
         try:
-            broker.enqueue(copy, delay=int(base * random.uniform(0.8, 1.2)))
+            delayed = message.copy(options={**options, "unique_via": "delay"})
+            broker.enqueue(delayed, delay=int(base * random.uniform(0.8, 1.2)))
         except Exception as e:
-            self._withdraw(key, ticket, spec, message)
+            self._withdraw(copy_of(message, key), spec, message)
             raise middleware.backend_error("reschedule a message waiting for", key, spec, message, e) from e
-        state.keeps_queue_lock = True
-        message.options["store_results"] = False
+        state.keeps_queue_lock = state.quiet_skip = True
+        store_nothing(message)
         middleware.emit("rescheduled", spec, key, message)
         middleware.logger.debug("Rescheduled %s: run lock %r is held.", message, key)
         raise Rescheduled(f"run lock {key!r} is held; rescheduled")
 
-    def _withdraw(self, key: str, ticket: str, spec: ActorSpec, message: "MessageProxy") -> None:
-        """Take back a waiter whose delayed copy was never enqueued, so
-        no hand-off runs it beside the retry of the original.
+    def _withdraw(self, copy: Copy, spec: ActorSpec, message: "MessageProxy") -> None:
+        """Take back a wait whose delayed copy was never enqueued, so no
+        hand-off runs it beside the retry of this copy.
         """
         try:
-            self.backend.claim(key, ticket)
+            self.backend.withdraw(copy)
         except Exception as e:
-            self.middleware.backend_error("withdraw the waiter of", key, spec, message, e)
+            self.middleware.backend_error("withdraw the waiter of", copy.key, spec, message, e)
+
+    def retire(self, message: "MessageProxy", state: Delivery) -> None:
+        """A copy is dead-lettered: make sure no other copy of its
+        message runs, and that it leaves no waiter behind.
+        """
+        if state.spec.lock.run_lock:
+            try:
+                self._settle(message, state)
+            except SkipMessage:
+                pass
 
     def release_queue_lock(self, message: "MessageProxy", state: Delivery, strict: bool = False) -> None:
         """Release the enqueue lock, once, unless the lock type has none
@@ -163,8 +230,12 @@ class ProcessGuard:
             if strict:
                 raise error from e
             return
+        self._queue_lock_released(message, state, key, released.held)
+
+    def _queue_lock_released(self, message: "MessageProxy", state: Delivery, key: str, held: bool) -> None:
+        middleware = self.middleware
         state.queue_released = True
-        if released.held:
+        if held:
             middleware.emit("released", state.spec, key, message)
             return
         middleware.logger.warning(
@@ -179,7 +250,14 @@ class ProcessGuard:
         if state.run_key is None or state.run_owner is None:
             return
         middleware = self.middleware
-        key, owner, lease = state.run_key, state.run_owner, state.lease
+        if state.coroutine is not None and state.coroutine.defer(lambda: self.end_run(broker, message, state)):
+            middleware.logger.error(
+                "Message %s is still running after it was interrupted: its run lock %r is kept until it ends.",
+                message,
+                state.run_key,
+            )
+            return
+        key, owner, lease, confirmed = state.run_key, state.run_owner, state.lease, state.run_confirmed
         state.run_key = state.run_owner = state.lease = None
         set_fence(None)
         if lease is not None:
@@ -191,7 +269,7 @@ class ProcessGuard:
             return
         if released.held:
             middleware.emit("released", state.spec, key, message)
-        elif lease is None or not lease.lost:
+        elif confirmed and (lease is None or not lease.lost):
             self.report_lost(state.spec.actor_name, key, owner)
         if released.promoted is not None:
             self._promote(broker, key, released.promoted)
@@ -217,3 +295,17 @@ class ProcessGuard:
             message_id_of(owner),
         )
         self.middleware.events.emit(LockEvent("lock_lost", actor, key, message_id_of(owner)))
+
+
+def _expired(broker: "Broker", message: Any) -> bool:
+    """Whether AgeLimit, after us in the stack, will dead-letter
+    ``message`` as too old: then it must take no lock, and never be
+    rescheduled past its age.
+    """
+    for middleware in broker.middleware:
+        if isinstance(middleware, AgeLimit):
+            actor = broker.get_actor(message.actor_name)
+            max_age = message.options.get("max_age") or actor.options.get("max_age", middleware.max_age)
+            # Looked up at call time, like AgeLimit's own clock.
+            return bool(max_age) and age_limit_module.current_millis() - message.message_timestamp >= max_age
+    return False

@@ -135,7 +135,7 @@ def redis_backend_for_tests(url: Optional[str] = None) -> "RedisBackend":
 
 
 def delete_prefix(backend: "RedisBackend", prefix: str) -> int:
-    """Delete every key under ``prefix``: locks, waiters and tickets.
+    """Delete every key under ``prefix``: locks, waiters and message records.
 
     Returns:
       int: How many keys were deleted.

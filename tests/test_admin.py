@@ -14,6 +14,7 @@ import redis
 
 from dramatiq_unique import LockBackendError, UniqueMiddleware
 from dramatiq_unique.admin import LockAdmin, UnknownLock
+from dramatiq_unique.backend import Copy
 from dramatiq_unique.backends.redis import RedisBackend
 from tests.conftest import free_port, make_worker, wait_for
 
@@ -110,7 +111,7 @@ def test_filters_by_actor_exactly_and_by_pattern(backend):
     take(backend, key(prefix, "weird[1]*", 3), "c/1")
     take(backend, key(prefix, "weirdX1YZ", 4), "d/1")
     take(backend, key(f"{prefix}-other", "billing.sync", 5), "e/1")
-    backend.wait(key(prefix, "billing.sync", 1), "m:0", b"message", order=1, ttl=MINUTE)
+    backend.wait(Copy(key(prefix, "billing.sync", 1), "m", 1, "handoff"), b"message", order=1, ttl=MINUTE)
     admin = LockAdmin(backend, prefix=prefix)
 
     def listed(**filters):
@@ -179,7 +180,7 @@ def test_release_digest_deletes_its_locks_but_not_their_waiters(redis_backend, r
     run_key, queue_key = key(prefix, "sync", 6, "run"), key(prefix, "sync", 6, "queue")
     take(redis_backend, run_key, "m1/n")
     take(redis_backend, queue_key, "m1")
-    redis_backend.wait(run_key, "m2:0", b"message", order=1, ttl=MINUTE)
+    redis_backend.wait(Copy(run_key, "m2", 1, "handoff"), b"message", order=1, ttl=MINUTE)
     admin = LockAdmin(redis_backend, prefix=prefix)
 
     # When I release the run lock only, then the whole digest
@@ -188,9 +189,9 @@ def test_release_digest_deletes_its_locks_but_not_their_waiters(redis_backend, r
     assert admin.release(digest(6)) == [queue_key]
 
     # Then I expect both keys gone, the waiter's records kept (its
-    # delayed copy still needs its ticket), and nothing left to release
+    # delayed copy still needs its record), and nothing left to release
     assert redis_client.exists(run_key, queue_key) == 0
-    assert redis_client.exists(f"{run_key}:wait", f"{run_key}:tickets") == 2
+    assert redis_client.exists(f"{run_key}:wait", f"{run_key}:bodies", f"{run_key}:m:m2") == 3
     with pytest.raises(UnknownLock):
         admin.release(digest(6))
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import redis
 
-from dramatiq_unique.backend import Release
+from dramatiq_unique.backend import Copy, Release
 from dramatiq_unique.backends.redis import RedisBackend
 
 KEY = "test:actor:{abc}:run"
@@ -96,10 +96,15 @@ def test_inspect_and_scan(backend):
     assert backend.delete(KEY) and backend.inspect(KEY) is None
 
 
+def waiting(message_id: str, attempt: int = 1) -> Copy:
+    """The hand-off copy of a message's reschedule ``attempt`` on KEY."""
+    return Copy(KEY, message_id, attempt, "handoff")
+
+
 def test_release_promotes_the_longest_waiter_once(backend):
     backend.acquire(KEY, "holder", ttl=10_000)
-    backend.wait(KEY, "late:1", b"late", order=2, ttl=10_000)
-    backend.wait(KEY, "early:1", b"early", order=1, ttl=10_000)
+    backend.wait(waiting("late"), b"late", order=2, ttl=10_000)
+    backend.wait(waiting("early"), b"early", order=1, ttl=10_000)
     assert backend.release(KEY, "holder").promoted == b"early"
     backend.acquire(KEY, "holder2", ttl=10_000)
     assert backend.release(KEY, "holder2").promoted == b"late"
@@ -107,21 +112,73 @@ def test_release_promotes_the_longest_waiter_once(backend):
     assert backend.release(KEY, "holder3").promoted is None
 
 
-def test_claim_lets_only_the_first_copy_of_a_promoted_ticket_run(backend):
+def test_a_release_by_a_non_owner_hands_nothing_over(backend):
     backend.acquire(KEY, "holder", ttl=10_000)
-    backend.wait(KEY, "m:1", b"m", order=1, ttl=10_000)
+    backend.wait(waiting("m"), b"m", order=1, ttl=10_000)
+    assert backend.release(KEY, "stranger") == Release(False, None)
+    assert backend.release(KEY, "holder").promoted == b"m"
+
+
+def test_the_first_copy_of_a_reschedule_wins_and_its_retries_rerun(backend):
+    backend.acquire(KEY, "holder", ttl=10_000)
+    backend.wait(waiting("m"), b"m", order=1, ttl=10_000)
     backend.release(KEY, "holder")
-    assert backend.claim(KEY, "m:1") is True
-    assert backend.claim(KEY, "m:1") is False
-    # once both copies arrived the record is gone
-    assert backend.claim(KEY, "m:1") is True
+    handoff, delay = Copy(KEY, "m", 1, "handoff"), Copy(KEY, "m", 1, "delay")
+    assert backend.claim(handoff) is True
+    assert backend.claim(delay) is False
+    # a retry or redelivery of the winner, or a claim whose reply was lost, runs again
+    assert backend.claim(handoff) is True
+    assert backend.claim(delay) is False
+    # the original, and copies of earlier reschedules, are stale
+    assert backend.claim(Copy(KEY, "m", 0, "")) is False
+    assert backend.acquire("test:actor:{abc}:queue", "m", ttl=1_000, copy=delay).refused == "lost"
+    assert backend.acquire("test:actor:{abc}:queue", "m", ttl=1_000, copy=handoff).acquired
 
 
 def test_a_waiter_that_arrives_by_its_delay_is_not_promoted_later(backend):
     backend.acquire(KEY, "holder", ttl=10_000)
-    backend.wait(KEY, "m:1", b"m", order=1, ttl=10_000)
-    assert backend.claim(KEY, "m:1") is True
+    backend.wait(waiting("m"), b"m", order=1, ttl=10_000)
+    assert backend.claim(Copy(KEY, "m", 1, "delay")) is True
     assert backend.release(KEY, "holder").promoted is None
+
+
+def test_a_later_reschedule_makes_the_earlier_copies_stale(backend):
+    backend.wait(waiting("m", 1), b"m1", order=1, ttl=10_000)
+    assert backend.claim(Copy(KEY, "m", 1, "delay")) is True
+    backend.wait(waiting("m", 2), b"m2", order=1, ttl=10_000)
+    assert backend.claim(Copy(KEY, "m", 1, "delay")) is False
+    assert backend.claim(Copy(KEY, "m", 1, "handoff")) is False
+    assert backend.claim(Copy(KEY, "m", 2, "delay")) is True
+
+
+def test_start_claims_takes_and_releases_the_enqueue_lock_at_once(backend):
+    queue_key = "test:actor:{abc}:queue"
+    backend.acquire(queue_key, "m", ttl=10_000)
+    backend.wait(waiting("m"), b"m", order=1, ttl=10_000)
+    copy = Copy(KEY, "m", 1, "delay")
+    started = backend.start(KEY, "m/1", ttl=10_000, limit=1, lock="x", copy=copy, queue_key=queue_key)
+    assert started.acquisition.acquired and started.queue_released
+    assert backend.inspect(queue_key) is None
+    # the other copy of the same reschedule is refused and takes nothing
+    other = backend.start(KEY, "m/2", ttl=10_000, limit=1, lock="x", copy=Copy(KEY, "m", 1, "handoff"))
+    assert other.acquisition.refused == "lost" and set(backend.inspect(KEY).holders) == {"m/1"}
+    # a conflict keeps the enqueue lock
+    backend.acquire(queue_key, "n", ttl=10_000)
+    held = backend.start(KEY, "n/1", ttl=10_000, limit=1, lock="x", copy=Copy(KEY, "n"), queue_key=queue_key)
+    assert not held.acquisition.acquired and held.acquisition.holder == "m/1" and not held.queue_released
+    assert set(backend.inspect(queue_key).holders) == {"n"}
+
+
+def test_a_withdrawn_wait_leaves_the_copy_that_registered_it_running(backend):
+    backend.acquire(KEY, "holder", ttl=10_000)
+    backend.wait(waiting("m", 1), b"m", order=1, ttl=10_000)
+    backend.withdraw(Copy(KEY, "m", 0, ""))
+    assert backend.claim(Copy(KEY, "m", 0, "")) is True
+    assert backend.release(KEY, "holder").promoted is None
+    backend.wait(waiting("m", 2), b"m", order=1, ttl=10_000)
+    backend.withdraw(Copy(KEY, "m", 1, "handoff"))
+    assert backend.claim(Copy(KEY, "m", 1, "handoff")) is True
+    assert backend.claim(Copy(KEY, "m", 1, "delay")) is False
 
 
 def test_acquire_is_atomic_under_contention(backend):
@@ -174,17 +231,19 @@ def test_redis_backend_errors_surface(redis_url):
 
 def test_a_release_without_hand_over_leaves_the_waiters_waiting(backend):
     backend.acquire(KEY, "holder", ttl=10_000)
-    backend.wait(KEY, "m:1", b"m", order=1, ttl=10_000)
+    backend.wait(waiting("m"), b"m", order=1, ttl=10_000)
     assert backend.release(KEY, "holder", hand_over=False) == Release(True, None)
-    # the waiter's delayed copy still arrives first and runs, and its record is gone after
-    assert backend.claim(KEY, "m:1") is True
+    # the waiter's delayed copy still arrives first and runs
+    assert backend.claim(Copy(KEY, "m", 1, "delay")) is True
     backend.acquire(KEY, "holder2", ttl=10_000)
     assert backend.release(KEY, "holder2").promoted is None
 
 
 def test_waiter_records_expire(backend):
     backend.acquire(KEY, "holder", ttl=10_000)
-    backend.wait(KEY, "m:1", b"m", order=1, ttl=100)
-    time.sleep(0.15)
+    backend.wait(waiting("m"), b"m", order=1, ttl=100)
+    time.sleep(0.15)  # the records' own deadline: nothing to poll
     assert backend.release(KEY, "holder").promoted is None
-    assert backend.claim(KEY, "m:1") is True
+    # with its record gone, any copy runs: nothing is lost
+    assert backend.claim(Copy(KEY, "m", 1, "delay")) is True
+    assert backend.claim(Copy(KEY, "m", 1, "handoff")) is True

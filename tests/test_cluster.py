@@ -156,10 +156,10 @@ def test_extend_renews_leases_on_every_node_in_one_call(redis_backend, cluster_c
 
 
 def test_the_keys_of_one_lock_share_a_slot(cluster_client):
-    # The lock hash, its waiters and its tickets must be reachable by one script.
+    # The lock hash, its waiters, bodies and message records must be reachable by one script.
     middleware = unique(RedisBackend(client=cluster_client))
     key = f"{middleware.settings.prefix}:sync_{{account}}:{{{'f' * 32}}}:run"
-    slots = {cluster_client.keyslot(name) for name in (key, f"{key}:wait", f"{key}:tickets")}
+    slots = {cluster_client.keyslot(name) for name in (key, f"{key}:wait", f"{key}:bodies", f"{key}:m:some-message-id")}
     assert len(slots) == 1
 
 

@@ -38,6 +38,7 @@ RUNTIME_MODULES = (
     "spec.py",
     "confirm.py",
     "reap.py",
+    "results.py",
 )
 
 
@@ -200,7 +201,10 @@ def test_a_run_lock_is_locked_rescheduled_then_handed_over(setup, log_lines):
     [second] = ids - {first}
     handover = story.index(("released", first))
     assert set(story[:handover]) == {("locked", first), ("rescheduled", second)}
-    assert story[handover:] == [("released", first), ("locked", second), ("released", second)]
+    # the delayed copy, when it comes after the handed-over one, is skipped
+    ran = [entry for entry in story[handover:] if entry != ("skipped", second)]
+    assert ran == [("released", first), ("locked", second), ("released", second)]
+    assert len(story[handover:]) - len(ran) <= 1
     assert logged(log_lines, "DEBUG", "Rescheduled %s: run lock %r is held.")
 
 

@@ -397,3 +397,30 @@ def test_a_delay_queue_move_never_raises_even_for_a_message_it_cannot_key(rig):
     # which cannot take its lock, fails through Retries instead of running unlocked
     wait_for(lambda: rig.dead() == 1, what="the unkeyable message to be dead-lettered")
     assert rig.runs.count() == 0
+
+
+def test_an_async_actor_that_ignores_its_time_limit_keeps_its_lock_until_it_ends(rig):
+    # Given an async actor whose coroutine ignores cancellation and runs on past its time limit
+    import asyncio
+
+    spans = []
+
+    async def stubborn(account_id):
+        began = time.monotonic()
+        try:
+            await asyncio.sleep(0.1 if spans else 5)
+        except asyncio.CancelledError:
+            await asyncio.sleep(1.5)  # ignores the cancellation, and goes on
+        spans.append((began, time.monotonic()))
+
+    actor = dramatiq.actor(stubborn, broker=rig.broker, lock="while_executing", time_limit=300, max_retries=0)
+    actor.send(1)
+    rig.start()
+    wait_for(lambda: rig.held(actor, 1, phase="run") is not None, what="the first run")
+    actor.send(1)
+    # When the worker thread gives up on it and runs the after-hooks
+    wait_for(lambda: len(spans) == 2, timeout=15, what="both runs")
+    # Then the second run started only after the first coroutine really ended
+    (first_start, first_end), (second_start, _) = sorted(spans)
+    assert second_start >= first_end
+    assert rig.unique.events.count("lock_lost") == 0

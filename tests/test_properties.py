@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from dramatiq_unique import LOCK_TYPES, STRATEGIES, DuplicateMessage, LockBackend, StubBackend, digest_for, fence_token
+from dramatiq_unique.backend import Copy
 from dramatiq_unique.backends.redis import RedisBackend
 from dramatiq_unique.settings import MAX_DURATION
 from tests.conftest import wait_for
@@ -259,7 +260,8 @@ def test_releasing_the_last_live_holder_drops_the_key_beside_a_lapsed_one(backen
 
 KEYS = ("k0", "k1")
 OWNERS = ("a", "b", "c")
-TICKETS = ("t0", "t1", "t2")
+MESSAGES = ("m0", "m1", "m2")
+VIAS = ("", "delay", "handoff")
 
 #: Long enough that no slot lapses unless a rule makes it.
 LONG = 600_000
@@ -286,7 +288,8 @@ class BackendModel(RuleBasedStateMachine):
         self.lock: dict[str, Optional[str]] = dict.fromkeys(KEYS)
         self.args: dict[str, Optional[str]] = dict.fromkeys(KEYS)
         self.waiting: dict[str, dict[str, int]] = {key: {} for key in KEYS}
-        self.tickets: dict[str, dict[str, list[Any]]] = {key: {} for key in KEYS}
+        #: key -> message id -> [attempt, winner], the message records
+        self.records: dict[str, dict[str, list[Any]]] = {key: {} for key in KEYS}
 
     def full(self, key: str) -> str:
         return f"{self.prefix}:actor:{{{key}}}:run"
@@ -380,10 +383,9 @@ class BackendModel(RuleBasedStateMachine):
             assert lingering, "a release by a holder hands the slot to a waiter"
             return
         first = min(self.waiting[key].values())
-        ticket = got.promoted.decode()
-        assert self.waiting[key].get(ticket) == first, "the longest waiter is promoted"
-        del self.waiting[key][ticket]
-        self.tickets[key][ticket][0] = 2
+        message_id = got.promoted.decode()
+        assert self.waiting[key].get(message_id) == first, "the longest waiter is promoted"
+        del self.waiting[key][message_id]
 
     @rule(pairs=st.lists(st.tuples(st.sampled_from(KEYS), st.sampled_from(OWNERS)), min_size=1, max_size=4))
     def extend(self, pairs: list[tuple[str, str]]) -> None:
@@ -401,25 +403,42 @@ class BackendModel(RuleBasedStateMachine):
         self.lapsed[key].clear()
         self._emptied(key)
 
-    @rule(key=st.sampled_from(KEYS), ticket=st.sampled_from(TICKETS), order=st.integers(0, 3))
-    def wait(self, key: str, ticket: str, order: int) -> None:
-        self.backend.wait(self.full(key), ticket, ticket.encode(), order=order, ttl=LONG)
-        self.waiting[key][ticket] = order
-        self.tickets[key][ticket] = [1, False]
+    def copy(self, key: str, message_id: str, attempt: int, via: str) -> Copy:
+        return Copy(self.full(key), message_id, attempt, via)
 
-    @rule(key=st.sampled_from(KEYS), ticket=st.sampled_from(TICKETS))
-    def claim(self, key: str, ticket: str) -> None:
-        got = self.backend.claim(self.full(key), ticket)
-        record = self.tickets[key].get(ticket)
+    @rule(key=st.sampled_from(KEYS), message_id=st.sampled_from(MESSAGES), attempt=st.integers(1, 3),
+          order=st.integers(0, 3))
+    def wait(self, key: str, message_id: str, attempt: int, order: int) -> None:
+        copy = self.copy(key, message_id, attempt, "handoff")
+        self.backend.wait(copy, message_id.encode(), order=order, ttl=LONG)
+        self.waiting[key][message_id] = order
+        self.records[key][message_id] = [attempt, ""]
+
+    @rule(key=st.sampled_from(KEYS), message_id=st.sampled_from(MESSAGES), attempt=st.integers(0, 3),
+          via=st.sampled_from(VIAS))
+    def claim(self, key: str, message_id: str, attempt: int, via: str) -> None:
+        got = self.backend.claim(self.copy(key, message_id, attempt, via))
+        record = self.records[key].get(message_id)
         if record is None:
-            assert got is True
-            return
-        self.waiting[key].pop(ticket, None)
-        record[0] -= 1
-        first, record[1] = not record[1], True
-        if record[0] <= 0:
-            del self.tickets[key][ticket]
-        assert got == first, "only the first copy of a ticket runs"
+            assert got is True, "a copy with no record runs"
+        elif attempt < record[0]:
+            assert got is False, "a copy of an earlier reschedule is stale"
+        elif attempt == record[0] and record[1]:
+            assert got == (record[1] == via), "only the winner of a reschedule, and its copies, run"
+        else:
+            assert got is True, "the first copy of a reschedule wins it"
+            record[:] = [attempt, via]
+            self.waiting[key].pop(message_id, None)
+
+    @rule(key=st.sampled_from(KEYS), message_id=st.sampled_from(MESSAGES), attempt=st.integers(0, 3),
+          via=st.sampled_from(VIAS))
+    def withdraw(self, key: str, message_id: str, attempt: int, via: str) -> None:
+        self.backend.withdraw(self.copy(key, message_id, attempt, via))
+        self.waiting[key].pop(message_id, None)
+        if attempt == 0:
+            self.records[key].pop(message_id, None)
+        elif message_id in self.records[key]:
+            self.records[key][message_id] = [attempt, via]
 
     @invariant()
     def inspect_and_scan_show_the_model(self) -> None:
@@ -432,7 +451,7 @@ class BackendModel(RuleBasedStateMachine):
             assert set(info.holders) == self.holders[key]
             assert (info.lock, info.lock_args, info.fence) == (self.lock[key], self.args[key], self.fence[key])
         # Waiting lists live beside their lock: RedisBackend lists them too
-        listed = {key for key in self.backend.scan(f"{self.prefix}:*") if not key.endswith((":wait", ":tickets"))}
+        listed = {key for key in self.backend.scan(f"{self.prefix}:*") if key.endswith((":run", ":queue"))}
         assert listed == {self.full(key) for key in KEYS if self.holders[key]}
 
     def teardown(self) -> None:

@@ -14,11 +14,22 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from ..backend import Acquisition, EnqueueRecord, LockBackend, LockInfo, Release
+from ..backend import Acquisition, Copy, EnqueueRecord, LockBackend, LockInfo, Release, Start
+
+_LUA = resources.files(__package__).joinpath("lua")
+
+
+def _source(name: str) -> str:
+    """A script's text, with each ``--@include NAME`` line replaced by
+    the library ``NAME.lua``.
+    """
+    lines = _LUA.joinpath(f"{name}.lua").read_text().splitlines(keepends=True)
+    return "".join(_source(line.split()[1]) if line.startswith("--@include ") else line for line in lines)
+
 
 _SCRIPTS = {
-    name: resources.files(__package__).joinpath("lua", f"{name}.lua").read_text()
-    for name in ("acquire", "release", "extend", "wait", "claim", "confirm", "reap")
+    name: _source(name)
+    for name in ("acquire", "start", "release", "extend", "wait", "claim", "withdraw", "confirm", "reap")
 }
 
 #: The URL scheme that connects to a Cluster.
@@ -39,10 +50,29 @@ def _without_password(url: str) -> str:
 
 
 def _waiting(key: str) -> list[str]:
-    """The waiters and tickets keys of a lock key: same hash tag, same
-    Cluster slot.
+    """The waiters and bodies keys of a run lock key: same hash tag,
+    same Cluster slot.
     """
-    return [f"{key}:wait", f"{key}:tickets"]
+    return [f"{key}:wait", f"{key}:bodies"]
+
+
+def _records(copy: Copy) -> list[str]:
+    """The keys a :class:`Copy` is settled on: its message record, then
+    the waiters and bodies of its run lock.
+    """
+    return [f"{copy.key}:m:{copy.message_id}", *_waiting(copy.key)]
+
+
+def _copy_args(copy: Copy) -> list[Any]:
+    return [copy.message_id, copy.attempt, copy.via]
+
+
+def _acquisition(status: int, holder: Any, fence: Any, confirm: Any = 0) -> Acquisition:
+    if status == 3:
+        return Acquisition(False, refused=_text(holder))
+    return Acquisition(
+        status in (1, 2), reentered=status == 2, holder=_text(holder), fence=int(fence), provisional=confirm == 1
+    )
 
 
 def _text(value: Any) -> str:
@@ -118,16 +148,23 @@ class RedisBackend(LockBackend):
         lock_args: Optional[str] = None,
         provisional: int = 0,
         where: Optional[str] = None,
+        copy: Optional[Copy] = None,
     ) -> Acquisition:
-        args: list[Any] = [owner, ttl, limit, lock, lock_args or ""]
-        if where is not None:
-            args += [provisional, where]
-        elif provisional:
-            args.append(provisional)
-        status, holder, fence, confirm = self.scripts["acquire"](keys=[key], args=args, client=self.client)
-        return Acquisition(
-            status != 0, reentered=status == 2, holder=_text(holder), fence=int(fence), provisional=confirm == 1
+        keys = [key]
+        args: list[Any] = [owner, ttl, limit, lock, lock_args or "", provisional, int(where is not None), where or ""]
+        if copy is not None:
+            keys, args = keys + _records(copy), args + _copy_args(copy)
+        status, holder, fence, confirm = self.scripts["acquire"](keys=keys, args=args, client=self.client)
+        return _acquisition(status, holder, fence, confirm)
+
+    def start(
+        self, key: str, owner: str, *, ttl: int, limit: int, lock: str, copy: Copy, queue_key: Optional[str] = None
+    ) -> Start:
+        keys = [key, *_records(copy)] + ([queue_key] if queue_key else [])
+        status, holder, fence, queue = self.scripts["start"](
+            keys=keys, args=[owner, ttl, limit, lock, *_copy_args(copy)], client=self.client
         )
+        return Start(_acquisition(status, holder, fence), queue_released=bool(queue))
 
     def release(self, key: str, owner: str, *, hand_over: bool = True) -> Release:
         held, promoted = self.scripts["release"](
@@ -135,11 +172,16 @@ class RedisBackend(LockBackend):
         )
         return Release(bool(held), promoted or None)
 
-    def wait(self, key: str, ticket: str, message: bytes, *, order: int, ttl: int) -> None:
-        self.scripts["wait"](keys=_waiting(key), args=[ticket, message, order, ttl], client=self.client)
+    def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> None:
+        self.scripts["wait"](
+            keys=_records(copy), args=[copy.message_id, message, order, copy.attempt, ttl], client=self.client
+        )
 
-    def claim(self, key: str, ticket: str) -> bool:
-        return bool(self.scripts["claim"](keys=_waiting(key), args=[ticket], client=self.client))
+    def claim(self, copy: Copy) -> bool:
+        return bool(self.scripts["claim"](keys=_records(copy), args=_copy_args(copy), client=self.client))
+
+    def withdraw(self, copy: Copy) -> None:
+        self.scripts["withdraw"](keys=_records(copy), args=_copy_args(copy), client=self.client)
 
     def extend(self, locks: Sequence[tuple[str, str]], ttl: int) -> list[bool]:
         if not locks:

@@ -8,7 +8,7 @@ import time as mod_time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
-from ..backend import Acquisition, EnqueueRecord, LockBackend, LockInfo, Release
+from ..backend import Acquisition, Copy, EnqueueRecord, LockBackend, LockInfo, Release, Start
 
 
 def _now_ms() -> int:
@@ -20,15 +20,19 @@ def _unix_ms() -> int:
 
 
 @dataclass
-class _Ticket:
-    copies: int = 1
-    claimed: bool = False
+class _Record:
+    """Which reschedule a message waits in, and which copy won it."""
+
+    attempt: int
+    winner: str
+    expires_at: int
 
 
 @dataclass
 class _Waiters:
+    """Message id -> (order, encoded message to hand the key to)."""
+
     order: dict[str, tuple[int, bytes]] = field(default_factory=dict)
-    tickets: dict[str, _Ticket] = field(default_factory=dict)
     expires_at: int = 0
 
 
@@ -54,6 +58,7 @@ class StubBackend(LockBackend):
         self._entries: dict[str, _Entry] = {}
         self._last_fence = 0
         self._waiters: dict[str, _Waiters] = {}
+        self._records: dict[tuple[str, str], _Record] = {}
 
     def _live(self, key: str, now: int) -> Optional[_Entry]:
         entry = self._entries.get(key)
@@ -77,31 +82,51 @@ class StubBackend(LockBackend):
         lock_args: Optional[str] = None,
         provisional: int = 0,
         where: Optional[str] = None,
+        copy: Optional[Copy] = None,
     ) -> Acquisition:
         with self._mutex:
-            now = _now_ms()
-            entry = self._live(key, now) or _Entry()
-            short = 0 < provisional < ttl
-            if owner in entry.holders:
-                old = entry.records.get(owner)
-                # As acquire.lua: only a slot still provisional stays so.
-                short = short and old is not None and old.provisional_until > 0
-                deadline = max(entry.holders[owner], now + (provisional if short else ttl))
-                entry.holders[owner] = deadline
-                if where is not None:
-                    entry.records[owner] = self._record(old, where, deadline - now if short else 0)
-                return Acquisition(True, reentered=True, fence=entry.fence, provisional=short)
-            if len(entry.holders) >= limit:
-                return Acquisition(False, holder=next(iter(entry.holders)), fence=entry.fence)
-            self._last_fence = entry.fence = max(self._last_fence + 1, mod_time.time_ns() // 1000)
-            entry.holders[owner] = now + (provisional if short else ttl)
-            entry.lock = lock
-            if lock_args is not None:  # recorded if given, as RedisBackend does
-                entry.lock_args = lock_args
+            verdict = self._claim(copy, write=False) if copy is not None else "run"
+            if verdict != "run":
+                return Acquisition(False, refused=verdict)
+            return self._take(
+                key, owner, ttl=ttl, limit=limit, lock=lock, lock_args=lock_args, provisional=provisional, where=where
+            )
+
+    def _take(
+        self,
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        limit: int,
+        lock: str,
+        lock_args: Optional[str],
+        provisional: int = 0,
+        where: Optional[str] = None,
+    ) -> Acquisition:
+        now = _now_ms()
+        entry = self._live(key, now) or _Entry()
+        short = 0 < provisional < ttl
+        if owner in entry.holders:
+            old = entry.records.get(owner)
+            # As _take.lua: only a slot still provisional stays so.
+            short = short and old is not None and old.provisional_until > 0
+            deadline = max(entry.holders[owner], now + (provisional if short else ttl))
+            entry.holders[owner] = deadline
             if where is not None:
-                entry.records[owner] = EnqueueRecord(_unix_ms(), _unix_ms() + provisional if short else 0, where)
-            self._entries[key] = entry
-            return Acquisition(True, fence=entry.fence, provisional=short)
+                entry.records[owner] = self._record(old, where, deadline - now if short else 0)
+            return Acquisition(True, reentered=True, fence=entry.fence, provisional=short)
+        if len(entry.holders) >= limit:
+            return Acquisition(False, holder=next(iter(entry.holders)), fence=entry.fence)
+        self._last_fence = entry.fence = max(self._last_fence + 1, mod_time.time_ns() // 1000)
+        entry.holders[owner] = now + (provisional if short else ttl)
+        entry.lock = lock
+        if lock_args is not None:  # recorded if given, as RedisBackend does
+            entry.lock_args = lock_args
+        if where is not None:
+            entry.records[owner] = EnqueueRecord(_unix_ms(), _unix_ms() + provisional if short else 0, where)
+        self._entries[key] = entry
+        return Acquisition(True, fence=entry.fence, provisional=short)
 
     @staticmethod
     def _record(old: Optional[EnqueueRecord], where: str, provisional_for: int) -> EnqueueRecord:
@@ -111,16 +136,35 @@ class StubBackend(LockBackend):
         before = old.before if old.where == where else old.where
         return EnqueueRecord(old.taken_at, now + provisional_for if provisional_for else 0, where, before)
 
+    def start(
+        self, key: str, owner: str, *, ttl: int, limit: int, lock: str, copy: Copy, queue_key: Optional[str] = None
+    ) -> Start:
+        with self._mutex:
+            verdict = self._claim(copy, write=True)
+            if verdict != "run":
+                return Start(Acquisition(False, refused=verdict))
+            got = self._take(key, owner, ttl=ttl, limit=limit, lock=lock, lock_args=None)
+            if not got.acquired or queue_key is None:
+                return Start(got)
+            return Start(got, queue_released=self._drop(queue_key, copy.message_id)[0])
+
     def release(self, key: str, owner: str, *, hand_over: bool = True) -> Release:
         with self._mutex:
-            now = _now_ms()
-            entry = self._entries.get(key)
-            deadline = entry.holders.pop(owner, None) if entry is not None else None
-            if entry is None or deadline is None:
-                return Release(False)
-            entry.records.pop(owner, None)
-            self._live(key, now)  # drops the entry with its last live holder
-            return Release(deadline > now, self._promote(key) if hand_over else None)
+            held, present = self._drop(key, owner)
+            return Release(held, self._promote(key) if hand_over and present else None)
+
+    def _drop(self, key: str, owner: str) -> tuple[bool, bool]:
+        """Remove ``owner``: whether it held a live slot, and whether it
+        was there at all.
+        """
+        now = _now_ms()
+        entry = self._entries.get(key)
+        deadline = entry.holders.pop(owner, None) if entry is not None else None
+        if entry is None or deadline is None:
+            return False, False
+        entry.records.pop(owner, None)
+        self._live(key, now)  # drops the entry with its last live holder
+        return deadline > now, True
 
     def _live_waiters(self, key: str) -> Optional[_Waiters]:
         # Like the Redis keys, the records of a key expire ttl after its last wait.
@@ -130,36 +174,59 @@ class StubBackend(LockBackend):
             return None
         return waiters
 
+    def _live_record(self, copy: Copy) -> Optional[_Record]:
+        record = self._records.get((copy.key, copy.message_id))
+        if record is not None and record.expires_at <= _now_ms():
+            del self._records[(copy.key, copy.message_id)]
+            return None
+        return record
+
     def _promote(self, key: str) -> Optional[bytes]:
         waiters = self._live_waiters(key)
         if waiters is None or not waiters.order:
             return None
-        ticket = min(waiters.order, key=lambda name: waiters.order[name][0])
-        _, message = waiters.order.pop(ticket)
-        waiters.tickets[ticket].copies = 2
-        return message
+        message_id = min(waiters.order, key=lambda name: waiters.order[name][0])
+        return waiters.order.pop(message_id)[1]
 
-    def wait(self, key: str, ticket: str, message: bytes, *, order: int, ttl: int) -> None:
-        with self._mutex:
-            waiters = self._live_waiters(key) or self._waiters.setdefault(key, _Waiters())
-            waiters.order[ticket] = (order, message)
-            waiters.tickets[ticket] = _Ticket()
-            waiters.expires_at = _now_ms() + ttl
+    def _unwait(self, copy: Copy) -> None:
+        waiters = self._live_waiters(copy.key)
+        if waiters is not None:
+            waiters.order.pop(copy.message_id, None)
 
-    def claim(self, key: str, ticket: str) -> bool:
+    def _claim(self, copy: Copy, *, write: bool) -> str:
+        # The rules of _claim.lua.
+        record = self._live_record(copy)
+        if record is None:
+            return "run"
+        if copy.attempt < record.attempt:
+            return "stale"
+        if copy.attempt == record.attempt and record.winner:
+            return "run" if record.winner == copy.via else "lost"
+        if write:
+            record.attempt, record.winner = copy.attempt, copy.via
+            self._unwait(copy)
+        return "run"
+
+    def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> None:
         with self._mutex:
-            waiters = self._live_waiters(key)
-            record = waiters.tickets.get(ticket) if waiters is not None else None
-            if waiters is None or record is None:
-                return True
-            waiters.order.pop(ticket, None)
-            record.copies -= 1
-            first, record.claimed = not record.claimed, True
-            if record.copies <= 0:
-                del waiters.tickets[ticket]
-            if not waiters.tickets:
-                del self._waiters[key]
-            return first
+            expires_at = _now_ms() + ttl
+            self._records[(copy.key, copy.message_id)] = _Record(copy.attempt, "", expires_at)
+            waiters = self._live_waiters(copy.key) or self._waiters.setdefault(copy.key, _Waiters())
+            waiters.order[copy.message_id] = (order, message)
+            waiters.expires_at = expires_at
+
+    def claim(self, copy: Copy) -> bool:
+        with self._mutex:
+            return self._claim(copy, write=True) == "run"
+
+    def withdraw(self, copy: Copy) -> None:
+        with self._mutex:
+            self._unwait(copy)
+            record = self._live_record(copy)
+            if copy.attempt == 0:
+                self._records.pop((copy.key, copy.message_id), None)
+            elif record is not None:
+                record.attempt, record.winner = copy.attempt, copy.via
 
     def extend(self, locks: Sequence[tuple[str, str]], ttl: int) -> list[bool]:
         with self._mutex:

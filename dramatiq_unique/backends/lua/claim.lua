@@ -1,23 +1,11 @@
--- claim: record that one copy of a waiting ticket arrived.
+--@include _claim
+-- claim: settle which copy of a rescheduled message runs, without
+-- taking a lock: for a copy that is retired (dead-lettered, expired,
+-- dropped) before it could start, so that no other copy of it runs.
 --
--- KEYS[1]  waiters: zset ticket -> order
--- KEYS[2]  tickets: hash ticket -> "copies:claimed", "m:"..ticket -> message
--- ARGV[1]  ticket
+-- KEYS[1]  the message record   KEYS[2] waiters   KEYS[3] bodies
+-- ARGV[1]  message id   ARGV[2] attempt   ARGV[3] via
 --
--- Returns 1 when this copy may run (the first to arrive, or a ticket
--- with no record), 0 when another copy arrived first.  The record is
--- dropped once every copy has arrived.
-local ticket = ARGV[1]
-local state = redis.call("HGET", KEYS[2], ticket)
-if not state then return 1 end
-local copies, claimed = string.match(state, "(%d+):(%d+)")
-copies = tonumber(copies) - 1
-redis.call("ZREM", KEYS[1], ticket)
-redis.call("HDEL", KEYS[2], "m:" .. ticket)
-if copies <= 0 then
-  redis.call("HDEL", KEYS[2], ticket)
-else
-  redis.call("HSET", KEYS[2], ticket, copies .. ":1")
-end
-if claimed == "1" then return 0 end
-return 1
+-- Returns 1 when this copy was, or now is, the one that may run.
+if claim(KEYS[1], KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[2]), ARGV[3], true) == "run" then return 1 end
+return 0

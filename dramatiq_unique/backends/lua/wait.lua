@@ -1,15 +1,16 @@
--- wait: register a message as waiting for a lock's next free slot.
+-- wait: register a message as waiting for a run lock's next free slot,
+-- as a new attempt of it.
 --
--- KEYS[1]  waiters: zset ticket -> order
--- KEYS[2]  tickets: hash ticket -> "copies:claimed", "m:"..ticket -> message
--- ARGV[1]  ticket     ARGV[2] encoded message
--- ARGV[3]  order      ARGV[4] ttl ms of both keys
+-- KEYS[1]  the message record: hash "attempt", "winner" (see _claim.lua)
+-- KEYS[2]  waiters: zset message id -> order
+-- KEYS[3]  bodies: hash message id -> the encoded copy to hand the lock to
+-- ARGV[1]  message id   ARGV[2] encoded message   ARGV[3] order
+-- ARGV[4]  attempt      ARGV[5] ttl ms of all three keys
 --
--- The message is also re-enqueued with a delay by the caller, so the
--- ticket starts with one copy; release.lua makes it two when it
--- promotes the waiter.
-redis.call("ZADD", KEYS[1], ARGV[3], ARGV[1])
-redis.call("HSET", KEYS[2], ARGV[1], "1:0", "m:" .. ARGV[1], ARGV[2])
-redis.call("PEXPIRE", KEYS[1], ARGV[4])
-redis.call("PEXPIRE", KEYS[2], ARGV[4])
+-- The caller also enqueues a delayed copy of the same attempt; the
+-- first of the two copies to arrive becomes the attempt's winner.
+redis.call("HSET", KEYS[1], "attempt", ARGV[4], "winner", "")
+redis.call("ZADD", KEYS[2], ARGV[3], ARGV[1])
+redis.call("HSET", KEYS[3], ARGV[1], ARGV[2])
+for i = 1, 3 do redis.call("PEXPIRE", KEYS[i], ARGV[5]) end
 return 1

@@ -16,6 +16,12 @@ build the same actors:
 * ``FAULTS_LEASE``, ``FAULTS_RESCHEDULE_DELAY`` (ms) and
   ``FAULTS_ON_BACKEND_ERROR``: passed to ``UniqueMiddleware``.
 * ``FAULTS_EVENTS``: comma-separated lock event names to record.
+* ``FAULTS_SOCKET_TIMEOUT``: the lock client's socket timeout in
+  seconds, so a stalled lock Redis times calls out quickly.
+
+``hold`` and ``serial`` store their results (in the record Redis), so
+a test can ask what a caller waiting on a result gets.  ``flaky`` fails
+its first ``fails`` runs and allows one retry.
 
 Every run appends JSON to ``<ns>:starts`` when it begins and to
 ``<ns>:runs`` when it ends, with start/end times, pid, message id and
@@ -36,6 +42,8 @@ from typing import Any, Mapping, Optional
 import dramatiq
 import redis
 from dramatiq.middleware import CurrentMessage
+from dramatiq.results import Results
+from dramatiq.results.backends import RedisBackend as RedisResults
 
 from dramatiq_unique import LockEvent, UniqueMiddleware, fence_token
 from dramatiq_unique.backends.redis import RedisBackend
@@ -67,6 +75,9 @@ class Workload:
     hold: dramatiq.Actor
     once: dramatiq.Actor
     limited: dramatiq.Actor
+    serial: dramatiq.Actor
+    flaky: dramatiq.Actor
+    results: RedisResults
 
 
 def make_broker(env: Mapping[str, str]) -> dramatiq.Broker:
@@ -85,8 +96,9 @@ def make_broker(env: Mapping[str, str]) -> dramatiq.Broker:
 
 def make_unique(env: Mapping[str, str]) -> UniqueMiddleware:
     lock_url = env.get("FAULTS_LOCK_URL") or env["FAULTS_RECORD_URL"]
+    timeout = float(env.get("FAULTS_SOCKET_TIMEOUT", "5"))
     return UniqueMiddleware(
-        backend=RedisBackend(url=lock_url),
+        backend=RedisBackend(url=lock_url, socket_timeout=timeout),
         prefix=env["FAULTS_NAMESPACE"],
         lease=int(env.get("FAULTS_LEASE", "2000")),
         reschedule_delay=int(env.get("FAULTS_RESCHEDULE_DELAY", "300")),
@@ -113,13 +125,15 @@ def build(env: Mapping[str, str] = os.environ) -> Workload:
     unique = make_unique(env)
     broker.add_middleware(unique)
     broker.add_middleware(CurrentMessage())
+    results = RedisResults(client=records, namespace=f"{namespace}-results")
+    broker.add_middleware(Results(backend=results))
     record_events(unique, records, namespace, env.get("FAULTS_EVENTS", "lock_lost,backend_error"))
     fenced_write = records.register_script(FENCED_WRITE)
 
     def run(actor: str, key: str, gate: Optional[str] = None, seconds: float = 0.0, write: bool = False,
-            then: Optional[str] = None) -> None:
+            then: Optional[str] = None) -> dict[str, Any]:
         """Record the start, wait for ``gate``, make the fenced write,
-        wait for ``then``, sleep, and record the end.
+        wait for ``then``, sleep, and record the end; return the record.
         """
         message = CurrentMessage.get_current_message()
         message_id = message.message_id if message else ""
@@ -135,10 +149,20 @@ def build(env: Mapping[str, str] = os.environ) -> Workload:
         time.sleep(seconds)
         run["end"] = time.time()
         records.rpush(f"{namespace}:runs", json.dumps(run))
+        return run
 
     def hold(key: str, gate: Optional[str] = None, seconds: float = 0.0, write: bool = False,
-             then: Optional[str] = None) -> None:
-        run("hold", key, gate, seconds, write, then)
+             then: Optional[str] = None) -> dict[str, Any]:
+        return run("hold", key, gate, seconds, write, then)
+
+    def serial(key: str, gate: Optional[str] = None, seconds: float = 0.0) -> dict[str, Any]:
+        return run("serial", key, gate, seconds)
+
+    def flaky(key: str, fails: int = 1, gate: Optional[str] = None) -> None:
+        run("flaky", key, gate)
+        message = CurrentMessage.get_current_message()
+        if message is not None and message.options.get("retries", 0) < fails:
+            raise ValueError("flaky fails this run")
 
     def once(key: str, gate: Optional[str] = None, seconds: float = 0.0) -> None:
         run("once", key, gate, seconds)
@@ -153,9 +177,19 @@ def build(env: Mapping[str, str] = os.environ) -> Workload:
         unique=unique,
         records=records,
         namespace=namespace,
-        hold=dramatiq.actor(**run_lock)(hold),
+        hold=dramatiq.actor(store_results=True, **run_lock)(hold),
         once=dramatiq.actor(lock="until_executed", **declare)(once),
         limited=dramatiq.actor(lock_limit=3, **run_lock)(limited),
+        serial=dramatiq.actor(
+            lock="until_and_while_executing",
+            on_conflict={"client": "log", "server": "reschedule"},
+            store_results=True,
+            **declare,
+        )(serial),
+        flaky=dramatiq.actor(
+            **{**run_lock, "max_retries": 1, "min_backoff": 100, "max_backoff": 100}
+        )(flaky),
+        results=results,
     )
 
 

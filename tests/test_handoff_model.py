@@ -1,0 +1,383 @@
+"""The hand-off model, explored: every copy of a message, in any order.
+
+One logical message can exist as several copies at once: the original,
+the delayed and the handed-over copy of each reschedule, Retries'
+re-enqueues of each, broker redeliveries after a crash, and the moves
+out of the delay queue.  This state machine drives the real middleware
+hooks, in the order Dramatiq's worker fires them, on a ``StubBroker``
+with ``AgeLimit``, ``Retries`` and ``Results``, over a ``StubBackend``
+whose calls can time out before they are applied or after (a lost
+reply).  The rules deliver any queued copy in any order, and the
+invariants of ``docs/reliability.md`` ("The hand-off model") are
+checked after every step and once everything has drained.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Callable, Iterator, Optional
+
+import dramatiq
+import pytest
+from dramatiq import Message
+from dramatiq.broker import MessageProxy
+from dramatiq.brokers.stub import StubBroker
+from dramatiq.middleware import AgeLimit, Callbacks, Pipelines, Retries, SkipMessage
+from dramatiq.middleware import age_limit as age_limit_module
+from dramatiq.results import Results
+from dramatiq.results.backends import StubBackend as ResultsStub
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+
+from dramatiq_unique import LockBackendError, StubBackend, UniqueMiddleware
+from dramatiq_unique.backend import LockBackend
+
+MAX_RETRIES = 1
+KEYS = (1, 2)
+
+#: The actors under test: the seed's while_executing, and the
+#: documented "enqueue once, run serialized" lock.
+ACTORS = {
+    "work": {"lock": "while_executing"},
+    "sync": {"lock": "until_and_while_executing"},
+}
+
+#: Calls that a fault may hit (renewals run on their own thread).
+FAULTY_CALLS = sorted(name for name in LockBackend.__abstractmethods__ if name not in ("extend", "inspect", "scan"))
+
+
+class FaultyBackend(StubBackend):
+    """A ``StubBackend`` whose next call can time out: ``"before"`` it
+    is applied, or ``"after"``, which loses the reply of a call that
+    took effect, as a stalled or partitioned Redis does.
+    """
+
+    fault: Optional[str] = None
+
+
+def _faulty(name: str) -> Callable[..., Any]:
+    applied = getattr(StubBackend, name)
+
+    def call(self: FaultyBackend, *args: Any, **kwargs: Any) -> Any:
+        fault, self.fault = self.fault, None
+        if fault == "before":
+            raise TimeoutError(f"{name} timed out before it reached the backend")
+        result = applied(self, *args, **kwargs)
+        if fault == "after":
+            raise TimeoutError(f"the reply to {name} was lost")
+        return result
+
+    return call
+
+
+for _name in FAULTY_CALLS:
+    setattr(FaultyBackend, _name, _faulty(_name))
+
+
+class RecordingResults(ResultsStub):
+    """Results that remember every store, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stored: list[tuple[str, str, Any]] = []
+
+    def store_result(self, message: Any, result: Any, ttl: int) -> None:
+        self.stored.append((message.message_id, "result", result))
+        super().store_result(message, result, ttl)
+
+    def store_exception(self, message: Any, exception: Exception, ttl: int) -> None:
+        self.stored.append((message.message_id, "exception", type(exception).__name__))
+        super().store_exception(message, exception, ttl)
+
+
+def result_of(message_id: str) -> str:
+    return f"ran {message_id}"
+
+
+class Flight:
+    """A delivery whose actor has started and not finished."""
+
+    def __init__(self, proxy: MessageProxy, encoded: bytes) -> None:
+        self.proxy, self.encoded = proxy, encoded
+
+
+class HandoffModel(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.broker = StubBroker(middleware=[AgeLimit(), Callbacks(), Pipelines(), Retries(max_retries=MAX_RETRIES)])
+        self.results = RecordingResults()
+        self.broker.add_middleware(Results(backend=self.results))
+        self.locks = FaultyBackend()
+        self.unique = UniqueMiddleware(backend=self.locks, reschedule_delay=1000)
+        self.broker.add_middleware(self.unique)
+        self.actors = {
+            name: dramatiq.actor(
+                lambda key: None,
+                broker=self.broker,
+                actor_name=name,
+                queue_name="q",
+                on_conflict={"server": "reschedule"},
+                store_results=True,
+                max_age=3_600_000,
+                **options,
+            )
+            for name, options in ACTORS.items()
+        }
+        self.unique.before_worker_boot(self.broker, None)  # places itself, as a worker's boot does
+        self.pool: list[tuple[str, bytes]] = []  # (queue name, encoded copy), queued anywhere
+        self.flights: list[Flight] = []
+        self.sent: dict[str, str] = {}  # message id -> actor
+        self.starts: Counter[str] = Counter()
+        self.crashes: Counter[str] = Counter()
+        self.dead: Counter[str] = Counter()
+        self.succeeded: set[str] = set()
+        self.aged = False
+
+    # The network ---------------------------------------------------------------------
+
+    def collect(self) -> None:
+        """Move what the broker enqueued into the pool of queued copies."""
+        for name, queue in self.broker.queues.items():
+            while not queue.empty():
+                self.pool.append((name, queue.get_nowait()))
+
+    def take(self, index: int, delayed: bool) -> Optional[tuple[str, bytes]]:
+        candidates = [i for i, (name, _) in enumerate(self.pool) if name.endswith(".DQ") == delayed]
+        if not candidates:
+            return None
+        return self.pool.pop(candidates[index % len(candidates)])
+
+    def post_process(self, proxy: MessageProxy) -> None:
+        """Ack or nack, as the consumer does after every delivery."""
+        verb = "nack" if proxy.failed else "ack"
+        self.broker.emit_before(verb, proxy)
+        if proxy.failed:
+            self.dead[proxy.message_id] += 1
+        self.broker.emit_after(verb, proxy)
+
+    # Rules ---------------------------------------------------------------------------
+
+    @rule(actor=st.sampled_from(sorted(ACTORS)), key=st.sampled_from(KEYS))
+    def send(self, actor: str, key: int) -> None:
+        try:
+            message = self.actors[actor].send(key)
+        except LockBackendError:
+            return  # the caller is told; nothing was enqueued
+        if "unique_duplicate_of" not in message.options:
+            self.sent[message.message_id] = actor
+        self.collect()
+
+    def queued(self, delayed: bool) -> bool:
+        return any(name.endswith(".DQ") == delayed for name, _ in self.pool)
+
+    @precondition(lambda self: self.queued(delayed=False))
+    @rule(index=st.integers(0, 50))
+    def deliver(self, index: int) -> None:
+        """A worker receives any queued copy and runs its before-hooks."""
+        taken = self.take(index, delayed=False)
+        if taken is None:
+            return
+        proxy = MessageProxy(Message.decode(taken[1]))
+        try:
+            self.broker.emit_before("process_message", proxy)
+        except SkipMessage as e:
+            if proxy.failed:
+                proxy.stuff_exception(e)
+            self.broker.emit_after("skip_message", proxy)
+            self.post_process(proxy)
+        except BaseException as e:
+            proxy.stuff_exception(e)
+            self.broker.emit_after("process_message", proxy, exception=e)
+            self.post_process(proxy)
+        else:
+            assert proxy.message_id not in self.succeeded, f"{proxy.message_id} started again after it succeeded"
+            self.starts[proxy.message_id] += 1
+            self.flights.append(Flight(proxy, taken[1]))
+        self.collect()
+
+    @precondition(lambda self: self.flights)
+    @rule(index=st.integers(0, 50), fails=st.booleans())
+    def finish(self, index: int, fails: bool) -> None:
+        """A started actor returns or raises; the after-hooks run."""
+        if not self.flights:
+            return
+        proxy = self.flights.pop(index % len(self.flights)).proxy
+        if fails:
+            error = ValueError("the actor failed")
+            proxy.stuff_exception(error)
+            self.broker.emit_after("process_message", proxy, exception=error)
+        else:
+            self.broker.emit_after("process_message", proxy, result=result_of(proxy.message_id))
+            self.succeeded.add(proxy.message_id)
+        self.post_process(proxy)
+        self.collect()
+
+    @precondition(lambda self: self.queued(delayed=True))
+    @rule(index=st.integers(0, 50))
+    def move(self, index: int) -> None:
+        """The delay-queue consumer moves a due copy to its queue, then
+        acks the delayed copy.
+        """
+        taken = self.take(index, delayed=True)
+        if taken is None:
+            return
+        proxy = MessageProxy(Message.decode(taken[1]))
+        moved = proxy.copy(queue_name=taken[0][: -len(".DQ")])
+        del moved.options["eta"]
+        self.broker.enqueue(moved)  # a re-enqueue: it must never raise
+        self.post_process(proxy)
+        self.collect()
+
+    @precondition(lambda self: self.flights)
+    @rule(index=st.integers(0, 50))
+    def crash(self, index: int) -> None:
+        """The worker running a started actor dies: no hooks run, its
+        lease runs out, and the broker redelivers the message as it was.
+        """
+        if not self.flights:
+            return
+        flight = self.flights.pop(index % len(self.flights))
+        state = flight.proxy._unique_delivery
+        if state.lease is not None:
+            self.unique.leases.drop(state.lease)
+        if state.run_key is not None:
+            StubBackend.release(self.locks, state.run_key, state.run_owner, hand_over=False)  # its expiry
+        self.crashes[flight.proxy.message_id] += 1
+        self.pool.append((flight.proxy.queue_name, flight.encoded))
+
+    @rule()
+    def leases_run_out(self) -> None:
+        """Time passes: every run lock that no running delivery renews
+        (its release failed, or its worker died) reaches its deadline.
+        """
+        renewed = {f.proxy._unique_delivery.run_owner for f in self.flights}
+        for key, entry in list(self.locks._entries.items()):
+            for owner in set(entry.holders) - renewed:
+                if key.endswith(":run"):
+                    StubBackend.release(self.locks, key, owner, hand_over=False)
+
+    @rule(when=st.sampled_from(["before", "after"]))
+    def time_out_next_call(self, when: str) -> None:
+        """The next lock call times out, before it is applied or after."""
+        self.locks.fault = when
+
+    @precondition(lambda self: not self.aged)
+    @rule()
+    def age_out(self) -> None:
+        """Time passes: every message is now older than its max_age."""
+        self.aged = True
+
+    # Invariants ----------------------------------------------------------------------
+
+    @invariant()
+    def runs_of_one_key_never_overlap(self) -> None:
+        running = Counter((f.proxy.actor_name, tuple(f.proxy.args)) for f in self.flights)
+        assert all(count <= 1 for count in running.values()), running
+
+    @invariant()
+    def no_message_starts_more_than_its_retries_allow(self) -> None:
+        for message_id, starts in self.starts.items():
+            assert starts <= 1 + MAX_RETRIES + self.crashes[message_id], (message_id, starts)
+
+    @invariant()
+    def no_message_is_dead_lettered_twice(self) -> None:
+        assert all(count == 1 for count in self.dead.values()), self.dead
+
+    @invariant()
+    def a_result_is_only_ever_a_real_one(self) -> None:
+        for message_id, kind, value in self.results.stored:
+            if kind == "result":
+                assert value == result_of(message_id), f"{message_id} stored {value!r} as its result"
+
+    # Once everything has drained ----------------------------------------------------
+
+    def drain(self) -> None:
+        self.locks.fault = None
+        for step in range(500):
+            if step % 50 == 49:
+                self.leases_run_out()
+            if self.flights:
+                self.finish(0, False)
+            elif self.queued(delayed=True):
+                self.move(0)
+            elif self.pool:
+                self.deliver(0)
+            else:
+                return
+            self.check_all()
+        pytest.fail(f"still not drained: {len(self.pool)} queued, {len(self.flights)} running")
+
+    def check_all(self) -> None:
+        self.runs_of_one_key_never_overlap()
+        self.no_message_starts_more_than_its_retries_allow()
+        self.no_message_is_dead_lettered_twice()
+        self.a_result_is_only_ever_a_real_one()
+
+    def teardown(self) -> None:
+        try:
+            self.drain()
+            # Nothing is lost: each accepted message ran to success or was dead-lettered.
+            lost = [m for m in self.sent if m not in self.succeeded and not self.dead[m]]
+            assert not lost, f"never ran and never dead-lettered: {lost}"
+            # No lock, waiter or hand-off body outlives the messages, once
+            # the run locks whose release failed have reached their lease.
+            self.leases_run_out()
+            assert not list(self.locks.scan("*")), list(self.locks.scan("*"))
+            assert not any(waiters.order for waiters in self.locks._waiters.values())
+            # A new send of every key is accepted.
+            for actor in self.actors.values():
+                for key in KEYS:
+                    assert "unique_duplicate_of" not in actor.send(key).options
+        finally:
+            self.unique.after_worker_shutdown(self.broker, None)
+            self.broker.close()
+
+
+@pytest.fixture
+def aged_clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[HandoffModel]]:
+    """AgeLimit's clock, an hour ahead once the running model aged out."""
+    running: list[HandoffModel] = []
+    real = age_limit_module.current_millis
+
+    def now() -> int:
+        return real() + (7_200_000 if running and running[-1].aged else 0)
+
+    monkeypatch.setattr(age_limit_module, "current_millis", now)
+    yield running
+
+
+def explore(running: list[HandoffModel], examples: int, steps: int) -> None:
+    class Model(HandoffModel):
+        def __init__(self) -> None:
+            super().__init__()
+            running.append(self)
+
+    run_state_machine_as_test(
+        Model,
+        settings=settings(
+            max_examples=examples,
+            stateful_step_count=steps,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+            database=None,
+        ),
+    )
+
+
+def test_every_interleaving_of_copies_keeps_the_invariants(aged_clock: list[HandoffModel]) -> None:
+    explore(aged_clock, examples=300, steps=40)
+
+
+@pytest.mark.soak
+def test_every_interleaving_of_copies_keeps_the_invariants_long(aged_clock: list[HandoffModel]) -> None:
+    explore(aged_clock, examples=5_000, steps=80)
+
+
+def test_the_model_checks_what_it_claims() -> None:
+    # A model that lets the lock through must be caught: the overlap invariant can fail.
+    model = HandoffModel.__new__(HandoffModel)
+    proxy = MessageProxy(Message(queue_name="q", actor_name="work", args=(1,), kwargs={}, options={}))
+    model.flights = [Flight(proxy, b""), Flight(proxy, b"")]
+    with pytest.raises(AssertionError):
+        model.runs_of_one_key_never_overlap()
