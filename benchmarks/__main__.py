@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import redis
 
-from . import app, costs, document, footprint, serial, throughput
+from . import app, costs, document, footprint, replace_cost, serial, throughput
 from .report import Results, tables
 from .server import BenchmarkError, PrivateRedis, connect
 from .workers import ROOT, clean_environment
@@ -66,6 +66,7 @@ def measure(client: redis.Redis, url: str, plan: Plan, results: Results) -> None
     progress("timing single calls")  # this also loads every lock script before round trips are counted
     results.costs = costs.call_costs(client, url, plan.calls, plan.chunk)
     results.costs += costs.hook_costs(plan.calls)
+    results.costs += replace_cost.send_costs(client, url, plan.calls, plan.chunk)
     for contender in contenders:
         progress(f"counting round trips: {contender}")
         sending, processing = throughput.audit(client, url, contender, plan.audit)

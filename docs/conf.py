@@ -20,7 +20,7 @@ author = "the dramatiq-unique authors"
 copyright = "the dramatiq-unique authors"
 release = version = dramatiq_unique.__version__
 
-extensions = ["myst_parser"]
+extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon"]
 source_suffix = {".md": "markdown"}
 root_doc = "index"
 exclude_patterns = ["_build", "Thumbs.db", ".DS_Store"]
@@ -35,9 +35,19 @@ html_title = f"dramatiq-unique {release}"
 html_theme_options = {
     "description": "Unique jobs and per-key locks for Dramatiq",
     "fixed_sidebar": True,
-    "page_width": "1180px",
+    "page_width": "min(1400px, 96vw)",
     "sidebar_width": "270px",
     "show_powered_by": False,
 }
 html_sidebars = {"**": ["about.html", "navigation.html", "searchbox.html"]}
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
+
+# The API reference (api.md) is generated from the docstrings, which are
+# Google style ("Parameters:", "Returns:", "Raises:").
+autodoc_member_order = "bysource"
+autodoc_typehints = "description"
+toc_object_entries = False
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_custom_sections = [("Warning", "admonition")]

@@ -10,31 +10,85 @@ Add the middleware, then give actors a ``lock``::
 
 from __future__ import annotations
 
-from .backend import Acquisition, EnqueueRecord, LockBackend, LockInfo, Release
-from .backends import StubBackend
-from .delivery import fence_token
-from .errors import (
-    ConfigurationError,
-    DuplicateMessage,
-    LockBackendError,
-    LockConflict,
-    Rescheduled,
-    UniqueError,
-)
-from .events import EVENTS, LockEvent
-from .locks import LOCK_TYPES, STRATEGIES, LockType
-from .middleware import UniqueMiddleware, digest_for
-from .settings import (
-    DEFAULT_LEASE,
-    DEFAULT_LOCK_TTL,
-    DEFAULT_ON_BACKEND_ERROR,
-    DEFAULT_PREFIX,
-    DEFAULT_PROVISIONAL_WINDOW,
-    DEFAULT_REAP_INTERVAL,
-    DEFAULT_RESCHEDULE_DELAY,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .backend import Acquisition, EnqueueRecord, LockBackend, LockInfo, Release, Replacement
+    from .backends import StubBackend
+    from .delivery import fence_token
+    from .errors import (
+        ConfigurationError,
+        DuplicateMessage,
+        LockBackendError,
+        LockConflict,
+        Rescheduled,
+        Superseded,
+        UniqueError,
+    )
+    from .events import EVENTS, LockEvent
+    from .locks import LOCK_TYPES, STRATEGIES, LockType
+    from .middleware import UniqueMiddleware, digest_for
+    from .settings import (
+        DEFAULT_LEASE,
+        DEFAULT_LOCK_TTL,
+        DEFAULT_ON_BACKEND_ERROR,
+        DEFAULT_PREFIX,
+        DEFAULT_PROVISIONAL_WINDOW,
+        DEFAULT_REAP_INTERVAL,
+        DEFAULT_RESCHEDULE_DELAY,
+    )
 
 __version__ = "0.1.0"
+
+#: Where each public name lives.  They are imported on first use, so
+#: that importing a light module (``dramatiq_unique.testing``, loaded by
+#: pytest as a plugin; ``settings``; the CLI) imports neither Dramatiq
+#: nor redis.
+_EXPORTS = {
+    "Acquisition": ".backend",
+    "EnqueueRecord": ".backend",
+    "LockBackend": ".backend",
+    "LockInfo": ".backend",
+    "Release": ".backend",
+    "Replacement": ".backend",
+    "StubBackend": ".backends",
+    "fence_token": ".delivery",
+    "ConfigurationError": ".errors",
+    "DuplicateMessage": ".errors",
+    "LockBackendError": ".errors",
+    "LockConflict": ".errors",
+    "Rescheduled": ".errors",
+    "Superseded": ".errors",
+    "UniqueError": ".errors",
+    "EVENTS": ".events",
+    "LockEvent": ".events",
+    "LOCK_TYPES": ".locks",
+    "STRATEGIES": ".locks",
+    "LockType": ".locks",
+    "UniqueMiddleware": ".middleware",
+    "digest_for": ".middleware",
+    "DEFAULT_LEASE": ".settings",
+    "DEFAULT_LOCK_TTL": ".settings",
+    "DEFAULT_ON_BACKEND_ERROR": ".settings",
+    "DEFAULT_PREFIX": ".settings",
+    "DEFAULT_PROVISIONAL_WINDOW": ".settings",
+    "DEFAULT_REAP_INTERVAL": ".settings",
+    "DEFAULT_RESCHEDULE_DELAY": ".settings",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 __all__ = [
     "Acquisition",
@@ -57,9 +111,11 @@ __all__ = [
     "LockInfo",
     "LockType",
     "Release",
+    "Replacement",
     "Rescheduled",
     "STRATEGIES",
     "StubBackend",
+    "Superseded",
     "UniqueError",
     "UniqueMiddleware",
     "digest_for",

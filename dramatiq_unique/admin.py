@@ -3,9 +3,9 @@
 Lock keys look like ``{prefix}:{actor}:{<digest>}:queue`` (an enqueue
 lock, owned by a message id) or ``...:run`` (a run lock, owned by
 ``<message_id>/<nonce>``).  Keys are found with ``SCAN`` through
-:meth:`LockBackend.scan`, never ``KEYS``, and the ``:wait`` and
-``:bodies`` and ``:m:<message id>`` companions of a lock are never
-listed or touched.
+:meth:`LockBackend.scan`, never ``KEYS``, and the ``:wait``,
+``:bodies``, ``:m:<message id>`` and ``:superseded`` companions of a
+lock are never listed or touched.
 
 Examples:
   >>> admin = LockAdmin(RedisBackend(url="redis://127.0.0.1:6379/0"))
@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeVar
 
-from .backend import EnqueueRecord, LockBackend, LockInfo
+from .backend import EnqueueRecord, LockBackend, LockInfo, Waiter
 from .delivery import message_id_of
 from .errors import LockBackendError, UniqueError
 from .settings import DEFAULT_PREFIX
@@ -98,6 +98,12 @@ class Lock:
       holders(tuple[Holder, ...]): Its holders, soonest deadline first.
       lock_args(str): JSON of the lock args, when they were recorded.
       fence(int): The last fencing token handed out.
+      waiting(tuple[Waiter, ...]): For a run lock, the messages waiting
+        to be handed it, first in line first.
+      current(str): Under ``on_conflict="replace"`` or ``debounce``,
+        the message id of the newest send, the one that runs.
+      superseded(int): How many messages sends of this key superseded
+        since it was taken.
     """
 
     key: str
@@ -108,6 +114,9 @@ class Lock:
     holders: tuple[Holder, ...]
     lock_args: Optional[str] = None
     fence: int = 0
+    waiting: tuple[Waiter, ...] = ()
+    current: Optional[str] = None
+    superseded: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready dict, with the lock args decoded."""
@@ -120,6 +129,9 @@ class Lock:
             "fence": self.fence,
             "lock_args": _decoded(self.lock_args),
             "holders": [holder.as_dict() for holder in self.holders],
+            "waiting": [{"message_id": w.message_id, "since": w.order} for w in self.waiting],
+            "current": self.current,
+            "superseded": self.superseded,
         }
 
 
@@ -333,7 +345,12 @@ class LockAdmin:
         if parts is None:
             return None
         info = self._call(f"inspect {key!r}", self.backend.inspect, key)
-        return _from_info(info, parts) if info is not None else None
+        if info is None:
+            return None
+        waiting = []
+        if parts["phase"] == "run":
+            waiting = self._call(f"list the waiters of {key!r}", self.backend.waiters, key)
+        return _from_info(info, parts, tuple(waiting))
 
     def _delete(self, key: str) -> bool:
         return self._call(f"delete {key!r}", self.backend.delete, key)
@@ -360,7 +377,7 @@ class LockAdmin:
             raise LockBackendError(f"Lock backend {where} failed to {doing}: {reason}", backend=where) from e
 
 
-def _from_info(info: LockInfo, parts: "re.Match[str]") -> Lock:
+def _from_info(info: LockInfo, parts: "re.Match[str]", waiting: tuple[Waiter, ...] = ()) -> Lock:
     holders = sorted(
         (
             Holder(owner, message_id_of(owner) or owner, deadline, info.records.get(owner))
@@ -377,4 +394,7 @@ def _from_info(info: LockInfo, parts: "re.Match[str]") -> Lock:
         holders=tuple(holders),
         lock_args=info.lock_args,
         fence=info.fence,
+        waiting=waiting,
+        current=info.current,
+        superseded=info.superseded,
     )

@@ -130,6 +130,26 @@ class EnqueueRecord:
 
 
 @dataclass(frozen=True)
+class Replacement:
+    """The outcome of :meth:`LockBackend.replace`.
+
+    Attributes:
+      status(str): ``"acquired"`` (the key was free), ``"reentered"``,
+        ``"replaced"`` (``holder`` was superseded) or ``"refused"``
+        (``holder`` has started and the lock type keeps it).
+      holder(str): The message superseded, or the one that refused.
+      delay(int): Under debounce, how long from now the message is due,
+        in milliseconds; 0 otherwise.
+      fence(int): The key's fencing token.
+    """
+
+    status: str
+    holder: Optional[str] = None
+    delay: int = 0
+    fence: int = 0
+
+
+@dataclass(frozen=True)
 class LockInfo:
     """What an operator sees of one lock key.
 
@@ -139,6 +159,10 @@ class LockInfo:
       holders(dict[str, int]): owner -> deadline in Unix milliseconds.
       lock_args(str): JSON of the lock args, when they were recorded.
       fence(int): The last fencing token handed out.
+      current(str): Under ``on_conflict="replace"``, the message that
+        runs next: the newest send.
+      superseded(int): How many messages this key's sends superseded
+        since it was taken.
       records(dict[str, EnqueueRecord]): owner -> its enqueue record,
         for the holders that have one.
     """
@@ -148,7 +172,24 @@ class LockInfo:
     holders: dict[str, int]
     lock_args: Optional[str] = None
     fence: int = 0
+    current: Optional[str] = None
+    superseded: int = 0
     records: dict[str, EnqueueRecord] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Waiter:
+    """A message waiting for a run lock, to be handed the key when a
+    holder releases it (see :meth:`LockBackend.wait`).
+
+    Attributes:
+      message_id(str): The waiting message.
+      order(int): Its place in line, the lowest first: when the message
+        was first sent, in Unix milliseconds.
+    """
+
+    message_id: str
+    order: int
 
 
 class LockBackend(abc.ABC):
@@ -293,6 +334,79 @@ class LockBackend(abc.ABC):
     @abc.abstractmethod
     def delete(self, key: str) -> bool:
         """Drop ``key`` and all its holders: an operator's override."""
+        raise NotImplementedError  # pragma: no cover
+
+    def waiters(self, key: str) -> list[Waiter]:
+        """The messages waiting for run lock ``key``, first in line
+        first; for operators.  A backend without waiting lists has none.
+        """
+        return []
+
+    @abc.abstractmethod
+    def replace(
+        self,
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        lock: str = "",
+        lock_args: Optional[str] = None,
+        keep_started: bool = False,
+        debounce: int = 0,
+        debounce_max: int = 0,
+        superseded_ttl: int,
+    ) -> Replacement:
+        """Make ``owner`` the current holder of the enqueue lock ``key``
+        (one slot), superseding the message that held it, in one round
+        trip.  The superseded id is recorded for ``superseded_ttl`` ms,
+        so that every later copy of it is skipped (:meth:`current`).
+
+        A holder that has started keeps its own slot until it releases
+        it; with ``keep_started`` the send is refused instead.
+
+        Parameters:
+          debounce(int): When > 0, the message is due ``debounce`` ms
+            from now, but never later than ``debounce_max`` (when > 0)
+            after the first send of the burst, which the key records.
+        """
+        raise NotImplementedError  # pragma: no cover
+
+    @abc.abstractmethod
+    def current(
+        self,
+        key: str,
+        owner: str,
+        *,
+        reenter: bool = False,
+        ttl: int = 0,
+        lock: str = "",
+        copy: Optional[Copy] = None,
+    ) -> tuple[int, Optional[str]]:
+        """Whether message ``owner`` is still current under replace.
+
+        Without ``reenter`` (a delivery), a current message is marked as
+        started; with it (a re-enqueue), a current message re-enters its
+        slot like :meth:`acquire`, or takes the free key again, unless
+        it is a ``copy`` that may not run (as :meth:`acquire` checks).
+
+        Returns:
+          tuple[int, str]: ``(-2, by)`` when superseded by ``by``;
+          ``(3, verdict)`` when the copy may not run; ``(1, ...)``
+          current (delivery) or took the key afresh (re-enqueue);
+          ``(2, owner)`` re-entered; ``(0, other)`` its slot lapsed and
+          ``other`` holds the key.
+        """
+        raise NotImplementedError  # pragma: no cover
+
+    @abc.abstractmethod
+    def unreplace(self, key: str, owner: str) -> Optional[str]:
+        """Undo the :meth:`replace` of ``owner``, whose message was never
+        published: the message it superseded is current again, with
+        ``owner``'s deadline.  ``owner``'s slot is left to :meth:`release`.
+
+        Returns:
+          str: The message made current again, or None.
+        """
         raise NotImplementedError  # pragma: no cover
 
     def describe(self) -> str:

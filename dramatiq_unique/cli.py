@@ -46,7 +46,14 @@ def _admin(args: argparse.Namespace) -> "LockAdmin":
         raise CommandError("no Redis to read locks from: give --redis URL or set dramatiq_unique_redis_url.")
     try:
         from .backends.redis import RedisBackend
-
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] != "redis":
+            raise
+        raise CommandError(
+            "the lock commands need redis-py, which comes with the redis extra: "
+            "run `pip install 'dramatiq-unique[redis]'`."
+        ) from None
+    try:
         backend = RedisBackend(url=url, socket_connect_timeout=5, socket_timeout=30)
     except Exception as e:
         raise CommandError(f"cannot connect to {url}: {' '.join(str(e).split())}") from None
@@ -56,13 +63,15 @@ def _admin(args: argparse.Namespace) -> "LockAdmin":
 
 
 def _remaining(deadline: int) -> str:
-    return _duration(deadline - time.time() * 1000, "expired")
+    seconds = (deadline - time.time() * 1000) / 1000
+    return _duration(seconds) if seconds > 0 else "expired"
 
 
-def _duration(ms: float, none: str = "0 s") -> str:
-    seconds = ms / 1000
-    if seconds <= 0:
-        return none
+def _ago(since: int) -> str:
+    return _duration(max(0.0, (time.time() * 1000 - since) / 1000))
+
+
+def _duration(seconds: float) -> str:
     if seconds < 60:
         return f"{seconds:.1f} s"
     minutes = int(seconds // 60)
@@ -87,10 +96,8 @@ def _print_table(rows: list[list[str]], headers: list[str]) -> None:
 
 
 def _age(taken_at: Optional[int]) -> str:
-    """How long ago ``taken_at`` (Unix ms) was, like :func:`_remaining`."""
-    if taken_at is None:
-        return "?"
-    return _duration(time.time() * 1000 - taken_at)
+    """How long ago ``taken_at`` (Unix ms) was; "?" when not recorded."""
+    return "?" if taken_at is None else _ago(taken_at)
 
 
 def _state(lock: "Lock") -> str:
@@ -106,7 +113,9 @@ def _row(lock: "Lock") -> list[str]:
     soonest = _remaining(lock.holders[0].deadline)
     oldest = min((h.taken_at for h in lock.holders if h.taken_at is not None), default=None)
     age = _age(oldest) if lock.phase == "queue" else "-"
-    return [lock.actor, lock.digest, lock.phase, lock.lock or "?", str(len(lock.holders)), age, soonest, _state(lock)]
+    waiting = str(len(lock.waiting)) if lock.phase == "run" else "-"
+    row = [lock.actor, lock.digest, lock.phase, lock.lock or "?", str(len(lock.holders)), age, soonest, _state(lock)]
+    return [*row, waiting]
 
 
 def _locks(args: argparse.Namespace) -> int:
@@ -118,7 +127,7 @@ def _locks(args: argparse.Namespace) -> int:
     if not locks:
         print(f"No locks under prefix {admin.prefix!r}.")
         return 0
-    headers = ["ACTOR", "DIGEST", "PHASE", "LOCK", "HOLDERS", "AGE", "NEXT EXPIRY", "STATE"]
+    headers = ["ACTOR", "DIGEST", "PHASE", "LOCK", "HOLDERS", "AGE", "NEXT EXPIRY", "STATE", "WAITING"]
     _print_table([_row(lock) for lock in locks], headers)
     print(f"{len(locks)} lock{'s' if len(locks) != 1 else ''} under prefix {admin.prefix!r}.")
     return 0
@@ -132,6 +141,8 @@ def _print_lock(lock: "Lock") -> None:
     print(f"lock       {lock.lock or '?'}")
     print(f"fence      {lock.fence}")
     print(f"lock args  {lock.lock_args if lock.lock_args is not None else '(not recorded)'}")
+    if lock.current is not None:
+        print(f"current    {lock.current}  (superseded {lock.superseded})")
     print(f"holders    {len(lock.holders)}")
     for holder in lock.holders:
         print(f"  message {holder.message_id}  owner {holder.owner}")
@@ -139,6 +150,10 @@ def _print_lock(lock: "Lock") -> None:
             print(f"    taken   {_timestamp(holder.taken_at)} ({_age(holder.taken_at)} ago)")
         state = "  provisional: lapses then unless its publish is confirmed" if holder.provisional else ""
         print(f"    expires {_timestamp(holder.deadline)} (in {_remaining(holder.deadline)}){state}")
+    if lock.phase == "run":
+        print(f"waiting    {len(lock.waiting)}")
+        for waiter in lock.waiting:
+            print(f"  message {waiter.message_id}  sent {_timestamp(waiter.order)} ({_ago(waiter.order)} ago)")
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -256,7 +271,7 @@ def _reap(args: argparse.Namespace) -> int:
         )
         return 0
     rows = [
-        [s.actor, s.message_id, s.queue, _duration(s.age), s.lock_args or "(not recorded)"]
+        [s.actor, s.message_id, s.queue, _duration(s.age / 1000), s.lock_args or "(not recorded)"]
         for s in report.suspects
     ]
     if rows:

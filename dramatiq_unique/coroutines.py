@@ -18,7 +18,7 @@ import threading
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from dramatiq.asyncio import async_to_sync
+from .compat import async_to_sync
 
 if TYPE_CHECKING:
     from dramatiq import Actor

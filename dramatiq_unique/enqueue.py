@@ -22,8 +22,8 @@ import time
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from dramatiq.worker import ConsumerThread
-
+from . import replace
+from .compat import ConsumerThread
 from .confirm import Confirmer, Pending
 from .delivery import copy_of
 from .errors import DuplicateMessage
@@ -88,6 +88,7 @@ class EnqueueGuard:
 
         @functools.wraps(original)
         def enqueue(message: Any, *, delay: Optional[int] = None) -> Any:
+            delay = replace.debounce_delay(self, message, delay)
             call = _Call()
             token = _taken.set(call)
             try:
@@ -98,6 +99,7 @@ class EnqueueGuard:
                 store_failure(broker, unsent, duplicate)  # a caller waiting on it learns why at once
                 return unsent
             except BaseException:
+                replace.restore(self, message, call.taken)
                 release(call.taken, message.actor_name)
                 raise
             finally:
@@ -190,7 +192,9 @@ class EnqueueGuard:
     def _take(
         self, message: Any, delay: Optional[int], spec: ActorSpec, fresh: bool, *, provisional: bool = True
     ) -> None:
-        """Take or re-enter the enqueue lock of ``message``.
+        """Take or re-enter the enqueue lock of ``message``.  Replacing
+        actors take theirs in :mod:`.replace`, at once for the full
+        lifetime (no provisional window).
 
         Parameters:
           provisional(bool): Inside a guarded enqueue call, hold a new
@@ -198,6 +202,8 @@ class EnqueueGuard:
             publish returns.  False takes the full lifetime at once, for
             a path that publishes atomically with the lock.
         """
+        if spec.client == "replace":
+            return replace.take(self, message, delay, spec, fresh)
         middleware = self.middleware
         digest = message.options["unique_digest"]
         key = middleware.key(spec, digest, "queue")

@@ -74,3 +74,20 @@ class CopySkipped(UniqueError, SkipMessage):
     message runs instead: the other copy of a reschedule, or a copy of
     an earlier reschedule.  It stores no result and is not retried.
     """
+
+
+class Superseded(UniqueError):
+    """Stored as the result of a message that a newer send replaced
+    (``on_conflict="replace"`` or ``debounce``): the message did not
+    run, and a caller waiting on its result gets a ``ResultFailure``
+    naming this error.
+
+    Attributes:
+      key(str): The enqueue lock key.
+      by(str): The message id of the message that replaced it.
+    """
+
+    def __init__(self, message: str, *, key: str, by: str) -> None:
+        super().__init__(message)
+        self.key = key
+        self.by = by

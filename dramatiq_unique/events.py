@@ -32,6 +32,7 @@ EVENTS = (
     "duplicate",  # a send was refused: its key was held (client conflict)
     "conflict",  # a delivery met a held run lock and was dropped, failed or dead-lettered
     "rescheduled",  # a delivery met a held run lock and was re-enqueued for later
+    "superseded",  # a delivery was skipped: a newer send replaced its message (replace, debounce)
     "skipped",  # a copy of a message did not run: another copy of the same message runs
     "released",  # a lock was released by its owner
     "lock_lost",  # a lock expired or was taken before its owner released it
@@ -102,6 +103,24 @@ LOG_LINES: tuple[LogLine, ...] = (
         _MIDDLEWARE,
         "Duplicate %s not enqueued: lock %r is held by message %s.",
         "a send was refused as a duplicate (event duplicate, client strategy log)",
+    ),
+    LogLine(
+        "DEBUG",
+        _MIDDLEWARE,
+        "Message %s replaced message %s as holder of %r.",
+        "a send superseded the current message of its key (client strategy replace, debounce)",
+    ),
+    LogLine(
+        "INFO",
+        _MIDDLEWARE,
+        "Skipped %s: message %s superseded it (lock %r).",
+        "a copy of a superseded message was delivered and skipped: not run, not retried (event superseded)",
+    ),
+    LogLine(
+        "INFO",
+        _MIDDLEWARE,
+        "Message %s is current again in %r: its replacement was not enqueued.",
+        "the broker failed to publish a replacing send, so the message it superseded runs after all",
     ),
     LogLine(
         "INFO",

@@ -45,9 +45,11 @@ LOCK_TYPES: Mapping[str, LockType] = {
     )
 }
 
-#: Valid strategies per side, the default first.
+#: Valid strategies per side, the default first.  The client strategy
+#: ``replace`` makes a new send the holder of the enqueue lock and
+#: supersedes the message that held it (see :mod:`dramatiq_unique.replace`).
 STRATEGIES: Mapping[str, tuple[str, ...]] = {
-    "client": ("log", "raise"),
+    "client": ("log", "raise", "replace"),
     "server": ("reschedule", "log", "raise", "reject"),
 }
 
@@ -69,7 +71,8 @@ def strategies(lock: LockType, on_conflict: Optional[OnConflict]) -> dict[str, s
     """Resolve ``on_conflict`` into one strategy per side of ``lock``.
 
     A plain name applies to every side the lock type has, so it must be
-    valid on each of them; a ``{"client": ..., "server": ...}`` mapping
+    valid on each of them, except ``"replace"``, which only a client
+    side has; a ``{"client": ..., "server": ...}`` mapping
     names sides explicitly.
 
     Raises:
@@ -79,7 +82,15 @@ def strategies(lock: LockType, on_conflict: Optional[OnConflict]) -> dict[str, s
     chosen = {side: STRATEGIES[side][0] for side in lock.sides}
     if on_conflict is None:
         return chosen
-    if isinstance(on_conflict, str):
+    if on_conflict == "replace" and not lock.queue_lock:
+        raise ConfigurationError(
+            f"on_conflict='replace' needs a lock type with an enqueue lock "
+            f"({', '.join(n for n, t in LOCK_TYPES.items() if t.queue_lock)}), not lock={lock.name!r}."
+        )
+    if on_conflict == "replace":
+        # Only the client side can replace; the server side keeps its default.
+        given = {"client": "replace"}
+    elif isinstance(on_conflict, str):
         given = {side: on_conflict for side in lock.sides}
     elif isinstance(on_conflict, Mapping):
         given = dict(on_conflict)

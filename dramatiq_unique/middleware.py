@@ -28,11 +28,11 @@ from dramatiq.middleware import (
     ShutdownNotifications,
     TimeLimit,
 )
-from dramatiq.middleware.prometheus import Prometheus
 
 from . import settings as config
 from .backend import LockBackend
 from .backends.stub import StubBackend
+from .compat import Prometheus
 from .coroutines import track
 from .delivery import Delivery, attach, delivery, message_id_of
 from .enqueue import EnqueueGuard
@@ -41,6 +41,7 @@ from .events import EventHub, Listener, LockEvent
 from .leases import LeaseKeeper
 from .process import ProcessGuard
 from .reap import PeriodicReaper, start_periodic_reaper
+from .quiet import install as quiet_our_skips
 from .spec import ACTOR_OPTIONS, ActorSpec, actor_spec
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ class UniqueMiddleware(Middleware):
         on_backend_error: Optional[str] = None,
         provisional_window: Optional[int] = None,
         reap_interval: Optional[int] = None,
-        record_lock_args: bool = False,
+        record_lock_args: Optional[bool] = None,
         listeners: Iterable[Listener] = (),
     ) -> None:
         self.logger = get_logger(__name__, type(self))
@@ -124,15 +125,14 @@ class UniqueMiddleware(Middleware):
             on_backend_error=on_backend_error,
             provisional_window=provisional_window,
             reap_interval=reap_interval,
+            record_lock_args=record_lock_args,
         )
         if backend is not None and not isinstance(backend, LockBackend):
             raise ConfigurationError(
                 f"backend={backend!r} is invalid: expected a LockBackend, e.g. RedisBackend(url=...)."
             )
-        if not isinstance(record_lock_args, bool):
-            raise ConfigurationError(f"record_lock_args={record_lock_args!r} is invalid: expected True or False.")
         self.enabled = self.settings.enabled
-        self.record_lock_args = record_lock_args
+        self.record_lock_args = self.settings.record_lock_args
         self.events = EventHub()
         for listener in listeners:
             self.events.subscribe(listener)
@@ -250,6 +250,7 @@ class UniqueMiddleware(Middleware):
             self.attach(broker)
         self._retries = any(isinstance(m, Retries) for m in broker.middleware)
         self._move_before_interrupters(broker, worker)
+        quiet_our_skips()
         self._reaper = start_periodic_reaper(self, broker)
 
     def _move_before_interrupters(self, broker: "Broker", worker: "Worker") -> None:

@@ -19,14 +19,15 @@ from typing import TYPE_CHECKING, Any, NoReturn, Optional
 
 from dramatiq import Message
 from dramatiq.middleware import AgeLimit, SkipMessage
-from dramatiq.middleware import age_limit as age_limit_module
 
 from .backend import Copy
+from .compat import age_limit_module
 from .coroutines import watch
 from .delivery import Delivery, attach, copy_of, message_id_of, set_fence
 from .errors import CopySkipped, LockConflict, Rescheduled
 from .events import LockEvent
 from .leases import Lease
+from .replace import skip_if_superseded
 from .results import store_failure, store_nothing
 from .spec import ActorSpec
 
@@ -67,6 +68,7 @@ class ProcessGuard:
         message.options["unique_digest"] = digest  # so a retry re-enters, even if the sender had no middleware
         # An unstamped message took no enqueue lock (sent while disabled, or without the middleware).
         state = attach(message, Delivery(spec, digest, queue_released=not stamped))
+        skip_if_superseded(self.middleware, broker, message, state)
         if not spec.lock.run_lock:
             if spec.lock.queue_release == "run_start":
                 self.release_queue_lock(message, state, strict=True)

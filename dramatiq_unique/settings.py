@@ -72,6 +72,7 @@ class Settings:
     on_backend_error: str = DEFAULT_ON_BACKEND_ERROR
     provisional_window: int = DEFAULT_PROVISIONAL_WINDOW
     reap_interval: int = DEFAULT_REAP_INTERVAL
+    record_lock_args: bool = False
 
     def merge(self, **overrides: Any) -> "Settings":
         """Return a copy with every override that is not None applied
@@ -172,10 +173,12 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "on_backend_error": _policy,
     "provisional_window": _non_negative_int,
     "reap_interval": _non_negative_int,
+    "record_lock_args": _flag,
 }
 
-#: The settings given in milliseconds.
+#: The settings written as milliseconds, and as on/off words.
 _DURATIONS = ("lock_ttl", "lease", "reschedule_delay", "provisional_window", "reap_interval")
+_FLAGS = ("enabled", "record_lock_args")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -189,7 +192,7 @@ def _parse(variable: str, raw: str, field: str) -> Any:
         except ValueError:
             raise ConfigurationError(f"{what}{raw!r} is invalid: expected a whole number of milliseconds.") from None
         return _CHECKS[field](what, number)
-    if field == "enabled":
+    if field in _FLAGS:
         if raw.strip().lower() not in _TRUE | _FALSE:
             raise ConfigurationError(f"{what}{raw!r} is invalid: expected 1/0 or true/false.")
         return raw.strip().lower() in _TRUE

@@ -34,8 +34,13 @@ ACTOR_OPTIONS = frozenset(
         "unique_across_queues",
         "unique_across_actors",
         "reschedule_delay",
+        "debounce",
+        "debounce_max",
     }
 )
+
+#: The lock type ``debounce`` implies when the actor sets no ``lock``.
+DEBOUNCE_LOCK = "until_executing"
 
 #: Bumped whenever the digest's inputs change shape, so old and new
 #: digests never collide.
@@ -65,6 +70,8 @@ class ActorSpec:
     across_queues: bool
     across_actors: bool
     reschedule_delay: Optional[int]
+    debounce: Optional[int] = None
+    debounce_max: Optional[int] = None
 
     @property
     def scope(self) -> str:
@@ -196,13 +203,21 @@ def actor_spec(actor: "Actor[Any, Any]") -> Optional[ActorSpec]:
 
 def _actor_spec(actor: "Actor[Any, Any]") -> Optional[ActorSpec]:
     options = actor.options
+    if options.get("lock") is None and options.get("debounce") is not None:
+        options = {**options, "lock": DEBOUNCE_LOCK}
     if options.get("lock") is None:
         stray = sorted(ACTOR_OPTIONS & {k for k, v in options.items() if v is not None})
         if stray:
             raise ConfigurationError(f"it sets {', '.join(stray)} but no lock=.")
         return None
     lock = lock_type(options["lock"])
-    sides = strategies(lock, options.get("on_conflict"))
+    sides = strategies(lock, _on_conflict(options, lock))
+    debounce, debounce_max = _debounce(options)
+    if sides.get("client") == "replace" and options.get("lock_limit") not in (None, 1):
+        raise ConfigurationError(
+            f"lock_limit={options['lock_limit']!r} does not go with on_conflict='replace': "
+            "a replacing send supersedes the one holder of its key, so lock_limit must be 1."
+        )
     signature = _signature(actor.fn)
     if options.get("lock_args") is not None and options.get("lock_args_method") is not None:
         raise ConfigurationError("Give either lock_args or lock_args_method, not both.")
@@ -238,4 +253,48 @@ def _actor_spec(actor: "Actor[Any, Any]") -> Optional[ActorSpec]:
             lambda v: is_duration(v, 0),
             f"a whole number of milliseconds, 0 or more, at most {MAX_DURATION}",
         ),
+        debounce=debounce,
+        debounce_max=debounce_max,
     )
+
+
+def _on_conflict(options: Mapping[str, Any], lock: LockType) -> Any:
+    """``on_conflict``, with the client strategy ``replace`` that
+    ``debounce`` implies; any other client strategy is an error.
+    """
+    on_conflict = options.get("on_conflict")
+    if options.get("debounce") is None:
+        return on_conflict
+    if not lock.queue_lock:
+        raise ConfigurationError(
+            f"debounce needs a lock type with an enqueue lock, not lock={lock.name!r}: "
+            f"leave lock= out (debounce implies lock={DEBOUNCE_LOCK!r}) or use until_and_while_executing."
+        )
+    if on_conflict is None:
+        return {"client": "replace"}
+    if isinstance(on_conflict, str):
+        if on_conflict != "replace":
+            raise ConfigurationError(
+                f"debounce works by replacing, so on_conflict={on_conflict!r} cannot go with it: "
+                "leave it out, or give the server side alone, e.g. {'server': 'reschedule'}."
+            )
+        return on_conflict
+    if isinstance(on_conflict, Mapping) and on_conflict.get("client", "replace") != "replace":
+        raise ConfigurationError(
+            f"debounce works by replacing, so the client strategy {on_conflict['client']!r} cannot go with it: "
+            "leave the client side out."
+        )
+    if isinstance(on_conflict, Mapping):
+        return {**on_conflict, "client": "replace"}
+    return on_conflict  # not a name or a mapping: strategies() says why
+
+
+def _debounce(options: Mapping[str, Any]) -> tuple[Optional[int], Optional[int]]:
+    expected = f"a positive whole number of milliseconds, at most {MAX_DURATION}"
+    debounce = _optional(options, "debounce", lambda v: is_duration(v, 1), expected)
+    debounce_max = _optional(options, "debounce_max", lambda v: is_duration(v, 1), expected)
+    if debounce_max is not None and debounce is None:
+        raise ConfigurationError("debounce_max only applies with debounce=.")
+    if debounce_max is not None and debounce is not None and debounce_max < debounce:
+        raise ConfigurationError(f"debounce_max={debounce_max} is shorter than debounce={debounce}.")
+    return debounce, debounce_max

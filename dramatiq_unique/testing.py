@@ -37,21 +37,25 @@ import os
 import uuid
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 
-from .backends.stub import StubBackend
-from .errors import ConfigurationError
-from .middleware import UniqueMiddleware
-
+# Loaded by pytest as a plugin in every run of an environment that has
+# dramatiq-unique: import nothing heavy here (no Dramatiq, no redis), so
+# that a broken or partial install can never break an unrelated run.
 if TYPE_CHECKING:
     from dramatiq import Broker, Message
 
     from .backends.redis import RedisBackend
+    from .backends.stub import StubBackend
+    from .middleware import UniqueMiddleware
 
 #: The Redis the ``unique_redis_backend`` fixture uses when
 #: ``REDIS_URL`` is not set.
 DEFAULT_TEST_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
-def _middlewares(target: Union[UniqueMiddleware, "Broker"]) -> list[UniqueMiddleware]:
+def _middlewares(target: Union["UniqueMiddleware", "Broker"]) -> list["UniqueMiddleware"]:
+    from .errors import ConfigurationError
+    from .middleware import UniqueMiddleware
+
     if isinstance(target, UniqueMiddleware):
         return [target]
     found = [m for m in getattr(target, "middleware", ()) if isinstance(m, UniqueMiddleware)]
@@ -61,7 +65,7 @@ def _middlewares(target: Union[UniqueMiddleware, "Broker"]) -> list[UniqueMiddle
 
 
 @contextlib.contextmanager
-def disabled(target: Union[UniqueMiddleware, "Broker"]) -> Iterator[None]:
+def disabled(target: Union["UniqueMiddleware", "Broker"]) -> Iterator[None]:
     """Turn locking off inside a ``with`` block, for one middleware or
     every ``UniqueMiddleware`` of a broker.  Sends inside the block take
     no lock and are never refused; messages that start running inside
@@ -121,6 +125,7 @@ def redis_backend_for_tests(url: Optional[str] = None) -> "RedisBackend":
     import redis
 
     from .backends.redis import RedisBackend
+    from .errors import ConfigurationError
 
     url = url or os.environ.get("REDIS_URL") or DEFAULT_TEST_REDIS_URL
     backend = RedisBackend(url=url, socket_connect_timeout=2)
@@ -154,8 +159,10 @@ except ImportError:  # pragma: no cover - the helpers above work without pytest
 if pytest is not None:
 
     @pytest.fixture
-    def unique_stub_backend() -> StubBackend:
+    def unique_stub_backend() -> "StubBackend":
         """A fresh in-memory lock backend."""
+        from .backends.stub import StubBackend
+
         return StubBackend()
 
     @pytest.fixture
@@ -168,6 +175,8 @@ if pytest is not None:
         """A Redis lock backend; the keys under ``unique_prefix`` are
         deleted after the test.
         """
+        from .errors import ConfigurationError
+
         try:
             backend = redis_backend_for_tests()
         except ConfigurationError as e:

@@ -1,9 +1,11 @@
 """Fixtures on real services.
 
-Redis comes from ``REDIS_URL``, else 127.0.0.1:6379 when it answers,
-else a private ``redis-server`` started here; failing all three, the
-tests that need it fail with a message saying how to get one.  Tests
-use their own database number and never flush anything else.
+Redis is a private ``redis-server`` that the suite starts on a free
+port, unless ``REDIS_URL`` names one to use instead: a shared Redis
+(yours on 6379, say) is touched only when ``REDIS_URL`` says so.
+Without either, the tests that need Redis fail with a message saying
+how to get one.  Tests use their own database number and never flush
+anything else.
 """
 
 from __future__ import annotations
@@ -45,6 +47,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if soak:
         config.hook.pytest_deselected(items=soak)
         items[:] = [item for item in items if "soak" not in item.keywords]
+
+
+def under_ci() -> bool:
+    """Whether this run is CI's (``CI=true``), which must run every test."""
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def missing_optional_tool(message: str) -> None:
+    """A tool that only some tests need (the browser of the dashboard
+    tests) is missing: skip, saying how to get it, on a developer's
+    machine; fail under CI, which installs it and must run those tests.
+    """
+    if under_ci():
+        pytest.fail(f"{message} (CI=true: these tests must run here)", pytrace=False)
+    pytest.skip(message)
 
 
 def free_port() -> int:
@@ -89,10 +106,9 @@ def redis_url() -> Iterator[str]:
             pytest.fail(f"REDIS_URL={url} does not answer. Start Redis there, or unset REDIS_URL.")
         yield url
         return
-    default = f"redis://127.0.0.1:6379/{TEST_DB}"
-    if _answers(default):
-        yield default
-        return
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is not installed: run `apt-get install redis-server`, or set REDIS_URL "
+                    f"to a Redis database the suite may flush, e.g. redis://127.0.0.1:6379/{TEST_DB}.")
     port = free_port()
     process = start_redis_server(port)
     try:

@@ -440,7 +440,9 @@ def resolve_on_conflict(lock: str, on_conflict: Any) -> Optional[dict[str, str]]
     chosen = {side: STRATEGIES[side][0] for side in row.sides}
     if on_conflict is None:
         return chosen
-    if isinstance(on_conflict, str):
+    if on_conflict == "replace" and row.queue_lock:
+        given = {"client": "replace"}  # the one client-only name: the server side keeps its default
+    elif isinstance(on_conflict, str):
         given = {side: on_conflict for side in row.sides}
     elif isinstance(on_conflict, dict):
         given = on_conflict
@@ -473,7 +475,7 @@ def option_faults(options: dict[str, Any]) -> set[str]:
         ),
         "lock_args_method": callable,
         "lock_ttl": lambda v: is_whole(v, 1, MAX_DURATION) and LOCK_TYPES[lock].queue_lock,
-        "lock_limit": lambda v: is_whole(v, 1),
+        "lock_limit": lambda v: is_whole(v, 1) and (v == 1 or sides is None or sides.get("client") != "replace"),
         "unique_across_queues": lambda v: isinstance(v, bool),
         "unique_across_actors": lambda v: isinstance(v, bool),
         "reschedule_delay": lambda v: (
@@ -583,7 +585,7 @@ def read_setting(name: str, value: Any, *, text: bool) -> tuple[bool, Any]:
             except ValueError:
                 return False, None
         return is_whole(value, low, MAX_DURATION), value
-    if name == "enabled":
+    if name in ("enabled", "record_lock_args"):
         if not text:
             return isinstance(value, bool), value
         word = value.strip().lower()
@@ -715,8 +717,6 @@ def argument_faults(arguments: dict[str, Any]) -> set[str]:
     for name, value in arguments.items():
         if name == "backend":
             good = value is None or isinstance(value, LockBackend)
-        elif name == "record_lock_args":
-            good = isinstance(value, bool)
         else:
             good = value is None or read_setting(name, value, text=False)[0]
         if not good:
@@ -734,7 +734,7 @@ def test_constructor_arguments_are_checked_at_construction(arguments: dict[str, 
         if not faults:
             middleware = UniqueMiddleware(**arguments)
             for name, value in arguments.items():
-                if value is not None and name not in ("backend", "record_lock_args"):
+                if value is not None and name != "backend":
                     assert getattr(middleware.settings, name) == value
             return
         with pytest.raises(ConfigurationError) as info:

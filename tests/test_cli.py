@@ -76,7 +76,7 @@ def test_locks_lists_every_lock_as_text_and_json(locks):
     assert text.returncode == 0, text.stderr
     assert "4 locks under prefix" in text.stdout
     assert text.stdout.splitlines()[0].split() == [
-        "ACTOR", "DIGEST", "PHASE", "LOCK", "HOLDERS", "AGE", "NEXT", "EXPIRY", "STATE"
+        "ACTOR", "DIGEST", "PHASE", "LOCK", "HOLDERS", "AGE", "NEXT", "EXPIRY", "STATE", "WAITING"
     ]
     assert any(line.split()[:5] == ["sync_account_balance", "a" * 32, "run", "until_and_while_executing", "2"]
                for line in text.stdout.splitlines())

@@ -23,7 +23,7 @@ from redis.cluster import RedisCluster
 from redis.sentinel import Sentinel
 
 from dramatiq_unique.backends.redis import RedisBackend
-from tests import test_backends, test_lifecycle
+from tests import test_backends, test_lifecycle, test_replace
 from tests.cluster import Servers, WholeCluster, start_cluster, start_sentinel
 from tests.conftest import make_worker, unique, wait_for
 
@@ -45,8 +45,10 @@ def _borrowed(module: Any, fixtures: set[str]) -> dict[str, Callable[..., Any]]:
 
 CONTRACT = _borrowed(test_backends, {"backend", "redis_backend", "redis_client"})
 LIFECYCLE = _borrowed(test_lifecycle, {"rig"})
+REPLACE_CONTRACT = _borrowed(test_replace, {"backend"})
 globals().update(CONTRACT)
 globals().update(LIFECYCLE)
+globals().update(REPLACE_CONTRACT)
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +163,9 @@ def test_the_keys_of_one_lock_share_a_slot(cluster_client):
     key = f"{middleware.settings.prefix}:sync_{{account}}:{{{'f' * 32}}}:run"
     slots = {cluster_client.keyslot(name) for name in (key, f"{key}:wait", f"{key}:bodies", f"{key}:m:some-message-id")}
     assert len(slots) == 1
+    queue = key.replace(":run", ":queue")
+    assert {cluster_client.keyslot(name) for name in (queue, f"{queue}:superseded")} == slots
+    assert len(REPLACE_CONTRACT) >= 6
 
 
 def test_a_cluster_url_connects_through_any_node(redis_cluster):

@@ -23,9 +23,9 @@ from dramatiq_unique import UniqueMiddleware
 from dramatiq_unique.backends.redis import RedisBackend
 from dramatiq_unique.dashboard import CSRF_HEADER, make_app
 from dramatiq_unique.dashboard.server import make_server
-from tests.conftest import free_port, wait_for
+from tests.conftest import free_port, missing_optional_tool, wait_for
 
-CHROMIUM = "/usr/bin/chromium"
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [
     "--headless",
     "--no-sandbox",
@@ -160,11 +160,13 @@ def test_listing_is_capped_at_the_limit(redis_backend):
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     if not os.path.exists(CHROMIUM):
-        pytest.fail(f"{CHROMIUM} is missing: run `apt-get install chromium` (.ci/run installs it).")
+        missing_optional_tool(f"{CHROMIUM} is missing: the page tests need it; run `apt-get install chromium` "
+                              "(.ci/run installs it).")
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        pytest.fail("Playwright is missing: run `pip install playwright` (no `playwright install`: we drive chromium).")
+        missing_optional_tool("Playwright is missing: the page tests need it; run `pip install playwright` "
+                              "(no `playwright install`: the tests drive Debian's chromium).")
     with sync_playwright() as playwright:
         launched = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         yield launched
@@ -213,7 +215,7 @@ def test_page_shows_a_lock_counting_down_and_releases_it_after_confirmation(
         # Then I expect the lock, its holder, and its deadline counting down
         expect(row).to_contain_text("sync_account_balance")
         expect(row).to_contain_text("until_executed")
-        expect(row).to_contain_text('{"account_id":42}')
+        expect(row.locator("td.args")).to_have_text("account_id: 42")
         expect(row.locator("li.holder")).to_contain_text(message.message_id)
         expect(row.locator("li.holder .age")).to_contain_text("age ")
         expect(row.locator("li.holder .provisional")).to_have_count(0)
@@ -355,3 +357,75 @@ def test_page_marks_a_provisional_enqueue_lock_and_shows_its_age(redis_backend, 
         expect(page.locator(f'tr.lock[data-key="{pending}"] li.holder .provisional')).to_have_text("provisional")
         expect(page.locator(f'tr.lock[data-key="{pending}"] li.holder .age')).to_contain_text("age ")
         expect(page.locator(f'tr.lock[data-key="{confirmed}"] li.holder .provisional')).to_have_count(0)
+
+
+def test_page_shows_waiting_messages_and_fits_1000_px(stub_broker, redis_backend, page):
+    from playwright.sync_api import expect
+
+    # Given a long-named actor whose run lock is held, a second message
+    # rescheduled behind it holding the enqueue lock, and its lock args recorded
+    prefix = new_prefix()
+    middleware = UniqueMiddleware(backend=redis_backend, prefix=prefix, record_lock_args=True,
+                                  reschedule_delay=60_000)
+    stub_broker.add_middleware(middleware)
+    gate, started = threading.Event(), threading.Event()
+
+    def reconcile_customer_ledger_entries(account_id, currency, requested_by):
+        started.set()
+        gate.wait(30)
+
+    actor = dramatiq.actor(reconcile_customer_ledger_entries, broker=stub_broker, lock="until_and_while_executing",
+                           lock_args=["account_id", "currency", "requested_by"])
+    args = (42, "EUR", "finance-operations-team@accounts.example.com")
+    actor.send(*args)
+    worker = dramatiq.Worker(stub_broker, worker_timeout=50, worker_threads=3)
+    worker.start()
+    try:
+        assert started.wait(10)
+        waiting = actor.send(*args).message_id
+        wait_for(lambda: middleware.events.count("rescheduled") == 1, what="the second message to wait")
+
+        with serving(make_app(redis_backend, prefix=prefix)) as url:
+            # When I open the dashboard in a 1000 px wide window
+            page.set_viewport_size({"width": 1000, "height": 900})
+            page.goto(url)
+            run_row = page.locator("tr.lock", has=page.locator("td", has_text="run"))
+            queue_row = page.locator("tr.lock", has=page.locator("td", has_text="queue"))
+            # Then I expect the waiting message, readable lock args, and
+            # the page no wider than the window
+            expect(run_row.locator(f'li.waiter[data-message-id="{waiting}"]')).to_be_visible()
+            expect(run_row.locator("li.waiter")).to_have_count(1)
+            expect(queue_row.locator("td.args li")).to_have_text(
+                ["account_id: 42", 'currency: "EUR"', f'requested_by: "{args[2]}"'])
+            widths = page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
+            assert widths[0] <= widths[1], f"the page is {widths[0]} px wide in a {widths[1]} px window"
+            if os.environ.get("DASHBOARD_SCREENSHOT"):  # a PNG path, to look at the page
+                page.screenshot(path=os.environ["DASHBOARD_SCREENSHOT"])
+    finally:
+        gate.set()
+        worker.stop()
+
+
+def test_the_access_log_skips_the_pages_own_refreshes(redis_backend, capfd):
+    # Given the dashboard on the command's server, which logs requests
+    prefix = new_prefix()
+    redis_backend.acquire(run_key(prefix, "sync", 9), "m/n", ttl=MINUTE)
+    server = make_server(make_app(redis_backend, prefix=prefix), host="127.0.0.1", port=0)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_port}/"
+    try:
+        # When the page loads, refreshes three times, and a release fails
+        assert request(url)[0] == 200
+        for _ in range(3):
+            assert request(url + "api/locks")[0] == 200
+        assert release(url, {"digest": f"{9:032x}"}, **{CSRF_HEADER: "1"})[0] == 415
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+    # Then the log has the page load and the refused release, not the refreshes
+    log = capfd.readouterr().err
+    assert '"GET / HTTP/1.1" 200' in log
+    assert "\"POST /api/release HTTP/1.1\" 415" in log
+    assert "/api/locks" not in log

@@ -28,10 +28,34 @@ def test_every_variable_is_read():
             "dramatiq_unique_reschedule_delay": "0",
             "dramatiq_unique_enabled": "false",
             "dramatiq_unique_on_backend_error": "run_unlocked",
+            "dramatiq_unique_record_lock_args": "yes",
         }
     )
     assert (settings.redis_url, settings.prefix, settings.lock_ttl, settings.lease) == ("redis://example:1/2", "p", 1000, 2000)
     assert (settings.reschedule_delay, settings.enabled, settings.on_backend_error) == (0, False, "run_unlocked")
+    assert settings.record_lock_args is True
+
+
+def test_a_dotted_path_middleware_records_lock_args_from_the_environment(monkeypatch):
+    # django_dramatiq builds middleware from a dotted path, with no arguments.
+    import importlib
+
+    monkeypatch.setenv("DRAMATIQ_UNIQUE_RECORD_LOCK_ARGS", "1")
+    module, _, name = "dramatiq_unique.UniqueMiddleware".rpartition(".")
+    middleware = getattr(importlib.import_module(module), name)()
+    assert middleware.record_lock_args is True
+    assert UniqueMiddleware(record_lock_args=False).record_lock_args is False
+
+
+def test_every_setting_is_in_the_readme_table():
+    from dataclasses import fields
+    from pathlib import Path
+
+    from dramatiq_unique.settings import Settings
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    missing = [f.name for f in fields(Settings) if f"| `dramatiq_unique_{f.name}` |" not in readme]
+    assert missing == []
 
 
 @pytest.mark.parametrize(
@@ -42,6 +66,7 @@ def test_every_variable_is_read():
         ("dramatiq_unique_enabled", "maybe", "dramatiq_unique_enabled='maybe' is invalid: expected 1/0 or true/false"),
         ("dramatiq_unique_on_backend_error", "ignore", "expected one of fail, run_unlocked"),
         ("dramatiq_unique_reschedule_delay", "1.5", "dramatiq_unique_reschedule_delay='1.5'"),
+        ("dramatiq_unique_record_lock_args", "sometimes", "dramatiq_unique_record_lock_args='sometimes' is invalid"),
     ],
 )
 def test_a_bad_value_names_the_variable(monkeypatch, name, value, says):

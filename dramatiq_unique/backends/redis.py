@@ -12,9 +12,26 @@ from importlib import resources
 from typing import Any, Iterator, Optional, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
-import redis
+try:
+    import redis
+except ModuleNotFoundError as e:  # tested in a subprocess: tests/test_install.py
+    raise ModuleNotFoundError(
+        f"{e}: RedisBackend needs redis-py, which comes with the redis extra: "
+        "run `pip install 'dramatiq-unique[redis]'`.",
+        name=e.name,
+    ) from None
 
-from ..backend import Acquisition, Copy, EnqueueRecord, LockBackend, LockInfo, Release, Start
+from ..backend import (
+    Acquisition,
+    Copy,
+    EnqueueRecord,
+    LockBackend,
+    LockInfo,
+    Release,
+    Replacement,
+    Start,
+    Waiter,
+)
 
 _LUA = resources.files(__package__).joinpath("lua")
 
@@ -29,7 +46,11 @@ def _source(name: str) -> str:
 
 _SCRIPTS = {
     name: _source(name)
-    for name in ("acquire", "start", "release", "extend", "wait", "claim", "withdraw", "confirm", "reap")
+    for name in (
+        *("acquire", "start", "release", "extend", "wait", "claim", "withdraw"),
+        *("replace", "current", "unreplace"),  # on_conflict="replace" and debounce
+        *("confirm", "reap"),  # provisional enqueue locks and the reaper
+    )
 }
 
 #: The URL scheme that connects to a Cluster.
@@ -73,6 +94,15 @@ def _acquisition(status: int, holder: Any, fence: Any, confirm: Any = 0) -> Acqu
     return Acquisition(
         status in (1, 2), reentered=status == 2, holder=_text(holder), fence=int(fence), provisional=confirm == 1
     )
+
+
+def _superseded(key: str) -> str:
+    """The superseded record of an enqueue lock key: same hash tag."""
+    return f"{key}:superseded"
+
+
+#: replace.lua's status codes.
+_REPLACED = {0: "refused", 1: "acquired", 2: "reentered", 3: "replaced"}
 
 
 def _text(value: Any) -> str:
@@ -235,6 +265,47 @@ class RedisBackend(LockBackend):
     def reap(self, key: str, owner: str, record: EnqueueRecord) -> bool:
         return bool(self.scripts["reap"](keys=[key], args=[owner, record.encode()], client=self.client))
 
+    def replace(
+        self,
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        lock: str = "",
+        lock_args: Optional[str] = None,
+        keep_started: bool = False,
+        debounce: int = 0,
+        debounce_max: int = 0,
+        superseded_ttl: int,
+    ) -> Replacement:
+        status, other, fence, delay = self.scripts["replace"](
+            keys=[key, _superseded(key)],
+            args=[owner, ttl, lock, lock_args or "", int(keep_started), debounce, debounce_max, superseded_ttl],
+            client=self.client,
+        )
+        return Replacement(_REPLACED[int(status)], _text(other) if other else None, int(delay), int(fence))
+
+    def current(
+        self,
+        key: str,
+        owner: str,
+        *,
+        reenter: bool = False,
+        ttl: int = 0,
+        lock: str = "",
+        copy: Optional[Copy] = None,
+    ) -> tuple[int, Optional[str]]:
+        keys: list[str] = [key, _superseded(key)]
+        args: list[Any] = [owner, "reenter" if reenter else "start", ttl, lock]
+        if reenter and copy is not None:
+            keys, args = keys + _records(copy), args + [copy.attempt, copy.via]
+        status, other = self.scripts["current"](keys=keys, args=args, client=self.client)
+        return int(status), _text(other) if other else None
+
+    def unreplace(self, key: str, owner: str) -> Optional[str]:
+        previous = self.scripts["unreplace"](keys=[key, _superseded(key)], args=[owner], client=self.client)
+        return _text(previous) if previous else None
+
     def inspect(self, key: str) -> Optional[LockInfo]:
         fields = {_text(name): _text(value) for name, value in self.client.hgetall(key).items()}
         now = self._now_ms(key)
@@ -242,13 +313,16 @@ class RedisBackend(LockBackend):
         if not holders:
             return None
         records = {owner: EnqueueRecord.decode(fields.get(f"!m:{owner}", "")) for owner in holders}
+        current = fields.get("!current")
         return LockInfo(
             key,
             fields.get("!lock") or None,
             holders,
             fields.get("!args"),
             int(fields.get("!fence", 0)),
-            {owner: record for owner, record in records.items() if record is not None},
+            current=current if current in holders else None,
+            superseded=int(fields.get("!superseded", 0)),
+            records={owner: record for owner, record in records.items() if record is not None},
         )
 
     def scan(self, pattern: str) -> Iterator[str]:
@@ -261,6 +335,10 @@ class RedisBackend(LockBackend):
 
     def delete(self, key: str) -> bool:
         return bool(self.client.delete(key))
+
+    def waiters(self, key: str) -> list[Waiter]:
+        waiting = self.client.zrange(_waiting(key)[0], 0, -1, withscores=True)
+        return [Waiter(_text(message_id), int(order)) for message_id, order in waiting]
 
     def _now_ms(self, key: Optional[str] = None) -> int:
         # On a Cluster, ask the node that holds the key: its clock set the deadlines.

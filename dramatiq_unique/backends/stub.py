@@ -8,7 +8,7 @@ import time as mod_time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
-from ..backend import Acquisition, Copy, EnqueueRecord, LockBackend, LockInfo, Release, Start
+from ..backend import Acquisition, Copy, EnqueueRecord, LockBackend, LockInfo, Release, Replacement, Start, Waiter
 
 
 def _now_ms() -> int:
@@ -42,8 +42,19 @@ class _Entry:
     lock: str = ""
     lock_args: Optional[str] = None
     fence: int = 0
+    current: Optional[str] = None
+    started: Optional[str] = None
+    burst: int = 0
+    superseded: int = 0
+    previous: Optional[str] = None
     #: Enqueue records, with Unix times as RedisBackend keeps them.
     records: dict[str, EnqueueRecord] = field(default_factory=dict)
+
+
+@dataclass
+class _Superseded:
+    by: dict[str, str] = field(default_factory=dict)
+    expires_at: int = 0
 
 
 class StubBackend(LockBackend):
@@ -58,6 +69,7 @@ class StubBackend(LockBackend):
         self._entries: dict[str, _Entry] = {}
         self._last_fence = 0
         self._waiters: dict[str, _Waiters] = {}
+        self._superseded: dict[str, _Superseded] = {}
         self._records: dict[tuple[str, str], _Record] = {}
 
     def _live(self, key: str, now: int) -> Optional[_Entry]:
@@ -228,6 +240,119 @@ class StubBackend(LockBackend):
             elif record is not None:
                 record.attempt, record.winner = copy.attempt, copy.via
 
+    def _fence(self, entry: _Entry) -> int:
+        self._last_fence = entry.fence = max(self._last_fence + 1, mod_time.time_ns() // 1000)
+        return entry.fence
+
+    def _superseded_by(self, key: str, owner: str, now: int) -> Optional[str]:
+        record = self._superseded.get(key)
+        if record is not None and record.expires_at <= now:
+            del self._superseded[key]
+            return None
+        return record.by.get(owner) if record is not None else None
+
+    def replace(
+        self,
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        lock: str = "",
+        lock_args: Optional[str] = None,
+        keep_started: bool = False,
+        debounce: int = 0,
+        debounce_max: int = 0,
+        superseded_ttl: int,
+    ) -> Replacement:
+        with self._mutex:
+            now = _now_ms()
+            entry = self._live(key, now)
+            if entry is not None and owner in entry.holders:
+                entry.holders[owner] = max(entry.holders[owner], now + ttl)
+                return Replacement("reentered", owner, 0, entry.fence)
+            current = None
+            if entry is not None:
+                # As replace.lua: no live current message leaves only superseded, started slots.
+                current = next(iter(entry.holders)) if entry.current is None else entry.current
+                current = current if current in entry.holders else None
+            status, burst = "acquired", now
+            if entry is not None and current is not None:
+                started = entry.started == current
+                if started and keep_started:
+                    return Replacement("refused", current, 0, entry.fence)
+                if not started:
+                    del entry.holders[current]
+                    burst = entry.burst
+                record = self._superseded.setdefault(key, _Superseded())
+                record.by[current] = owner
+                record.expires_at = max(record.expires_at, now + superseded_ttl)
+                entry.superseded += 1
+                entry.previous = current
+                status = "replaced"
+            elif entry is None:
+                entry = self._entries[key] = _Entry()
+            else:
+                entry.superseded, entry.previous, entry.lock_args = 0, None, None
+            delay = 0
+            if debounce > 0:
+                due = now + debounce
+                if debounce_max > 0 and due > burst + debounce_max:
+                    due = max(now, burst + debounce_max)
+                delay = due - now
+            entry.holders[owner] = now + ttl
+            entry.lock, entry.current, entry.started, entry.burst = lock, owner, None, burst
+            if lock_args is not None:
+                entry.lock_args = lock_args
+            return Replacement(status, current, delay, self._fence(entry))
+
+    def current(
+        self,
+        key: str,
+        owner: str,
+        *,
+        reenter: bool = False,
+        ttl: int = 0,
+        lock: str = "",
+        copy: Optional[Copy] = None,
+    ) -> tuple[int, Optional[str]]:
+        with self._mutex:
+            now = _now_ms()
+            by = self._superseded_by(key, owner, now)
+            if by is None and reenter and copy is not None:
+                verdict = self._claim(copy, write=False)
+                if verdict != "run":
+                    return 3, verdict
+            entry = self._live(key, now)
+            if by is not None:
+                if not reenter and entry is not None and entry.holders.pop(owner, None) is not None:
+                    self._live(key, now)
+                return -2, by
+            if not reenter:
+                if entry is not None and entry.current == owner:
+                    entry.started = owner
+                return 1, None
+            if entry is not None and owner in entry.holders:
+                entry.holders[owner] = max(entry.holders[owner], now + ttl)
+                return 2, owner
+            if entry is not None:
+                return 0, next(iter(entry.holders))
+            entry = self._entries[key] = _Entry({owner: now + ttl}, lock, current=owner, burst=now)
+            self._fence(entry)
+            return 1, owner
+
+    def unreplace(self, key: str, owner: str) -> Optional[str]:
+        with self._mutex:
+            now = _now_ms()
+            entry = self._live(key, now)
+            previous = entry.previous if entry is not None and entry.current == owner in entry.holders else None
+            if entry is None or previous is None or self._superseded_by(key, previous, now) != owner:
+                return None
+            del self._superseded[key].by[previous]
+            entry.previous, entry.current = None, previous
+            entry.superseded -= 1
+            entry.holders.setdefault(previous, entry.holders[owner])
+            return previous
+
     def extend(self, locks: Sequence[tuple[str, str]], ttl: int) -> list[bool]:
         with self._mutex:
             now = _now_ms()
@@ -274,7 +399,17 @@ class StubBackend(LockBackend):
                 return None
             offset = mod_time.time_ns() // 1_000_000 - now
             holders = {owner: deadline + offset for owner, deadline in entry.holders.items()}
-            return LockInfo(key, entry.lock or None, holders, entry.lock_args, entry.fence, dict(entry.records))
+            current = entry.current if entry.current in entry.holders else None
+            return LockInfo(
+                key,
+                entry.lock or None,
+                holders,
+                entry.lock_args,
+                entry.fence,
+                current,
+                entry.superseded,
+                records=dict(entry.records),
+            )
 
     def scan(self, pattern: str) -> Iterator[str]:
         with self._mutex:
@@ -285,3 +420,9 @@ class StubBackend(LockBackend):
     def delete(self, key: str) -> bool:
         with self._mutex:
             return self._entries.pop(key, None) is not None
+
+    def waiters(self, key: str) -> list[Waiter]:
+        with self._mutex:
+            waiting = self._live_waiters(key)
+            lines = sorted((order, message_id) for message_id, (order, _) in waiting.order.items()) if waiting else []
+        return [Waiter(message_id, order) for order, message_id in lines]

@@ -22,8 +22,11 @@
   }
 
   function formatRemaining(ms) {
-    if (ms <= 0) return "expired";
-    const seconds = ms / 1000;
+    return ms <= 0 ? "expired" : formatDuration(ms);
+  }
+
+  function formatDuration(ms) {
+    const seconds = Math.max(0, ms) / 1000;
     if (seconds < 60) return seconds.toFixed(1) + " s";
     const minutes = Math.floor(seconds / 60);
     const pad = (n) => String(n).padStart(2, "0");
@@ -83,20 +86,48 @@
     tick();
   }
 
+  // A long identifier may break after each underscore.
+  function breakable(text) {
+    const parts = String(text).split("_");
+    return el("span", {}, ...parts.flatMap((part, i) => (i ? ["_", document.createElement("wbr"), part] : [part])));
+  }
+
+  // The lock args as "name: value" lines; values stay JSON.
+  function lockArgs(args) {
+    if (args === null) return el("span", { className: "muted" }, "not recorded");
+    if (typeof args !== "object") return el("code", {}, JSON.stringify(args));
+    const entries = Array.isArray(args) ? args.map((value, i) => ["#" + (i + 1), value]) : Object.entries(args);
+    if (!entries.length) return el("span", { className: "muted" }, "none");
+    return el("ul", { className: "args" }, ...entries.map(([name, value]) =>
+      el("li", {}, el("span", { className: "name" }, name + ": "), el("code", {}, JSON.stringify(value)))));
+  }
+
+  function waitingList(lock) {
+    if (lock.phase !== "run") return el("span", { className: "muted", title: "only run locks have a waiting line" }, "\u2014");
+    if (!lock.waiting.length) return el("span", { className: "muted" }, "none");
+    return el("ul", { className: "waiting" }, ...lock.waiting.map((waiter) => {
+      const waited = el("span", { className: "waited", title: "sent " + new Date(waiter.since).toISOString() });
+      waited.dataset.since = waiter.since;
+      const item = el("li", { className: "waiter" }, el("code", {}, waiter.message_id), waited);
+      item.dataset.messageId = waiter.message_id;
+      return item;
+    }));
+  }
+
   function lockRow(lock) {
-    const args = lock.lock_args === null ? "not recorded" : JSON.stringify(lock.lock_args);
     const release = el("button", { type: "button", className: "danger small" }, "Release lock");
     release.addEventListener("click", () =>
       confirmRelease({ digest: lock.digest, phase: lock.phase }, "Release the " + lock.phase + " lock " + lock.key +
         " and all its " + lock.holders.length + " holder(s)?"));
     const row = el(
       "tr", { className: "lock" },
-      el("td", {}, lock.actor),
-      el("td", {}, el("code", {}, lock.digest)),
+      el("td", { className: "actor" }, el("div", {}, breakable(lock.actor)),
+        el("code", { className: "digest", title: "digest" }, lock.digest)),
       el("td", {}, lock.phase),
-      el("td", {}, lock.lock || "?"),
-      el("td", { className: "args" }, el("code", {}, args)),
+      el("td", { className: "type" }, breakable(lock.lock || "?")),
+      el("td", { className: "args" }, lockArgs(lock.lock_args)),
       el("td", {}, el("ul", { className: "holders" }, ...lock.holders.map((holder) => holderItem(lock, holder)))),
+      el("td", {}, waitingList(lock)),
       el("td", {}, release),
     );
     row.dataset.key = lock.key;
@@ -110,19 +141,24 @@
     release.addEventListener("click", () =>
       confirmRelease({ digest: lock.digest, phase: lock.phase, holder: holder.owner },
         "Release holder " + holder.owner + " of the " + lock.phase + " lock " + lock.key + "?"));
-    const parts = [el("code", { title: holder.owner }, holder.message_id), remaining];
+    const parts = [el("code", { title: holder.owner }, holder.message_id)];
+    if (lock.current !== null && lock.current === holder.message_id) {
+      // replace / debounce: the newest send, the one that runs
+      parts.push(el("span", { className: "current" }, "current, superseded " + lock.superseded));
+    }
+    const when = [remaining];
     if (holder.taken_at !== null && holder.taken_at !== undefined) {
       // An enqueue lock: how long ago it was taken, and whether its
       // publish is still unconfirmed (it then lapses at its deadline).
       const age = el("span", { className: "age", title: "taken " + new Date(holder.taken_at).toISOString() });
       age.dataset.taken = holder.taken_at;
-      parts.push(age);
+      when.push(age);
       if (holder.provisional) {
-        parts.push(el("span", { className: "provisional", title: "lapses at its deadline unless its publish is confirmed" },
+        when.push(el("span", { className: "provisional", title: "lapses at its deadline unless its publish is confirmed" },
           "provisional"));
       }
     }
-    const item = el("li", { className: "holder" }, ...parts, release);
+    const item = el("li", { className: "holder" }, ...parts, el("span", { className: "when" }, ...when, release));
     item.dataset.owner = holder.owner;
     return item;
   }
@@ -133,8 +169,11 @@
       span.textContent = formatRemaining(left);
       span.classList.toggle("expired", left <= 0);
     }
+    for (const span of document.querySelectorAll(".waited")) {
+      span.textContent = formatDuration(serverNow() - Number(span.dataset.since));
+    }
     for (const span of document.querySelectorAll(".age")) {
-      span.textContent = "age " + formatRemaining(serverNow() - Number(span.dataset.taken));
+      span.textContent = "age " + formatDuration(serverNow() - Number(span.dataset.taken));
     }
   }
 

@@ -27,6 +27,25 @@ class ThreadingServerV6(ThreadingServer):
     address_family = socket.AF_INET6
 
 
+#: The listing the page polls every few seconds: its successful
+#: requests are not logged, or the log would get a line every 5 s per
+#: open page.
+POLLED_PATHS = ("/api/locks",)
+
+
+class AccessLogHandler(WSGIRequestHandler):
+    """Logs one line per request, like ``wsgiref``, except the page's own
+    successful refreshes of the listing.  Releases, errors and page
+    loads are all logged.
+    """
+
+    def log_request(self, code: Any = "-", size: Any = "-") -> None:
+        path = self.path.split("?", 1)[0]
+        if self.command == "GET" and str(code).startswith("2") and path in POLLED_PATHS:
+            return
+        super().log_request(code, size)
+
+
 class QuietHandler(WSGIRequestHandler):
     """Logs no line per request."""
 
@@ -37,12 +56,16 @@ class QuietHandler(WSGIRequestHandler):
 def make_server(app: Any, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, quiet: bool = False) -> WSGIServer:
     """Bind a server for ``app``; port 0 picks a free port.
 
+    Parameters:
+      quiet(bool): Log no request at all; else every request but the
+        page's own refreshes (see :class:`AccessLogHandler`).
+
     Returns:
       WSGIServer: call ``serve_forever()`` on it, and ``shutdown()``
       from another thread to stop it.
     """
     server_class = ThreadingServerV6 if ":" in host else ThreadingServer
-    handler_class = QuietHandler if quiet else WSGIRequestHandler
+    handler_class = QuietHandler if quiet else AccessLogHandler
     return wsgiref_server(host, port, app, server_class=server_class, handler_class=handler_class)
 
 

@@ -1,0 +1,86 @@
+-- replace: make a new send the current holder of an enqueue lock,
+-- superseding the message that held it (on_conflict="replace", debounce).
+--
+-- KEYS[1]  the lock hash (see acquire.lua), with replace's fields:
+--          "!current" = the current message, "!started" = the current
+--          message once a worker has started it, "!burst" = server ms
+--          of the first send of the debounce burst, "!superseded" =
+--          how many messages the key's holders superseded,
+--          "!previous" = the message the current one superseded (for
+--          unreplace.lua, when the current one's publish fails).
+-- KEYS[2]  superseded: hash superseded message id -> id of the message
+--          that replaced it; lives ARGV[8] ms after the last replace.
+-- ARGV[1]  owner (message id)   ARGV[2] ttl ms   ARGV[3] lock type
+-- ARGV[4]  lock args JSON, or "" to record none
+-- ARGV[5]  "1": a holder that has started is kept and the send refused
+--          (until_expired); "0": a started holder is superseded too,
+--          keeps its own slot until it releases it, and a new burst opens
+-- ARGV[6]  debounce ms, or 0    ARGV[7] debounce_max ms, or 0
+-- ARGV[8]  ttl ms of the superseded record
+--
+-- Returns {status, other, fence, delay}: status 1 acquired a free key,
+-- 2 re-entered, 3 replaced `other`, 0 refused (`other` has started);
+-- delay is how long from now the message is due under debounce.
+local key, owner = KEYS[1], ARGV[1]
+local time = redis.call("TIME")
+local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local deadline = now + tonumber(ARGV[2])
+local fields = redis.call("HGETALL", key)
+local meta, live, any = {}, {}, false
+for i = 1, #fields, 2 do
+  local name, value = fields[i], fields[i + 1]
+  if string.sub(name, 1, 1) == "!" then
+    meta[name] = value
+  elseif tonumber(value) <= now then
+    redis.call("HDEL", key, name)
+  else
+    live[name], any = tonumber(value), name
+  end
+end
+local fence = tonumber(meta["!fence"] or "0")
+if live[owner] then
+  if live[owner] > deadline then deadline = live[owner] end
+  redis.call("HSET", key, owner, string.format("%.0f", deadline))
+  if redis.call("PTTL", key) < deadline - now then redis.call("PEXPIREAT", key, string.format("%.0f", deadline)) end
+  return {2, owner, fence, 0}
+end
+-- Without a live current message, the slots left are those of started
+-- holders that were superseded already: the key is free to replace
+-- into.  (A key taken without replace has no "!current": its holder is
+-- the current one.)
+local current = meta["!current"]
+if current == nil then current = any elseif not live[current] then current = false end
+local status, burst = 1, now
+if current then
+  local started = meta["!started"] == current
+  if started and ARGV[5] == "1" then return {0, current, fence, 0} end
+  if not started then
+    redis.call("HDEL", key, current)
+    live[current] = nil
+    burst = tonumber(meta["!burst"] or now)
+  end
+  redis.call("HSET", KEYS[2], current, owner)
+  if redis.call("PTTL", KEYS[2]) < tonumber(ARGV[8]) then redis.call("PEXPIRE", KEYS[2], ARGV[8]) end
+  redis.call("HINCRBY", key, "!superseded", 1)
+  redis.call("HSET", key, "!previous", current)
+  status = 3
+else
+  redis.call("HDEL", key, "!superseded", "!args", "!previous")
+end
+local delay, debounce, cap = 0, tonumber(ARGV[6]), tonumber(ARGV[7])
+if debounce > 0 then
+  local due = now + debounce
+  if cap > 0 and due > burst + cap then due = math.max(now, burst + cap) end
+  delay = due - now
+end
+fence = math.max(fence + 1, tonumber(time[1]) * 1000000 + tonumber(time[2]))
+redis.call("HDEL", key, "!started")
+redis.call("HSET", key, owner, string.format("%.0f", deadline), "!fence", string.format("%.0f", fence),
+  "!lock", ARGV[3], "!current", owner, "!burst", string.format("%.0f", burst))
+if ARGV[4] ~= "" then redis.call("HSET", key, "!args", ARGV[4]) end
+local latest = deadline
+for _, value in pairs(live) do
+  if value > latest then latest = value end
+end
+redis.call("PEXPIREAT", key, string.format("%.0f", latest))
+return {status, current or false, fence, delay}
