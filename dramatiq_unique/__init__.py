@@ -14,7 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .backend import Acquisition, LockBackend, LockInfo, Release, Replacement
+    from .backend import Acquisition, EnqueueRecord, LockBackend, LockInfo, Release, Replacement
     from .backends import StubBackend
     from .delivery import fence_token
     from .errors import (
@@ -34,6 +34,8 @@ if TYPE_CHECKING:
         DEFAULT_LOCK_TTL,
         DEFAULT_ON_BACKEND_ERROR,
         DEFAULT_PREFIX,
+        DEFAULT_PROVISIONAL_WINDOW,
+        DEFAULT_REAP_INTERVAL,
         DEFAULT_RESCHEDULE_DELAY,
     )
 
@@ -45,6 +47,7 @@ __version__ = "0.1.0"
 #: nor redis.
 _EXPORTS = {
     "Acquisition": ".backend",
+    "EnqueueRecord": ".backend",
     "LockBackend": ".backend",
     "LockInfo": ".backend",
     "Release": ".backend",
@@ -69,6 +72,8 @@ _EXPORTS = {
     "DEFAULT_LOCK_TTL": ".settings",
     "DEFAULT_ON_BACKEND_ERROR": ".settings",
     "DEFAULT_PREFIX": ".settings",
+    "DEFAULT_PROVISIONAL_WINDOW": ".settings",
+    "DEFAULT_REAP_INTERVAL": ".settings",
     "DEFAULT_RESCHEDULE_DELAY": ".settings",
 }
 
@@ -92,8 +97,11 @@ __all__ = [
     "DEFAULT_LOCK_TTL",
     "DEFAULT_ON_BACKEND_ERROR",
     "DEFAULT_PREFIX",
+    "DEFAULT_PROVISIONAL_WINDOW",
+    "DEFAULT_REAP_INTERVAL",
     "DEFAULT_RESCHEDULE_DELAY",
     "DuplicateMessage",
+    "EnqueueRecord",
     "EVENTS",
     "LOCK_TYPES",
     "LockBackend",

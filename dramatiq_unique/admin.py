@@ -21,9 +21,9 @@ import functools
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeVar
 
-from .backend import LockBackend, LockInfo, Waiter
+from .backend import EnqueueRecord, LockBackend, LockInfo, Waiter
 from .delivery import message_id_of
 from .errors import LockBackendError, UniqueError
 from .settings import DEFAULT_PREFIX
@@ -36,6 +36,9 @@ _DIGEST = re.compile(r"[0-9a-f]{32}")
 _GLOB_SPECIALS = re.compile(r"[*?\[\]\\]")
 
 T = TypeVar("T")
+
+if TYPE_CHECKING:
+    from .reap import ReapReport
 
 
 class UnknownLock(UniqueError, LookupError):
@@ -50,11 +53,35 @@ class Holder:
       owner(str): The owner string, as the backend stores it.
       message_id(str): The message that holds the slot.
       deadline(int): When the slot expires, in Unix milliseconds.
+      record(EnqueueRecord): For an enqueue lock, when it was taken,
+        whether it is still provisional and where its message went.
     """
 
     owner: str
     message_id: str
     deadline: int
+    record: Optional[EnqueueRecord] = None
+
+    @property
+    def taken_at(self) -> Optional[int]:
+        """When the slot was taken, in Unix milliseconds, if recorded."""
+        return self.record.taken_at if self.record is not None else None
+
+    @property
+    def provisional(self) -> bool:
+        """True while the slot waits for its message's publish to be
+        confirmed: it lapses at its (short) deadline unless confirmed.
+        """
+        return self.record is not None and self.record.provisional_until > 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "owner": self.owner,
+            "message_id": self.message_id,
+            "deadline": self.deadline,
+            "taken_at": self.taken_at,
+            "provisional": self.provisional,
+        }
 
 
 @dataclass(frozen=True)
@@ -101,7 +128,7 @@ class Lock:
             "lock": self.lock,
             "fence": self.fence,
             "lock_args": _decoded(self.lock_args),
-            "holders": [{"owner": h.owner, "message_id": h.message_id, "deadline": h.deadline} for h in self.holders],
+            "holders": [holder.as_dict() for holder in self.holders],
             "waiting": [{"message_id": w.message_id, "since": w.order} for w in self.waiting],
             "current": self.current,
             "superseded": self.superseded,
@@ -172,7 +199,9 @@ class LockAdmin:
         """Make one backend call, to fail early when it is unreachable."""
         self._call("answer", self.backend.inspect, f"{self.prefix}:!check")
 
-    def locks(self, *, actor: Optional[str] = None, pattern: Optional[str] = None) -> Iterator[Lock]:
+    def locks(
+        self, *, actor: Optional[str] = None, pattern: Optional[str] = None, phase: Optional[str] = None
+    ) -> Iterator[Lock]:
         """Iterate over the live locks, in ``SCAN`` order.
 
         Parameters:
@@ -180,12 +209,14 @@ class LockAdmin:
             locks of actors with ``unique_across_actors``.
           pattern(str): Only the keys matching this Redis glob, matched
             against the whole key (as with ``redis-cli --scan``).
+          phase(str): Only the ``queue`` (enqueue) or ``run`` locks.
         """
         scope = actor_scope(actor) if actor is not None else None
-        glob = pattern or f"{_wildcard(self.prefix)}:{_wildcard(scope) if scope else '*'}:*"
+        suffix = f":{phase}" if phase else ""
+        glob = pattern or f"{_wildcard(self.prefix)}:{_wildcard(scope) if scope else '*'}:*{suffix}"
         for key in self._scan(glob):
             lock = self._lock(key)
-            if lock is not None and scope in (None, lock.actor):
+            if lock is not None and scope in (None, lock.actor) and phase in (None, lock.phase):
                 yield lock
 
     def inspect(self, digest: str) -> list[Lock]:
@@ -251,6 +282,62 @@ class LockAdmin:
         keys = [lock.key for lock in self.locks(actor=actor)]
         return [key for key in keys if self._delete(key)]
 
+    def release_queue(self, queue: str) -> list[str]:
+        """Release every enqueue-lock holder whose message was last
+        published to ``queue`` (or its delay queue), as recorded by the
+        lock: after a purge on RabbitMQ, where :meth:`reap` cannot look
+        messages up.  Each release is owner-checked.
+
+        Returns:
+          list[str]: ``"key owner"`` for each released slot.
+        """
+        from .reap import queue_of
+
+        slots = [
+            (lock.key, h.owner)
+            for lock in self.locks(phase="queue")
+            for h in lock.holders
+            if h.record is not None and queue_of(h.record) == queue
+        ]
+        release = functools.partial(self.backend.release, hand_over=False)
+        return [f"{key} {owner}" for key, owner in slots if self._call(f"release {key!r}", release, key, owner).held]
+
+    def reap(
+        self,
+        broker_client: Any,
+        *,
+        release: bool = False,
+        actor: Optional[str] = None,
+        min_age: Optional[int] = None,
+        batch: Optional[int] = None,
+    ) -> "ReapReport":
+        """Find the enqueue locks whose message is in no queue, delay
+        queue, dead-letter queue or worker of the Redis broker, and
+        release them when ``release`` (see :mod:`dramatiq_unique.reap`).
+
+        Parameters:
+          broker_client(redis.Redis): A client of the broker's Redis.
+          release(bool): False (the default) only reports them.
+          actor(str): Only the locks of this actor.
+          min_age(int): Leave locks younger than this alone, in ms.
+          batch(int): Locks looked up per broker transaction.
+        """
+        from .reap import DEFAULT_BATCH, DEFAULT_MIN_AGE, Reaper, RedisQueues
+
+        reaper = Reaper(
+            self,
+            RedisQueues(broker_client),
+            min_age=DEFAULT_MIN_AGE if min_age is None else min_age,
+            batch=batch or DEFAULT_BATCH,
+        )
+        return reaper.run(release=release, actor=actor)
+
+    def call(self, doing: str, call: Callable[..., T], *args: Any) -> T:
+        """Run one backend call, turning its failures into
+        :class:`LockBackendError`.
+        """
+        return self._call(doing, call, *args)
+
     def _lock(self, key: str) -> Optional[Lock]:
         if not key.startswith(f"{self.prefix}:"):
             return None
@@ -292,7 +379,10 @@ class LockAdmin:
 
 def _from_info(info: LockInfo, parts: "re.Match[str]", waiting: tuple[Waiter, ...] = ()) -> Lock:
     holders = sorted(
-        (Holder(owner, message_id_of(owner) or owner, deadline) for owner, deadline in info.holders.items()),
+        (
+            Holder(owner, message_id_of(owner) or owner, deadline, info.records.get(owner))
+            for owner, deadline in info.holders.items()
+        ),
         key=lambda h: (h.deadline, h.owner),
     )
     return Lock(

@@ -9,7 +9,7 @@ and every deadline is enforced by the backend's own clock.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
 
@@ -23,6 +23,9 @@ class Acquisition:
       holder(str): On a conflict, the owner of one of the holders.
       fence(int): A fencing token that grows with every new holder of
         the key.
+      provisional(bool): True when the slot holds for the provisional
+        window only: :meth:`LockBackend.confirm` it once the message is
+        published.
       refused(str): When the acquisition was asked for a :class:`Copy`
         that may not run: "stale" (a copy of an earlier reschedule) or
         "lost" (the other copy of its reschedule arrived first).
@@ -33,6 +36,7 @@ class Acquisition:
     reentered: bool = False
     holder: Optional[str] = None
     fence: int = 0
+    provisional: bool = False
     refused: Optional[str] = None
 
 
@@ -90,6 +94,42 @@ class Release:
 
 
 @dataclass(frozen=True)
+class EnqueueRecord:
+    """What an enqueue lock records about its holder, for operators and
+    the reaper.
+
+    Attributes:
+      taken_at(int): When the slot was taken, in Unix milliseconds.
+      provisional_until(int): While the slot waits for its message's
+        publish to be confirmed, the Unix milliseconds when it lapses
+        unless confirmed; 0 once confirmed.
+      where(str): Where the message was last published (for the Redis
+        broker ``namespace\tqueue\tredis_message_id``), or "".
+      before(str): Where it was published before that, or "": during a
+        move between queues the message is at one of the two.
+    """
+
+    taken_at: int
+    provisional_until: int = 0
+    where: str = ""
+    before: str = ""
+
+    def encode(self) -> str:
+        """The text the backend stores."""
+        return f"{self.taken_at}|{self.provisional_until}|{self.where}\n{self.before}"
+
+    @classmethod
+    def decode(cls, text: str) -> Optional["EnqueueRecord"]:
+        """Parse stored text; None when it is not a record."""
+        try:
+            taken, provisional, places = text.split("|", 2)
+            where, _, before = places.partition("\n")
+            return cls(int(taken), int(provisional), where, before)
+        except ValueError:
+            return None
+
+
+@dataclass(frozen=True)
 class Replacement:
     """The outcome of :meth:`LockBackend.replace`.
 
@@ -123,6 +163,8 @@ class LockInfo:
         runs next: the newest send.
       superseded(int): How many messages this key's sends superseded
         since it was taken.
+      records(dict[str, EnqueueRecord]): owner -> its enqueue record,
+        for the holders that have one.
     """
 
     key: str
@@ -132,6 +174,7 @@ class LockInfo:
     fence: int = 0
     current: Optional[str] = None
     superseded: int = 0
+    records: dict[str, EnqueueRecord] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -162,6 +205,8 @@ class LockBackend(abc.ABC):
         limit: int = 1,
         lock: str = "",
         lock_args: Optional[str] = None,
+        provisional: int = 0,
+        where: Optional[str] = None,
         copy: Optional[Copy] = None,
     ) -> Acquisition:
         """Take one of ``limit`` slots of ``key`` for ``owner`` until
@@ -175,6 +220,13 @@ class LockBackend(abc.ABC):
           limit(int): How many owners may hold the key at once.
           lock(str): The lock type, recorded for operators.
           lock_args(str): JSON of the lock args, recorded if given.
+          provisional(int): When above 0 and below ``ttl``, a new slot,
+            or one still provisional, lasts this long only, until
+            :meth:`confirm` gives it ``ttl``.  A confirmed slot that is
+            re-entered takes ``ttl`` at once.
+          where(str): Keep an :class:`EnqueueRecord` of the owner, with
+            this as where its message is being published; None keeps
+            none (run locks).
           copy(Copy): A re-enqueued copy of a message that may have been
             rescheduled: nothing is taken when it may not run.
         """
@@ -244,6 +296,28 @@ class LockBackend(abc.ABC):
 
         Returns:
           list[bool]: per lock, whether it is still held.
+        """
+        raise NotImplementedError  # pragma: no cover
+
+    @abc.abstractmethod
+    def confirm(self, locks: Sequence[tuple[str, str, int]]) -> list[bool]:
+        """Give each provisional ``(key, owner, ttl)`` slot its full
+        lifetime: a deadline of at least ``ttl`` from now, in one round
+        trip.  A slot released meanwhile, or lapsed, is never revived.
+
+        Returns:
+          list[bool]: per lock, whether it is still held.
+        """
+        raise NotImplementedError  # pragma: no cover
+
+    @abc.abstractmethod
+    def reap(self, key: str, owner: str, record: EnqueueRecord) -> bool:
+        """Release ``owner``'s slot of ``key`` if its enqueue record is
+        still ``record``: a reaper checked that record's message and
+        found it nowhere.
+
+        Returns:
+          bool: True when a live slot was released.
         """
         raise NotImplementedError  # pragma: no cover
 

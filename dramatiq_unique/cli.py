@@ -95,10 +95,27 @@ def _print_table(rows: list[list[str]], headers: list[str]) -> None:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
 
 
+def _age(taken_at: Optional[int]) -> str:
+    """How long ago ``taken_at`` (Unix ms) was; "?" when not recorded."""
+    return "?" if taken_at is None else _ago(taken_at)
+
+
+def _state(lock: "Lock") -> str:
+    """"provisional" while any holder awaits the confirmation of its
+    publish, "confirmed" otherwise; "-" for a run lock.
+    """
+    if lock.phase != "queue":
+        return "-"
+    return "provisional" if any(h.provisional for h in lock.holders) else "confirmed"
+
+
 def _row(lock: "Lock") -> list[str]:
     soonest = _remaining(lock.holders[0].deadline)
+    oldest = min((h.taken_at for h in lock.holders if h.taken_at is not None), default=None)
+    age = _age(oldest) if lock.phase == "queue" else "-"
     waiting = str(len(lock.waiting)) if lock.phase == "run" else "-"
-    return [lock.actor, lock.digest, lock.phase, lock.lock or "?", str(len(lock.holders)), soonest, waiting]
+    row = [lock.actor, lock.digest, lock.phase, lock.lock or "?", str(len(lock.holders)), age, soonest, _state(lock)]
+    return [*row, waiting]
 
 
 def _locks(args: argparse.Namespace) -> int:
@@ -110,7 +127,7 @@ def _locks(args: argparse.Namespace) -> int:
     if not locks:
         print(f"No locks under prefix {admin.prefix!r}.")
         return 0
-    headers = ["ACTOR", "DIGEST", "PHASE", "LOCK", "HOLDERS", "NEXT EXPIRY", "WAITING"]
+    headers = ["ACTOR", "DIGEST", "PHASE", "LOCK", "HOLDERS", "AGE", "NEXT EXPIRY", "STATE", "WAITING"]
     _print_table([_row(lock) for lock in locks], headers)
     print(f"{len(locks)} lock{'s' if len(locks) != 1 else ''} under prefix {admin.prefix!r}.")
     return 0
@@ -129,7 +146,10 @@ def _print_lock(lock: "Lock") -> None:
     print(f"holders    {len(lock.holders)}")
     for holder in lock.holders:
         print(f"  message {holder.message_id}  owner {holder.owner}")
-        print(f"    expires {_timestamp(holder.deadline)} (in {_remaining(holder.deadline)})")
+        if holder.taken_at is not None:
+            print(f"    taken   {_timestamp(holder.taken_at)} ({_age(holder.taken_at)} ago)")
+        state = "  provisional: lapses then unless its publish is confirmed" if holder.provisional else ""
+        print(f"    expires {_timestamp(holder.deadline)} (in {_remaining(holder.deadline)}){state}")
     if lock.phase == "run":
         print(f"waiting    {len(lock.waiting)}")
         for waiter in lock.waiting:
@@ -158,13 +178,15 @@ def _confirm(question: str) -> bool:
 
 
 def _release(args: argparse.Namespace) -> int:
-    if (args.digest is None) == (args.actor is None):
-        raise CommandError("release takes either a DIGEST or --actor NAME.", status=2)
-    if args.actor is not None and (args.holder or args.phase):
-        raise CommandError("--holder and --phase apply to a DIGEST, not to --actor.", status=2)
+    if sum(x is not None for x in (args.digest, args.actor, args.queue)) != 1:
+        raise CommandError("release takes one of a DIGEST, --actor NAME or --queue NAME.", status=2)
+    if args.digest is None and (args.holder or args.phase):
+        raise CommandError("--holder and --phase apply to a DIGEST, not to --actor or --queue.", status=2)
     admin = _admin(args)
     if args.actor is not None:
         return _release_actor(admin, args)
+    if args.queue is not None:
+        return _release_queue(admin, args)
     released = admin.release(args.digest, holder=args.holder, phase=args.phase)
     if not released:
         raise CommandError("nothing was released: the holder's slot had expired or been taken meanwhile.")
@@ -188,6 +210,87 @@ def _release_actor(admin: "LockAdmin", args: argparse.Namespace) -> int:
     else:
         print(f"Released {len(released)} lock{'s' if len(released) != 1 else ''} of actor {args.actor!r}.")
     return 0
+
+
+def _release_queue(admin: "LockAdmin", args: argparse.Namespace) -> int:
+    from .reap import queue_of
+
+    count = sum(
+        1
+        for lock in admin.locks(phase="queue")
+        for h in lock.holders
+        if h.record is not None and queue_of(h.record) == args.queue
+    )
+    question = f"Release {count} enqueue lock holder{'s' if count != 1 else ''} of queue {args.queue!r}?"
+    if count and not args.yes and not _confirm(question):
+        raise CommandError("aborted: nothing was released.")
+    released = admin.release_queue(args.queue) if count else []
+    if args.json:
+        _print_json({"released": released})
+    else:
+        plural = "s" if len(released) != 1 else ""
+        print(f"Released {len(released)} enqueue lock holder{plural} of queue {args.queue!r}.")
+    return 0
+
+
+def _reap(args: argparse.Namespace) -> int:
+    if args.dry_run and args.yes:
+        raise CommandError("--dry-run and --yes contradict each other.", status=2)
+    admin = _admin(args)
+    url = args.broker_redis or args.redis or _settings_url()
+    if url is None:
+        raise CommandError("no broker Redis to look messages up in: give --broker-redis URL.")
+    try:
+        import redis
+
+        client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=30)
+        client.ping()
+    except Exception as e:
+        raise CommandError(f"cannot reach the broker's Redis at {url}: {' '.join(str(e).split())}") from None
+    report = admin.reap(client, release=args.yes, actor=args.actor, min_age=args.min_age, batch=args.batch)
+    if args.json:
+        _print_json(
+            {
+                "checked": report.checked,
+                "skipped": report.skipped,
+                "unknown": report.unknown,
+                "released": args.yes,
+                "suspects": [
+                    {
+                        "key": s.key,
+                        "actor": s.actor,
+                        "message_id": s.message_id,
+                        "lock_args": s.lock_args,
+                        "queue": s.queue,
+                        "age_ms": s.age,
+                        "released": s.released,
+                    }
+                    for s in report.suspects
+                ],
+            }
+        )
+        return 0
+    rows = [
+        [s.actor, s.message_id, s.queue, _duration(s.age / 1000), s.lock_args or "(not recorded)"]
+        for s in report.suspects
+    ]
+    if rows:
+        _print_table(rows, ["ACTOR", "MESSAGE", "QUEUE", "AGE", "LOCK ARGS"])
+    done = sum(1 for s in report.suspects if s.released) if args.yes else len(report.suspects)
+    what = f"{done} enqueue lock{'s' if done != 1 else ''} whose message is in no queue"
+    print(f"Released {what}." if args.yes else f"Would release {what} (run with --yes to release them).")
+    print(
+        f"Looked up {report.checked}; left alone {report.skipped} (provisional, younger than --min-age, "
+        f"or until_expired); {report.unknown} with no Redis broker place recorded (RabbitMQ messages cannot "
+        "be looked up by id: after a purge use 'release --queue NAME' or 'release --actor NAME')."
+    )
+    return 0
+
+
+def _settings_url() -> Optional[str]:
+    from .settings import from_environment
+
+    return from_environment().redis_url
 
 
 def _dashboard(args: argparse.Namespace) -> int:
@@ -238,8 +341,23 @@ def _add_admin_commands(commands: Any) -> None:
     release.add_argument("--holder", metavar="ID", help="release only this holder (message id or owner)")
     release.add_argument("--phase", choices=("queue", "run"), help="release only the enqueue or the run lock")
     release.add_argument("--actor", metavar="NAME", help="release every lock of this actor (asks first)")
-    release.add_argument("--yes", action="store_true", help="do not ask before releasing an actor's locks")
+    release.add_argument(
+        "--queue", metavar="NAME", help="release the enqueue locks of the messages published to this queue (asks first)"
+    )
+    release.add_argument("--yes", action="store_true", help="do not ask before releasing an actor's or queue's locks")
     release.set_defaults(run=_release)
+    reap = commands.add_parser(
+        "reap", parents=common, help="find (and with --yes release) enqueue locks whose message is in no queue"
+    )
+    reap.add_argument("--dry-run", action="store_true", help="only list them (the default)")
+    reap.add_argument("--yes", action="store_true", help="release them")
+    reap.add_argument("--actor", metavar="NAME", help="only the locks of this actor")
+    reap.add_argument("--broker-redis", metavar="URL", help="the Redis broker's Redis (default: the locks' Redis)")
+    reap.add_argument(
+        "--min-age", type=int, default=None, metavar="MS", help="leave younger locks alone (default: 10000)"
+    )
+    reap.add_argument("--batch", type=int, default=None, metavar="N", help="locks per broker lookup (default: 100)")
+    reap.set_defaults(run=_reap)
     dashboard = commands.add_parser(
         "dashboard", parents=common, help="serve the lock dashboard (no authentication: binds 127.0.0.1 by default)"
     )

@@ -7,17 +7,24 @@ wrapper turns a refused duplicate into a returned, unsent message, and
 releases any lock its call took when the publish fails.  That covers
 ``send``, ``send_with_options``, ``broker.enqueue``, pipelines, groups
 and callbacks alike.
+
+A new lock is taken for the provisional window only, and confirmed to
+its full lifetime by the process's :class:`~.confirm.Confirmer` once
+the publish has returned (see :mod:`dramatiq_unique.confirm`): a
+producer that dies in between leaves a key that frees itself.
 """
 
 from __future__ import annotations
 
 import functools
 import threading
+import time
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from . import replace
 from .compat import ConsumerThread
+from .confirm import Confirmer, Pending
 from .delivery import copy_of
 from .errors import DuplicateMessage
 from .events import LockEvent
@@ -29,8 +36,20 @@ if TYPE_CHECKING:
 
     from .middleware import UniqueMiddleware
 
-#: The locks taken fresh during the current guarded enqueue call.
-_taken: ContextVar[Optional[list[tuple[str, str]]]] = ContextVar("dramatiq_unique_taken", default=None)
+
+class _Call:
+    """What the current guarded enqueue call did to locks."""
+
+    __slots__ = ("taken", "provisional")
+
+    def __init__(self) -> None:
+        #: Locks taken fresh: released if the publish fails.
+        self.taken: list[tuple[str, str]] = []
+        #: Provisional locks: confirmed once the publish returns.
+        self.provisional: list[Pending] = []
+
+
+_taken: ContextVar[Optional[_Call]] = ContextVar("dramatiq_unique_taken", default=None)
 
 
 def _maybe_applied(error: Exception) -> bool:
@@ -52,32 +71,42 @@ class EnqueueGuard:
 
     def __init__(self, middleware: "UniqueMiddleware") -> None:
         self.middleware = middleware
+        #: The Redis broker's namespace, to record where each message
+        #: goes for the reaper; None on other brokers.
+        self.namespace: Optional[str] = None
+        self._confirmer: Optional[Confirmer] = None
+        self._confirmer_mutex = threading.Lock()
 
     def install(self, broker: "Broker") -> None:
         """Wrap ``broker.enqueue``, once."""
         if getattr(broker.enqueue, "_unique_guard", None) is self:
             return
+        namespace = getattr(broker, "namespace", None)
+        self.namespace = namespace if isinstance(namespace, str) else None
         original: Callable[..., Any] = broker.enqueue
-        release = self._release_all
+        release, confirm = self._release_all, self._confirm_all
 
         @functools.wraps(original)
         def enqueue(message: Any, *, delay: Optional[int] = None) -> Any:
             delay = replace.debounce_delay(self, message, delay)
-            taken: list[tuple[str, str]] = []
-            token = _taken.set(taken)
+            call = _Call()
+            token = _taken.set(call)
             try:
-                return original(message, delay=delay)
+                sent = original(message, delay=delay)
             except _Refused as refused:
                 unsent = message.copy(options={"unique_duplicate_of": refused.holder})
                 duplicate = DuplicateMessage(str(refused), key=refused.key, holder=refused.holder)
                 store_failure(broker, unsent, duplicate)  # a caller waiting on it learns why at once
                 return unsent
             except BaseException:
-                replace.restore(self, message, taken)
-                release(taken, message.actor_name)
+                replace.restore(self, message, call.taken)
+                release(call.taken, message.actor_name)
                 raise
             finally:
                 _taken.reset(token)
+            if call.provisional:
+                confirm(call.provisional)
+            return sent
 
         enqueue._unique_guard = self  # type: ignore[attr-defined]
         broker.enqueue = enqueue  # type: ignore[method-assign]
@@ -92,6 +121,44 @@ class EnqueueGuard:
             except Exception as e:
                 self.middleware.logger.error("Could not release %r after a failed enqueue: %r", key, e)
                 events.emit(LockEvent("backend_error", actor, key, owner))
+
+    @property
+    def confirmer(self) -> Confirmer:
+        """This process's confirmer for the middleware's backend."""
+        backend = self.middleware.backend
+        assert backend is not None
+        confirmer = self._confirmer
+        if confirmer is not None and confirmer.backend is backend:
+            return confirmer
+        with self._confirmer_mutex:
+            if self._confirmer is None or self._confirmer.backend is not backend:
+                if self._confirmer is not None:
+                    self._confirmer.stop(timeout=0)
+                self._confirmer = Confirmer(backend, on_lapsed=self._lapsed)
+            return self._confirmer
+
+    def _confirm_all(self, provisional: list[Pending]) -> None:
+        # The message is published: nothing here may raise to the caller.
+        try:
+            if len(provisional) > 1:
+                # De-duplicated: a RabbitMQ publish retry re-enters the same lock.
+                provisional = list({(lock.key, lock.owner): lock for lock in provisional}.values())
+            self.confirmer.submit(provisional)
+        except Exception as e:  # e.g. no new threads at interpreter shutdown
+            self.middleware.logger.error(
+                "Could not queue %d enqueue lock(s) for confirmation: %r; they lapse after the provisional window.",
+                len(provisional),
+                e,
+            )
+
+    def _lapsed(self, lock: Pending) -> None:
+        self.middleware.events.emit(LockEvent("lock_lost", lock.actor, lock.key, lock.owner))
+
+    def flush(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for this process's
+        provisional locks to be confirmed.
+        """
+        return self._confirmer is None or self._confirmer.flush(timeout)
 
     def is_fresh(self, message: Any) -> bool:
         """Whether this enqueue is a new send, which may be refused,
@@ -111,7 +178,30 @@ class EnqueueGuard:
         if spec.lock.queue_lock:
             self._take(message, delay, spec, fresh)
 
-    def _take(self, message: Any, delay: Optional[int], spec: ActorSpec, fresh: bool) -> None:
+    def where(self, message: Any) -> str:
+        """Where ``message`` is being published, as the reaper looks for
+        it: ``namespace\tqueue\tredis_message_id`` on the Redis broker;
+        on other brokers the namespace and id are empty (a RabbitMQ
+        message cannot be looked up by id), the queue is still named.
+        """
+        redis_id = message.options.get("redis_message_id")
+        if self.namespace is None or not isinstance(redis_id, str):
+            return f"\t{message.queue_name}\t"
+        return f"{self.namespace}\t{message.queue_name}\t{redis_id}"
+
+    def _take(
+        self, message: Any, delay: Optional[int], spec: ActorSpec, fresh: bool, *, provisional: bool = True
+    ) -> None:
+        """Take or re-enter the enqueue lock of ``message``.  Replacing
+        actors take theirs in :mod:`.replace`, at once for the full
+        lifetime (no provisional window).
+
+        Parameters:
+          provisional(bool): Inside a guarded enqueue call, hold a new
+            lock for the provisional window only and confirm it once the
+            publish returns.  False takes the full lifetime at once, for
+            a path that publishes atomically with the lock.
+        """
         if spec.client == "replace":
             return replace.take(self, message, delay, spec, fresh)
         middleware = self.middleware
@@ -123,6 +213,9 @@ class EnqueueGuard:
             if fresh and middleware.record_lock_args
             else None
         )
+        call = _taken.get()
+        window = middleware.settings.provisional_window if provisional and call is not None else 0
+        started = time.monotonic() * 1000
         # A re-enqueued copy of a message that a reschedule made twice
         # over may not run (see Copy): it must not take the lock back.
         copy = None if fresh or not spec.lock.run_lock else copy_of(message, middleware.key(spec, digest, "run"))
@@ -134,6 +227,8 @@ class EnqueueGuard:
                 limit=spec.lock_limit,
                 lock=spec.lock.name,
                 lock_args=recorded,
+                provisional=window,
+                where=self.where(message),
                 copy=copy,
             )
         except Exception as e:
@@ -151,6 +246,8 @@ class EnqueueGuard:
             middleware.logger.debug("Re-enqueued %s without its lock %r: %s.", message, key, got.refused)
             return
         if got.acquired:
+            if got.provisional and call is not None:
+                call.provisional.append(Pending(key, message.message_id, ttl, spec.actor_name, started + window))
             if not got.reentered:
                 self._record(key, message.message_id)
                 middleware.emit("locked", spec, key, message)
@@ -167,9 +264,9 @@ class EnqueueGuard:
         """Remember a lock this guarded call took, to give it back if
         the message is not enqueued after all.
         """
-        taken = _taken.get()
-        if taken is not None:
-            taken.append((key, owner))
+        call = _taken.get()
+        if call is not None:
+            call.taken.append((key, owner))
 
     def _refuse(self, message: Any, spec: ActorSpec, key: str, holder: Optional[str]) -> None:
         middleware = self.middleware

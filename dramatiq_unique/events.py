@@ -213,6 +213,48 @@ LOG_LINES: tuple[LogLine, ...] = (
         "the backend failed while giving back the lock of an unpublished send (event backend_error)",
     ),
     LogLine(
+        "WARNING",
+        "dramatiq_unique.confirm.Confirmer",
+        "Could not confirm %d enqueue lock(s): %r. Trying again.",
+        "confirming provisional enqueue locks failed; retried until their provisional window ends",
+    ),
+    LogLine(
+        "WARNING",
+        "dramatiq_unique.confirm.Confirmer",
+        "Dropped %d lock(s) waiting for confirmation: they lapse after the provisional window.",
+        "more than 100,000 enqueue locks waited for confirmation (the backend is failing)",
+    ),
+    LogLine(
+        "ERROR",
+        "dramatiq_unique.confirm.Confirmer",
+        "Enqueue lock %r of message %s lapsed before it could be confirmed; its key is free again.",
+        "a published message's enqueue lock could not be confirmed in its provisional window (event lock_lost)",
+    ),
+    LogLine(
+        "ERROR",
+        _MIDDLEWARE,
+        "Could not queue %d enqueue lock(s) for confirmation: %r; they lapse after the provisional window.",
+        "a published message's lock could not be handed to the confirmer, e.g. at interpreter shutdown",
+    ),
+    LogLine(
+        "WARNING",
+        _MIDDLEWARE,
+        "reap_interval is set, but a %s cannot look messages up by id: no periodic reaper.",
+        "the periodic reaper needs the Redis broker",
+    ),
+    LogLine(
+        "WARNING",
+        "dramatiq_unique.reap.PeriodicReaper",
+        "Reaped enqueue lock %r of message %s: its message is in no queue.",
+        "the periodic reaper released a lock whose message vanished from the broker",
+    ),
+    LogLine(
+        "WARNING",
+        "dramatiq_unique.reap.PeriodicReaper",
+        "Reaper pass failed: %r.",
+        "a periodic reaper pass failed; the next one runs after the interval",
+    ),
+    LogLine(
         "ERROR",
         "dramatiq_unique.events.EventHub",
         "Lock event listener %r failed on %r.",

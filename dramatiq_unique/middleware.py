@@ -40,6 +40,7 @@ from .errors import ConfigurationError, LockBackendError
 from .events import EventHub, Listener, LockEvent
 from .leases import LeaseKeeper
 from .process import ProcessGuard
+from .reap import PeriodicReaper, start_periodic_reaper
 from .quiet import install as quiet_our_skips
 from .spec import ACTOR_OPTIONS, ActorSpec, actor_spec
 
@@ -76,6 +77,13 @@ class UniqueMiddleware(Middleware):
       enabled(bool): False turns all locking off.
       on_backend_error(str): ``"fail"`` never runs or enqueues a message
         without its lock; ``"run_unlocked"`` carries on without it.
+      provisional_window(int): How long a new enqueue lock holds before
+        its publish is confirmed, in milliseconds; a producer that dies
+        in between frees its key after this.  0 takes ``lock_ttl`` at
+        once.
+      reap_interval(int): Every this many milliseconds, one worker
+        releases the enqueue locks whose message vanished from the Redis
+        broker; 0 (the default) never.
       record_lock_args(bool): Store the lock args JSON with each enqueue
         lock, for operators.
       listeners(list[callable]): Called with every :class:`LockEvent`,
@@ -101,6 +109,8 @@ class UniqueMiddleware(Middleware):
         reschedule_delay: Optional[int] = None,
         enabled: Optional[bool] = None,
         on_backend_error: Optional[str] = None,
+        provisional_window: Optional[int] = None,
+        reap_interval: Optional[int] = None,
         record_lock_args: Optional[bool] = None,
         listeners: Iterable[Listener] = (),
     ) -> None:
@@ -113,6 +123,8 @@ class UniqueMiddleware(Middleware):
             reschedule_delay=reschedule_delay,
             enabled=enabled,
             on_backend_error=on_backend_error,
+            provisional_window=provisional_window,
+            reap_interval=reap_interval,
             record_lock_args=record_lock_args,
         )
         if backend is not None and not isinstance(backend, LockBackend):
@@ -132,6 +144,7 @@ class UniqueMiddleware(Middleware):
         self._guard = EnqueueGuard(self)
         self._process = ProcessGuard(self)
         self._retries = True
+        self._reaper: Optional["PeriodicReaper"] = None
 
     @property
     def actor_options(self) -> set[str]:
@@ -194,6 +207,16 @@ class UniqueMiddleware(Middleware):
             )
         return self._leases
 
+    def flush_confirmations(self, timeout: float = 5.0) -> bool:
+        """Wait at most ``timeout`` seconds until every provisional
+        enqueue lock this process took is confirmed (a process also does
+        this when it exits).
+
+        Returns:
+          bool: True when none is left waiting.
+        """
+        return self._guard.flush(timeout)
+
     def key(self, spec: ActorSpec, digest: str, phase: str) -> str:
         """The backend key of one lock: prefix, actor in clear text, and
         the digest inside a Cluster hash tag.
@@ -228,6 +251,7 @@ class UniqueMiddleware(Middleware):
         self._retries = any(isinstance(m, Retries) for m in broker.middleware)
         self._move_before_interrupters(broker, worker)
         quiet_our_skips()
+        self._reaper = start_periodic_reaper(self, broker)
 
     def _move_before_interrupters(self, broker: "Broker", worker: "Worker") -> None:
         # Called while emit_before iterates over the stack.  Moving
@@ -248,6 +272,9 @@ class UniqueMiddleware(Middleware):
     def after_worker_shutdown(self, broker: "Broker", worker: "Worker") -> None:
         if self._leases is not None:
             self._leases.stop()
+        if self._reaper is not None:
+            self._reaper.stop()
+        self.flush_confirmations()
 
     # Enqueue --------------------------------------------------------
 

@@ -29,6 +29,18 @@ DEFAULT_LEASE = 60_000
 #: milliseconds (with +/-20% jitter).
 DEFAULT_RESCHEDULE_DELAY = 5_000
 
+#: How long a new enqueue lock is held before its message is known to
+#: be published, in milliseconds.  The lock is confirmed to its full
+#: ``lock_ttl`` off the caller's thread once the publish has returned,
+#: so a producer that dies in between frees its key within this window.
+#: 0 takes the full ``lock_ttl`` at once.
+DEFAULT_PROVISIONAL_WINDOW = 30_000
+
+#: How often a worker looks for enqueue locks whose message vanished
+#: from the Redis broker and releases them, in milliseconds; 0 (the
+#: default) never does.
+DEFAULT_REAP_INTERVAL = 0
+
 #: What to do when the lock backend fails: ``"fail"`` (never run or
 #: enqueue without the lock) or ``"run_unlocked"``.
 DEFAULT_ON_BACKEND_ERROR = "fail"
@@ -58,6 +70,8 @@ class Settings:
     reschedule_delay: int = DEFAULT_RESCHEDULE_DELAY
     enabled: bool = True
     on_backend_error: str = DEFAULT_ON_BACKEND_ERROR
+    provisional_window: int = DEFAULT_PROVISIONAL_WINDOW
+    reap_interval: int = DEFAULT_REAP_INTERVAL
     record_lock_args: bool = False
 
     def merge(self, **overrides: Any) -> "Settings":
@@ -157,11 +171,13 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "reschedule_delay": _non_negative_int,
     "enabled": _flag,
     "on_backend_error": _policy,
+    "provisional_window": _non_negative_int,
+    "reap_interval": _non_negative_int,
     "record_lock_args": _flag,
 }
 
 #: The settings written as milliseconds, and as on/off words.
-_DURATIONS = ("lock_ttl", "lease", "reschedule_delay")
+_DURATIONS = ("lock_ttl", "lease", "reschedule_delay", "provisional_window", "reap_interval")
 _FLAGS = ("enabled", "record_lock_args")
 
 _TRUE = {"1", "true", "yes", "on"}

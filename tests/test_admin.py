@@ -40,17 +40,19 @@ def take(backend, lock_key: str, owner: str, *, ttl: int = MINUTE, limit: int = 
 def test_lists_and_inspects_the_enqueue_locks_the_middleware_took(stub_broker, redis_backend, redis_client):
     # Given a middleware on real Redis that records lock args, and an until_executed actor
     prefix = new_prefix()
-    stub_broker.add_middleware(UniqueMiddleware(backend=redis_backend, prefix=prefix, record_lock_args=True))
+    unique = UniqueMiddleware(backend=redis_backend, prefix=prefix, record_lock_args=True)
+    stub_broker.add_middleware(unique)
 
     @dramatiq.actor(broker=stub_broker, lock="until_executed", lock_args=["account_id"])
     def sync_account_balance(account_id, requested_at):
         pass
 
-    # When two accounts are sent, and one of them twice
+    # When two accounts are sent, and one of them twice, and their publishes are confirmed
     before = time.time() * 1000
     first = sync_account_balance.send(42, 1.0)
     sync_account_balance.send(42, 2.0)
     other = sync_account_balance.send(43, 3.0)
+    assert unique.flush_confirmations()
     admin = LockAdmin(redis_backend, prefix=prefix)
     locks = list(admin.locks(actor="sync_account_balance"))
 
@@ -62,6 +64,7 @@ def test_lists_and_inspects_the_enqueue_locks_the_middleware_took(stub_broker, r
     assert (lock.actor, lock.phase, lock.lock) == ("sync_account_balance", "queue", "until_executed")
     assert lock.as_dict()["lock_args"] == {"account_id": 42}
     assert before + 86_000_000 < lock.holders[0].deadline <= time.time() * 1000 + 86_400_000
+    assert not lock.holders[0].provisional and before - 1 <= lock.holders[0].taken_at <= time.time() * 1000
     # And inspecting its digest finds the same lock
     assert admin.inspect(lock.digest) == [lock]
 

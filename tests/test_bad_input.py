@@ -577,8 +577,8 @@ def read_setting(name: str, value: Any, *, text: bool) -> tuple[bool, Any]:
     """Whether ``value`` is good for setting ``name``, and what it
     reads as.  ``text`` is True for an environment variable.
     """
-    if name in ("lock_ttl", "lease", "reschedule_delay"):
-        low = 0 if name == "reschedule_delay" else 1
+    if name in ("lock_ttl", "lease", "reschedule_delay", "provisional_window", "reap_interval"):
+        low = 0 if name in ("reschedule_delay", "provisional_window", "reap_interval") else 1
         if text:
             try:
                 value = int(value)
@@ -705,6 +705,8 @@ constructor_arguments = st.fixed_dictionaries(
         "reschedule_delay": st.none() | _durations,
         "enabled": st.none() | _flags,
         "on_backend_error": st.none() | st.sampled_from([*POLICIES, "Fail", " fail", "ignore"]) | st.integers(),
+        "provisional_window": st.none() | _durations,
+        "reap_interval": st.none() | _durations,
         "record_lock_args": st.booleans() | _flags | st.none(),
     },
 )

@@ -75,7 +75,9 @@ def test_locks_lists_every_lock_as_text_and_json(locks):
 
     assert text.returncode == 0, text.stderr
     assert "4 locks under prefix" in text.stdout
-    assert text.stdout.splitlines()[0].split() == ["ACTOR", "DIGEST", "PHASE", "LOCK", "HOLDERS", "NEXT", "EXPIRY", "WAITING"]
+    assert text.stdout.splitlines()[0].split() == [
+        "ACTOR", "DIGEST", "PHASE", "LOCK", "HOLDERS", "AGE", "NEXT", "EXPIRY", "STATE", "WAITING"
+    ]
     assert any(line.split()[:5] == ["sync_account_balance", "a" * 32, "run", "until_and_while_executing", "2"]
                for line in text.stdout.splitlines())
     assert listed.returncode == 0, listed.stderr
@@ -184,7 +186,7 @@ def test_missing_or_bad_settings_are_one_line_errors(redis_url):
     bad = run("locks", env={"dramatiq_unique_redis_url": redis_url, "dramatiq_unique_lease": "soon"})
     assert "dramatiq_unique_lease" in one_line_error(bad)
     usage = run("release", "--redis", redis_url)
-    assert usage.returncode == 2 and "either a DIGEST or --actor NAME" in usage.stderr
+    assert usage.returncode == 2 and "one of a DIGEST, --actor NAME or --queue NAME" in usage.stderr
 
 
 def read_json_banner(server: subprocess.Popen) -> str:

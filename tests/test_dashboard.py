@@ -196,13 +196,15 @@ def test_page_shows_a_lock_counting_down_and_releases_it_after_confirmation(
 
     # Given a lock the middleware took at enqueue, with its lock args recorded
     prefix = new_prefix()
-    stub_broker.add_middleware(UniqueMiddleware(backend=redis_backend, prefix=prefix, record_lock_args=True))
+    unique = UniqueMiddleware(backend=redis_backend, prefix=prefix, record_lock_args=True)
+    stub_broker.add_middleware(unique)
 
     @dramatiq.actor(broker=stub_broker, lock="until_executed", lock_args=["account_id"], lock_ttl=50_000)
     def sync_account_balance(account_id, requested_at):
         pass
 
     message = sync_account_balance.send(42, time.time())
+    assert unique.flush_confirmations()  # its deadline is final: lock_ttl, not the provisional window
     (key,) = [k.decode() for k in redis_client.scan_iter(f"{prefix}:*")]
 
     with serving(make_app(redis_backend, prefix=prefix)) as url:
@@ -215,6 +217,8 @@ def test_page_shows_a_lock_counting_down_and_releases_it_after_confirmation(
         expect(row).to_contain_text("until_executed")
         expect(row.locator("td.args")).to_have_text("account_id: 42")
         expect(row.locator("li.holder")).to_contain_text(message.message_id)
+        expect(row.locator("li.holder .age")).to_contain_text("age ")
+        expect(row.locator("li.holder .provisional")).to_have_count(0)
         # (one element, so a refresh of the list cannot pass for the countdown)
         countdown = row.locator(".remaining").element_handle()
         first = seconds_left(countdown.inner_text())
@@ -334,6 +338,25 @@ def test_a_page_of_another_origin_cannot_release_a_lock(redis_backend, redis_cli
     assert ("OPTIONS", "/api/release", None) in arrived
     assert ("POST", "/api/release", "1") not in arrived
     assert redis_client.exists(key) == 1
+
+
+def test_page_marks_a_provisional_enqueue_lock_and_shows_its_age(redis_backend, page):
+    from playwright.sync_api import expect
+
+    # Given an enqueue lock whose publish is not confirmed yet, and a confirmed one
+    prefix = new_prefix()
+    pending, confirmed = (f"{prefix}:job:{{{c * 32}}}:queue" for c in "ab")
+    redis_backend.acquire(pending, "m1", ttl=86_400_000, lock="until_executed", provisional=60_000, where="")
+    redis_backend.acquire(confirmed, "m2", ttl=86_400_000, lock="until_executed", provisional=60_000, where="")
+    redis_backend.confirm([(confirmed, "m2", 86_400_000)])
+
+    with serving(make_app(redis_backend, prefix=prefix)) as url:
+        # When I open the dashboard
+        page.goto(url)
+        # Then the provisional one is marked so, with its age; the confirmed one is not marked
+        expect(page.locator(f'tr.lock[data-key="{pending}"] li.holder .provisional')).to_have_text("provisional")
+        expect(page.locator(f'tr.lock[data-key="{pending}"] li.holder .age')).to_contain_text("age ")
+        expect(page.locator(f'tr.lock[data-key="{confirmed}"] li.holder .provisional')).to_have_count(0)
 
 
 def test_page_shows_waiting_messages_and_fits_1000_px(stub_broker, redis_backend, page):

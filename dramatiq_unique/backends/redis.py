@@ -21,7 +21,17 @@ except ModuleNotFoundError as e:  # tested in a subprocess: tests/test_install.p
         name=e.name,
     ) from None
 
-from ..backend import Acquisition, Copy, LockBackend, LockInfo, Release, Replacement, Start, Waiter
+from ..backend import (
+    Acquisition,
+    Copy,
+    EnqueueRecord,
+    LockBackend,
+    LockInfo,
+    Release,
+    Replacement,
+    Start,
+    Waiter,
+)
 
 _LUA = resources.files(__package__).joinpath("lua")
 
@@ -39,6 +49,7 @@ _SCRIPTS = {
     for name in (
         *("acquire", "start", "release", "extend", "wait", "claim", "withdraw"),
         *("replace", "current", "unreplace"),  # on_conflict="replace" and debounce
+        *("confirm", "reap"),  # provisional enqueue locks and the reaper
     )
 }
 
@@ -77,10 +88,12 @@ def _copy_args(copy: Copy) -> list[Any]:
     return [copy.message_id, copy.attempt, copy.via]
 
 
-def _acquisition(status: int, holder: Any, fence: Any) -> Acquisition:
+def _acquisition(status: int, holder: Any, fence: Any, confirm: Any = 0) -> Acquisition:
     if status == 3:
         return Acquisition(False, refused=_text(holder))
-    return Acquisition(status in (1, 2), reentered=status == 2, holder=_text(holder), fence=int(fence))
+    return Acquisition(
+        status in (1, 2), reentered=status == 2, holder=_text(holder), fence=int(fence), provisional=confirm == 1
+    )
 
 
 def _superseded(key: str) -> str:
@@ -163,13 +176,16 @@ class RedisBackend(LockBackend):
         limit: int = 1,
         lock: str = "",
         lock_args: Optional[str] = None,
+        provisional: int = 0,
+        where: Optional[str] = None,
         copy: Optional[Copy] = None,
     ) -> Acquisition:
-        keys, args = [key], [owner, ttl, limit, lock, lock_args or ""]  # type: list[str], list[Any]
+        keys = [key]
+        args: list[Any] = [owner, ttl, limit, lock, lock_args or "", provisional, int(where is not None), where or ""]
         if copy is not None:
             keys, args = keys + _records(copy), args + _copy_args(copy)
-        status, holder, fence = self.scripts["acquire"](keys=keys, args=args, client=self.client)
-        return _acquisition(status, holder, fence)
+        status, holder, fence, confirm = self.scripts["acquire"](keys=keys, args=args, client=self.client)
+        return _acquisition(status, holder, fence, confirm)
 
     def start(
         self, key: str, owner: str, *, ttl: int, limit: int, lock: str, copy: Copy, queue_key: Optional[str] = None
@@ -211,6 +227,43 @@ class RedisBackend(LockBackend):
             else:
                 self.scripts["extend"](keys=[key], args=[owner, ttl], client=pipe)
         return [bool(result) for result in pipe.execute()]
+
+    def confirm(self, locks: Sequence[tuple[str, str, int]]) -> list[bool]:
+        return self._each("confirm", locks)
+
+    def _each(self, script: str, calls: Sequence[tuple[str, str, int]]) -> list[bool]:
+        """Run a one-key ``script`` once per ``(key, owner, ttl)``, in
+        one round trip (as :meth:`extend` does).
+        """
+        if not calls:
+            return []
+        if len(calls) == 1:
+            key, owner, ttl = calls[0]
+            return [bool(self.scripts[script](keys=[key], args=[owner, ttl], client=self.client))]
+        if self.cluster:
+            pipe = self.client.pipeline(transaction=False)
+            for key, owner, ttl in calls:
+                # A Cluster pipeline refuses EVALSHA but sends EVAL, one batch per node.
+                pipe.execute_command("EVAL", _SCRIPTS[script], 1, key, owner, ttl)
+            return [bool(result) for result in pipe.execute()]
+        # Plain EVALSHA: a third cheaper than Script calls, for a path
+        # that runs once per send.  The scripts are idempotent, so after a
+        # NOSCRIPT (Redis restarted) the whole batch is simply sent again.
+        sha = self.scripts[script].sha
+        for attempt in range(2):
+            pipe = self.client.pipeline(transaction=False)
+            for key, owner, ttl in calls:
+                pipe.execute_command("EVALSHA", sha, 1, key, owner, ttl)
+            try:
+                return [bool(result) for result in pipe.execute()]
+            except redis.exceptions.NoScriptError:
+                if attempt:
+                    raise
+                self.client.script_load(_SCRIPTS[script])
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def reap(self, key: str, owner: str, record: EnqueueRecord) -> bool:
+        return bool(self.scripts["reap"](keys=[key], args=[owner, record.encode()], client=self.client))
 
     def replace(
         self,
@@ -259,6 +312,7 @@ class RedisBackend(LockBackend):
         holders = {name: int(value) for name, value in fields.items() if not name.startswith("!") and int(value) > now}
         if not holders:
             return None
+        records = {owner: EnqueueRecord.decode(fields.get(f"!m:{owner}", "")) for owner in holders}
         current = fields.get("!current")
         return LockInfo(
             key,
@@ -268,6 +322,7 @@ class RedisBackend(LockBackend):
             int(fields.get("!fence", 0)),
             current=current if current in holders else None,
             superseded=int(fields.get("!superseded", 0)),
+            records={owner: record for owner, record in records.items() if record is not None},
         )
 
     def scan(self, pattern: str) -> Iterator[str]:

@@ -8,11 +8,15 @@ import time as mod_time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
-from ..backend import Acquisition, Copy, LockBackend, LockInfo, Release, Replacement, Start, Waiter
+from ..backend import Acquisition, Copy, EnqueueRecord, LockBackend, LockInfo, Release, Replacement, Start, Waiter
 
 
 def _now_ms() -> int:
     return mod_time.monotonic_ns() // 1_000_000
+
+
+def _unix_ms() -> int:
+    return mod_time.time_ns() // 1_000_000
 
 
 @dataclass
@@ -43,6 +47,8 @@ class _Entry:
     burst: int = 0
     superseded: int = 0
     previous: Optional[str] = None
+    #: Enqueue records, with Unix times as RedisBackend keeps them.
+    records: dict[str, EnqueueRecord] = field(default_factory=dict)
 
 
 @dataclass
@@ -71,6 +77,7 @@ class StubBackend(LockBackend):
         if entry is None:
             return None
         entry.holders = {owner: deadline for owner, deadline in entry.holders.items() if deadline > now}
+        entry.records = {owner: record for owner, record in entry.records.items() if owner in entry.holders}
         if not entry.holders:
             del self._entries[key]
             return None
@@ -85,29 +92,61 @@ class StubBackend(LockBackend):
         limit: int = 1,
         lock: str = "",
         lock_args: Optional[str] = None,
+        provisional: int = 0,
+        where: Optional[str] = None,
         copy: Optional[Copy] = None,
     ) -> Acquisition:
         with self._mutex:
             verdict = self._claim(copy, write=False) if copy is not None else "run"
             if verdict != "run":
                 return Acquisition(False, refused=verdict)
-            return self._take(key, owner, ttl=ttl, limit=limit, lock=lock, lock_args=lock_args)
+            return self._take(
+                key, owner, ttl=ttl, limit=limit, lock=lock, lock_args=lock_args, provisional=provisional, where=where
+            )
 
-    def _take(self, key: str, owner: str, *, ttl: int, limit: int, lock: str, lock_args: Optional[str]) -> Acquisition:
+    def _take(
+        self,
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        limit: int,
+        lock: str,
+        lock_args: Optional[str],
+        provisional: int = 0,
+        where: Optional[str] = None,
+    ) -> Acquisition:
         now = _now_ms()
         entry = self._live(key, now) or _Entry()
+        short = 0 < provisional < ttl
         if owner in entry.holders:
-            entry.holders[owner] = max(entry.holders[owner], now + ttl)
-            return Acquisition(True, reentered=True, fence=entry.fence)
+            old = entry.records.get(owner)
+            # As _take.lua: only a slot still provisional stays so.
+            short = short and old is not None and old.provisional_until > 0
+            deadline = max(entry.holders[owner], now + (provisional if short else ttl))
+            entry.holders[owner] = deadline
+            if where is not None:
+                entry.records[owner] = self._record(old, where, deadline - now if short else 0)
+            return Acquisition(True, reentered=True, fence=entry.fence, provisional=short)
         if len(entry.holders) >= limit:
             return Acquisition(False, holder=next(iter(entry.holders)), fence=entry.fence)
         self._last_fence = entry.fence = max(self._last_fence + 1, mod_time.time_ns() // 1000)
-        entry.holders[owner] = now + ttl
+        entry.holders[owner] = now + (provisional if short else ttl)
         entry.lock = lock
         if lock_args is not None:  # recorded if given, as RedisBackend does
             entry.lock_args = lock_args
+        if where is not None:
+            entry.records[owner] = EnqueueRecord(_unix_ms(), _unix_ms() + provisional if short else 0, where)
         self._entries[key] = entry
-        return Acquisition(True, fence=entry.fence)
+        return Acquisition(True, fence=entry.fence, provisional=short)
+
+    @staticmethod
+    def _record(old: Optional[EnqueueRecord], where: str, provisional_for: int) -> EnqueueRecord:
+        now = _unix_ms()
+        if old is None:
+            return EnqueueRecord(now, now + provisional_for if provisional_for else 0, where)
+        before = old.before if old.where == where else old.where
+        return EnqueueRecord(old.taken_at, now + provisional_for if provisional_for else 0, where, before)
 
     def start(
         self, key: str, owner: str, *, ttl: int, limit: int, lock: str, copy: Copy, queue_key: Optional[str] = None
@@ -133,8 +172,9 @@ class StubBackend(LockBackend):
         now = _now_ms()
         entry = self._entries.get(key)
         deadline = entry.holders.pop(owner, None) if entry is not None else None
-        if deadline is None:
+        if entry is None or deadline is None:
             return False, False
+        entry.records.pop(owner, None)
         self._live(key, now)  # drops the entry with its last live holder
         return deadline > now, True
 
@@ -324,6 +364,33 @@ class StubBackend(LockBackend):
                 held.append(entry is not None and owner in entry.holders)
             return held
 
+    def confirm(self, locks: Sequence[tuple[str, str, int]]) -> list[bool]:
+        with self._mutex:
+            now = _now_ms()
+            held = []
+            for key, owner, ttl in locks:
+                entry = self._live(key, now)
+                if entry is None or owner not in entry.holders:
+                    held.append(False)
+                    continue
+                entry.holders[owner] = max(entry.holders[owner], now + ttl)
+                record = entry.records.get(owner)
+                if record is not None:
+                    entry.records[owner] = EnqueueRecord(record.taken_at, 0, record.where, record.before)
+                held.append(True)
+            return held
+
+    def reap(self, key: str, owner: str, record: EnqueueRecord) -> bool:
+        with self._mutex:
+            now = _now_ms()
+            entry = self._live(key, now)
+            if entry is None or entry.records.get(owner) != record:
+                return False
+            del entry.holders[owner]
+            del entry.records[owner]
+            self._live(key, now)
+            return True
+
     def inspect(self, key: str) -> Optional[LockInfo]:
         with self._mutex:
             now = _now_ms()
@@ -334,7 +401,14 @@ class StubBackend(LockBackend):
             holders = {owner: deadline + offset for owner, deadline in entry.holders.items()}
             current = entry.current if entry.current in entry.holders else None
             return LockInfo(
-                key, entry.lock or None, holders, entry.lock_args, entry.fence, current, entry.superseded
+                key,
+                entry.lock or None,
+                holders,
+                entry.lock_args,
+                entry.fence,
+                current,
+                entry.superseded,
+                records=dict(entry.records),
             )
 
     def scan(self, pattern: str) -> Iterator[str]:

@@ -146,7 +146,19 @@
       // replace / debounce: the newest send, the one that runs
       parts.push(el("span", { className: "current" }, "current, superseded " + lock.superseded));
     }
-    const item = el("li", { className: "holder" }, ...parts, el("span", { className: "when" }, remaining, release));
+    const when = [remaining];
+    if (holder.taken_at !== null && holder.taken_at !== undefined) {
+      // An enqueue lock: how long ago it was taken, and whether its
+      // publish is still unconfirmed (it then lapses at its deadline).
+      const age = el("span", { className: "age", title: "taken " + new Date(holder.taken_at).toISOString() });
+      age.dataset.taken = holder.taken_at;
+      when.push(age);
+      if (holder.provisional) {
+        when.push(el("span", { className: "provisional", title: "lapses at its deadline unless its publish is confirmed" },
+          "provisional"));
+      }
+    }
+    const item = el("li", { className: "holder" }, ...parts, el("span", { className: "when" }, ...when, release));
     item.dataset.owner = holder.owner;
     return item;
   }
@@ -159,6 +171,9 @@
     }
     for (const span of document.querySelectorAll(".waited")) {
       span.textContent = formatDuration(serverNow() - Number(span.dataset.since));
+    }
+    for (const span of document.querySelectorAll(".age")) {
+      span.textContent = "age " + formatDuration(serverNow() - Number(span.dataset.taken));
     }
   }
 

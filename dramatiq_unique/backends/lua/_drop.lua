@@ -8,7 +8,7 @@
 local function drop(key, owner)
   local deadline = redis.call("HGET", key, owner)
   if not deadline then return 0, false end
-  redis.call("HDEL", key, owner)
+  redis.call("HDEL", key, owner, "!m:" .. owner)
   local time = redis.call("TIME")
   local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
   local holders = 0
@@ -19,7 +19,7 @@ local function drop(key, owner)
       if tonumber(fields[i + 1]) > now then
         holders = holders + 1
       else
-        redis.call("HDEL", key, name)
+        redis.call("HDEL", key, name, "!m:" .. name)
       end
     end
   end

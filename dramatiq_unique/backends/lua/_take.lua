@@ -2,25 +2,37 @@
 --
 -- The lock hash: field <owner> = deadline (server ms), "!fence" = last
 -- fencing token, "!lock" = lock type, "!args" = lock args JSON (only
--- when recorded).
+-- when recorded), "!m:<owner>" = the enqueue record of an owner:
+-- "<taken ms>|<provisional until ms, 0 when confirmed>|<where>\n<where
+-- before>" (the reaper looks for the message at both places, so a
+-- message moving between queues is never missed).
 --
--- take(key, owner, ttl, limit, lock, args) returns {status, holder,
--- fence}: status 1 acquired, 2 re-entered, 0 held by others (holder
--- names one of them).  Expired holders are dropped first; the key
--- expires with its last holder's deadline.
-local function take(key, owner, ttl, limit, lock, args)
+-- take(key, owner, ttl, limit, lock, args, provisional, where) returns
+-- {status, holder, fence, confirm}: status 1 acquired, 2 re-entered, 0
+-- held by others (holder names one of them); confirm 1 when the slot is
+-- provisional and the caller must confirm it once its message is
+-- published (see confirm.lua).  provisional (ms, 0 or nil for none):
+-- a new slot, or one still provisional, lasts min(provisional, ttl)
+-- until confirmed; a confirmed slot that is re-entered takes ttl at
+-- once.  where (nil for none): keep the owner's enqueue record, naming
+-- where its message is being published.  Expired holders are
+-- dropped first; the key expires with its last holder's deadline.
+local function take(key, owner, ttl, limit, lock, args, provisional, where)
   local time = redis.call("TIME")
   local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-  local deadline = now + tonumber(ttl)
+  ttl, provisional = tonumber(ttl), tonumber(provisional or "0")
+  local deadline, pending = now + ttl, 0
+  if provisional > 0 and provisional < ttl then pending = now + provisional end
+  local record = where ~= nil
   local fields = redis.call("HGETALL", key)
-  local live, other, mine, latest, fence = 0, false, false, deadline, 0
+  local live, other, mine, latest, fence = 0, false, false, 0, 0
   for i = 1, #fields, 2 do
     local name, value = fields[i], tonumber(fields[i + 1])
     if name == "!fence" then
       fence = value
     elseif string.sub(name, 1, 1) ~= "!" then
       if value <= now then
-        redis.call("HDEL", key, name)
+        redis.call("HDEL", key, name, "!m:" .. name)
       elseif name == owner then
         mine = value
       else
@@ -29,18 +41,44 @@ local function take(key, owner, ttl, limit, lock, args)
       end
     end
   end
+  local function write_record(taken, until_ms, before)
+    local text = string.format("%.0f|%.0f|%s\n%s", taken, until_ms, where, before)
+    redis.call("HSET", key, "!m:" .. owner, text)
+  end
   if mine then
+    local old = redis.call("HGET", key, "!m:" .. owner)
+    local taken, was_pending, was_where = now, 0, ""
+    if old then
+      local t, p, w = string.match(old, "^(%d+)|(%d+)|([^\n]*)")
+      taken, was_pending, was_where = tonumber(t) or now, tonumber(p) or 0, w or ""
+    end
+    -- A confirmed slot is re-entered by a retry, a delay-queue move or a
+    -- reschedule, whose original stays in the broker until the copy is
+    -- published: it takes its full ttl at once.  A slot still waiting
+    -- for its first confirmation (a RabbitMQ publish retry) stays
+    -- provisional.
+    if was_pending == 0 then pending = 0 end
+    if pending > 0 then deadline = pending end
     if mine > deadline then deadline = mine end
+    if pending > 0 then pending = deadline end
     redis.call("HSET", key, owner, string.format("%.0f", deadline))
+    if record then
+      local before = was_where
+      if was_where == where then before = string.match(old or "", "\n(.*)$") or "" end
+      write_record(taken, pending, before)
+    end
     redis.call("PEXPIREAT", key, string.format("%.0f", math.max(latest, deadline)))
-    return {2, owner, fence}
+    return {2, owner, fence, pending > 0 and 1 or 0}
   end
   if live >= tonumber(limit) then
-    return {0, other, fence}
+    return {0, other, fence, 0}
   end
+  if pending > 0 then deadline = pending end
   fence = math.max(fence + 1, tonumber(time[1]) * 1000000 + tonumber(time[2]))
   redis.call("HSET", key, owner, string.format("%.0f", deadline), "!fence", string.format("%.0f", fence), "!lock", lock)
   if args ~= "" then redis.call("HSET", key, "!args", args) end
+  if record then write_record(now, pending, "") end
+  if deadline > latest then latest = deadline end
   redis.call("PEXPIREAT", key, string.format("%.0f", latest))
-  return {1, owner, fence}
+  return {1, owner, fence, pending > 0 and 1 or 0}
 end

@@ -8,13 +8,18 @@
 --          run lock whose waiter this message may be (see wait.lua)
 -- ARGV[1]  owner      ARGV[2] ttl ms      ARGV[3] limit
 -- ARGV[4]  lock type  ARGV[5] lock args JSON, or "" to record none
--- ARGV[6..8], with KEYS[2..4]: message id, attempt, via of this copy
+-- ARGV[6]  provisional ms, or 0 (see _take.lua)
+-- ARGV[7]  "1" to keep the owner's enqueue record, "0" not to
+-- ARGV[8]  where the message is being published, for the record
+-- ARGV[9..11], with KEYS[2..4]: message id, attempt, via of this copy
 --
--- Returns {status, holder, fence} as take() does, or {3, verdict, 0}
--- when this copy of its message may not run (see _claim.lua): it then
--- takes nothing.
+-- Returns {status, holder, fence, confirm} as take() does, or
+-- {3, verdict, 0, 0} when this copy of its message may not run (see
+-- _claim.lua): it then takes nothing.
 if KEYS[2] then
-  local verdict = claim(KEYS[2], KEYS[3], KEYS[4], ARGV[6], tonumber(ARGV[7]), ARGV[8], false)
-  if verdict ~= "run" then return {3, verdict, 0} end
+  local verdict = claim(KEYS[2], KEYS[3], KEYS[4], ARGV[9], tonumber(ARGV[10]), ARGV[11], false)
+  if verdict ~= "run" then return {3, verdict, 0, 0} end
 end
-return take(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5])
+local where = nil
+if ARGV[7] == "1" then where = ARGV[8] end
+return take(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], where)

@@ -12,7 +12,7 @@ if not deadline then return 0 end
 local time = redis.call("TIME")
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 if tonumber(deadline) <= now then
-  redis.call("HDEL", key, owner)
+  redis.call("HDEL", key, owner, "!m:" .. owner)
   return 0
 end
 local renewed = now + tonumber(ARGV[2])
