@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence, Union
 
 
 @dataclass(frozen=True)
@@ -146,6 +146,43 @@ class LockBackend(abc.ABC):
     def delete(self, key: str) -> bool:
         """Drop ``key`` and all its holders: an operator's override."""
         raise NotImplementedError  # pragma: no cover
+
+    def release_many(self, locks: Sequence[tuple[str, str]]) -> list[Union[Release, Exception]]:
+        """Release each ``(key, owner)`` and hand its slot over, as
+        :meth:`release` does, in as few round trips as the backend can.
+
+        Returns:
+          list: per lock, its :class:`Release`, or the exception its
+          release raised.
+        """
+        outcomes: list[Union[Release, Exception]] = []
+        for key, owner in locks:
+            try:
+                outcomes.append(self.release(key, owner))
+            except Exception as e:
+                outcomes.append(e)
+        return outcomes
+
+    def take_run(
+        self, key: str, owner: str, queue_key: str, queue_owner: str, *, ttl: int, limit: int = 1, lock: str = ""
+    ) -> tuple[Acquisition, Optional[bool]]:
+        """Acquire ``key`` for ``owner`` as :meth:`acquire` does and,
+        only when that succeeds, release ``queue_key`` of
+        ``queue_owner`` without a hand-over, in one round trip where the
+        backend can.
+
+        Returns:
+          tuple: the :class:`Acquisition`, and whether ``queue_owner``
+          still held ``queue_key`` (None when the enqueue lock was left
+          alone: the run lock was not taken, or the release failed).
+        """
+        got = self.acquire(key, owner, ttl=ttl, limit=limit, lock=lock)
+        if not got.acquired:
+            return got, None
+        try:
+            return got, self.release(queue_key, queue_owner, hand_over=False).held
+        except Exception:
+            return got, None  # the caller releases the enqueue lock itself, and reports a failure
 
     def describe(self) -> str:
         """A short description for error messages, e.g. a URL."""

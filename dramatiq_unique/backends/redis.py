@@ -1,25 +1,38 @@
 """A lock backend on Redis, standalone or Cluster.
 
 Each lock is one hash whose key carries a Cluster hash tag around the
-digest, and every script touches that one key only.  Deadlines come
-from the server's ``TIME``, so worker clocks do not matter, and
-``redis-py``'s ``Script`` reloads a script after ``NOSCRIPT``.
+digest, and every script touches that one digest's keys only.
+Deadlines come from the server's ``TIME``, so worker clocks do not
+matter.  Scripts are called through :mod:`.calls` (one pre-encoded
+``EVALSHA`` per call, reloaded after ``NOSCRIPT``) on a standalone
+client, and through redis-py's ``Script`` on a Cluster.
 """
 
 from __future__ import annotations
 
 from importlib import resources
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence, Union
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
 from ..backend import Acquisition, LockBackend, LockInfo, Release
+from .calls import ScriptCalls
 
-_SCRIPTS = {
-    name: resources.files(__package__).joinpath("lua", f"{name}.lua").read_text()
-    for name in ("acquire", "release", "extend", "wait", "claim")
-}
+
+def _lua(name: str) -> str:
+    return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text()
+
+
+def _as_function(name: str) -> str:
+    """A script's source as a local Lua function of (KEYS, ARGV), for
+    a script that composes it.
+    """
+    return f"local function {name}(KEYS, ARGV)\n{_lua(name)}\nend\n"
+
+
+_SCRIPTS = {name: _lua(name) for name in ("acquire", "release", "extend", "wait", "claim")}
+_SCRIPTS["take_run"] = _as_function("acquire") + _as_function("release") + _lua("take_run")
 
 #: The URL scheme that connects to a Cluster.
 CLUSTER_SCHEME = "redis+cluster://"
@@ -92,6 +105,12 @@ class RedisBackend(LockBackend):
         self.url = url
         self.cluster = isinstance(self.client, redis.cluster.RedisCluster)
         self.scripts = {name: self.client.register_script(source) for name, source in _SCRIPTS.items()}
+        self.calls = None if self.cluster else ScriptCalls(self.client, _SCRIPTS)
+
+    def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        if self.calls is not None:
+            return self.calls.call(name, keys, args)
+        return self.scripts[name](keys=keys, args=args, client=self.client)
 
     def describe(self) -> str:
         if self.url:
@@ -110,36 +129,51 @@ class RedisBackend(LockBackend):
     def acquire(
         self, key: str, owner: str, *, ttl: int, limit: int = 1, lock: str = "", lock_args: Optional[str] = None
     ) -> Acquisition:
-        status, holder, fence = self.scripts["acquire"](
-            keys=[key], args=[owner, ttl, limit, lock, lock_args or ""], client=self.client
-        )
+        status, holder, fence = self._call("acquire", [key], [owner, ttl, limit, lock, lock_args or ""])
         return Acquisition(status != 0, reentered=status == 2, holder=_text(holder), fence=int(fence))
 
     def release(self, key: str, owner: str, *, hand_over: bool = True) -> Release:
-        held, promoted = self.scripts["release"](
-            keys=[key, *_waiting(key)], args=[owner, int(hand_over)], client=self.client
-        )
+        held, promoted = self._call("release", [key, *_waiting(key)], [owner, int(hand_over)])
         return Release(bool(held), promoted or None)
 
+    def release_many(self, locks: Sequence[tuple[str, str]]) -> list[Union[Release, Exception]]:
+        if self.calls is None or len(locks) < 2:
+            return super().release_many(locks)
+        replies = self.calls.batch([("release", [key, *_waiting(key)], [owner, 1]) for key, owner in locks])
+        return [reply if isinstance(reply, Exception) else Release(bool(reply[0]), reply[1] or None)
+                for reply in replies]
+
+    def take_run(
+        self, key: str, owner: str, queue_key: str, queue_owner: str, *, ttl: int, limit: int = 1, lock: str = ""
+    ) -> tuple[Acquisition, Optional[bool]]:
+        status, holder, fence, queue_held = self._call(
+            "take_run", [key, queue_key], [owner, ttl, limit, lock, queue_owner]
+        )
+        got = Acquisition(status != 0, reentered=status == 2, holder=_text(holder), fence=int(fence))
+        return got, None if queue_held == -1 else bool(queue_held)
+
     def wait(self, key: str, ticket: str, message: bytes, *, order: int, ttl: int) -> None:
-        self.scripts["wait"](keys=_waiting(key), args=[ticket, message, order, ttl], client=self.client)
+        self._call("wait", _waiting(key), [ticket, message, order, ttl])
 
     def claim(self, key: str, ticket: str) -> bool:
-        return bool(self.scripts["claim"](keys=_waiting(key), args=[ticket], client=self.client))
+        return bool(self._call("claim", _waiting(key), [ticket]))
 
     def extend(self, locks: Sequence[tuple[str, str]], ttl: int) -> list[bool]:
         if not locks:
             return []
+        if self.calls is not None:
+            replies = self.calls.batch([("extend", [key], [owner, ttl]) for key, owner in locks])
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+            return [bool(reply) for reply in replies]
         if len(locks) == 1:
             key, owner = locks[0]
             return [bool(self.scripts["extend"](keys=[key], args=[owner, ttl], client=self.client))]
         pipe = self.client.pipeline(transaction=False)
         for key, owner in locks:
-            if self.cluster:
-                # A Cluster pipeline refuses EVALSHA but sends EVAL, one batch per node.
-                pipe.execute_command("EVAL", _SCRIPTS["extend"], 1, key, owner, ttl)
-            else:
-                self.scripts["extend"](keys=[key], args=[owner, ttl], client=pipe)
+            # A Cluster pipeline refuses EVALSHA but sends EVAL, one batch per node.
+            pipe.execute_command("EVAL", _SCRIPTS["extend"], 1, key, owner, ttl)
         return [bool(result) for result in pipe.execute()]
 
     def inspect(self, key: str) -> Optional[LockInfo]:
