@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 
 import dramatiq.brokers.redis
 import redis.connection
+from dramatiq.worker import WorkerThread
 
 from dramatiq_unique.backends.redis import _SCRIPTS
 
@@ -23,6 +24,8 @@ from dramatiq_unique.backends.redis import _SCRIPTS
 _MUTEX_COMMANDS = {"SET", "GET", "WATCH", "UNWATCH", "MULTI+SET+EXEC"}
 
 _counts: Counter[str] = Counter()
+#: The round trips made on Dramatiq's worker threads, which run the actors.
+_worker_counts: Counter[str] = Counter()
 _mutex = threading.Lock()
 _original: Optional[Callable[..., Any]] = None
 
@@ -95,8 +98,11 @@ def install() -> None:
 
     def send_packed_command(self: Any, command: Any, check_health: bool = True) -> None:
         name = label(command)
+        on_worker = isinstance(threading.current_thread(), WorkerThread)
         with _mutex:
             _counts[name] += 1
+            if on_worker:
+                _worker_counts[name] += 1
         original(self, command, check_health)
 
     _original = original
@@ -117,6 +123,13 @@ def counts() -> dict[str, int]:
         return dict(_counts)
 
 
+def worker_counts() -> dict[str, int]:
+    """Round trips so far on worker threads, by label."""
+    with _mutex:
+        return dict(_worker_counts)
+
+
 def reset() -> None:
     with _mutex:
         _counts.clear()
+        _worker_counts.clear()

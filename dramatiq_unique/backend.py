@@ -68,6 +68,10 @@ class LockInfo:
 class LockBackend(abc.ABC):
     """ABC for lock backends.  Durations are in milliseconds."""
 
+    #: True when :meth:`release_many` sends its releases in one round
+    #: trip: the worker then releases run locks in the background.
+    batches_releases: bool = False
+
     @abc.abstractmethod
     def acquire(
         self, key: str, owner: str, *, ttl: int, limit: int = 1, lock: str = "", lock_args: Optional[str] = None

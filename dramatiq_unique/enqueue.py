@@ -20,6 +20,7 @@ from dramatiq.worker import ConsumerThread
 
 from .errors import DuplicateMessage
 from .events import LockEvent
+from .sendpath import SendPath
 from .spec import ActorSpec
 
 if TYPE_CHECKING:
@@ -42,9 +43,11 @@ class EnqueueGuard:
 
     def __init__(self, middleware: "UniqueMiddleware") -> None:
         self.middleware = middleware
+        self.send_path = SendPath(self)
 
     def install(self, broker: "Broker") -> None:
         """Wrap ``broker.enqueue``, once."""
+        self.send_path.install(broker)
         if getattr(broker.enqueue, "_unique_guard", None) is self:
             return
         original: Callable[..., Any] = broker.enqueue
@@ -84,7 +87,9 @@ class EnqueueGuard:
         """
         return "unique_digest" not in message.options and not isinstance(threading.current_thread(), ConsumerThread)
 
-    def before_enqueue(self, message: Any, delay: Optional[int], spec: ActorSpec, *, fresh: bool) -> None:
+    def before_enqueue(
+        self, message: Any, delay: Optional[int], spec: ActorSpec, *, fresh: bool, broker: Optional["Broker"] = None
+    ) -> None:
         """Stamp the digest on a new message and take its enqueue lock.
 
         A message that carries the stamp already is being re-enqueued
@@ -93,8 +98,27 @@ class EnqueueGuard:
         """
         if "unique_digest" not in message.options:
             message.options["unique_digest"] = spec.digest(message.args, message.kwargs)
-        if spec.lock.queue_lock:
+        if spec.lock.queue_lock and not (fresh and broker is not None and self._defer(broker, message, delay, spec)):
             self._take(message, delay, spec, fresh)
+
+    def _defer(self, broker: "Broker", message: Any, delay: Optional[int], spec: ActorSpec) -> bool:
+        """Leave a new send's lock to the fast path, when it applies."""
+        return self.send_path.defer(broker, message, delay, spec, self._lock_args(message, spec, fresh=True))
+
+    def _lock_args(self, message: Any, spec: ActorSpec, *, fresh: bool) -> Optional[str]:
+        if not (fresh and self.middleware.record_lock_args):
+            return None
+        return spec.canonical(spec.key_material(message.args, message.kwargs))
+
+    def record_taken(self, key: str, owner: str) -> None:
+        """Note a lock this enqueue took fresh: released if it fails."""
+        taken = _taken.get()
+        if taken is not None:
+            taken.append((key, owner))
+
+    def refuse(self, message: Any, spec: ActorSpec, key: str, holder: Optional[str]) -> None:
+        """Refuse a duplicate send (raises)."""
+        self._refuse(message, spec, key, holder)
 
     def _take(self, message: Any, delay: Optional[int], spec: ActorSpec, fresh: bool) -> None:
         middleware = self.middleware

@@ -39,6 +39,7 @@ from .errors import ConfigurationError, LockBackendError
 from .events import EventHub, Listener, LockEvent
 from .leases import LeaseKeeper
 from .process import ProcessGuard
+from .releaser import Releaser
 from .spec import ACTOR_OPTIONS, ActorSpec, actor_spec
 
 if TYPE_CHECKING:
@@ -125,6 +126,7 @@ class UniqueMiddleware(Middleware):
             self.events.subscribe(listener)
         self.specs: dict[str, ActorSpec] = {}
         self._leases: Optional[LeaseKeeper] = None
+        self._releaser: Optional[Releaser] = None
         self.backend = backend if backend is not None else self._backend_from_url()
         self._guard = EnqueueGuard(self)
         self._process = ProcessGuard(self)
@@ -177,6 +179,9 @@ class UniqueMiddleware(Middleware):
         if self._leases is not None:
             self._leases.stop()
             self._leases = None
+        if self._releaser is not None:
+            self._releaser.stop()
+            self._releaser = None
         self._backend = backend
 
     @property
@@ -190,6 +195,16 @@ class UniqueMiddleware(Middleware):
                 on_error=self._process.renewal_failed,
             )
         return self._leases
+
+    @property
+    def releaser(self) -> Optional[Releaser]:
+        """Releases run locks off the worker thread, when the backend
+        batches releases; None when it does not.
+        """
+        if self._releaser is None and getattr(self.backend, "batches_releases", False):
+            assert self.backend is not None
+            self._releaser = Releaser(self.backend, on_stalled=self._process.releases_stalled)
+        return self._releaser
 
     def key(self, spec: ActorSpec, digest: str, phase: str) -> str:
         """The backend key of one lock: prefix, actor in clear text, and
@@ -240,6 +255,8 @@ class UniqueMiddleware(Middleware):
             late.before_worker_boot(broker, worker)
 
     def after_worker_shutdown(self, broker: "Broker", worker: "Worker") -> None:
+        if self._releaser is not None:
+            self._releaser.stop()
         if self._leases is not None:
             self._leases.stop()
 
@@ -251,7 +268,7 @@ class UniqueMiddleware(Middleware):
             return
         fresh = self._guard.is_fresh(message)
         try:
-            self._guard.before_enqueue(message, delay, spec, fresh=fresh)
+            self._guard.before_enqueue(message, delay, spec, fresh=fresh, broker=broker)
         except MiddlewareError:
             if fresh:
                 raise

@@ -22,13 +22,14 @@ from .delivery import Delivery, attach, message_id_of, set_fence
 from .errors import LockConflict, Rescheduled
 from .events import LockEvent
 from .leases import Lease
+from .releaser import Outcome, PendingRelease
 from .spec import ActorSpec
 
 if TYPE_CHECKING:
     from dramatiq import Broker
     from dramatiq.broker import MessageProxy
 
-    from .backend import LockBackend
+    from .backend import Acquisition, LockBackend
     from .middleware import UniqueMiddleware
 
 
@@ -72,9 +73,7 @@ class ProcessGuard:
         owner = self._owner(message)
         taken_at = time.monotonic() * 1000
         try:
-            got = self.backend.acquire(
-                key, owner, ttl=middleware.settings.lease, limit=spec.lock_limit, lock=spec.lock.name
-            )
+            got = self._acquire_run(message, state, key, owner)
         except Exception as e:
             error = middleware.backend_error("take the run lock", key, spec, message, e)
             if middleware.settings.on_backend_error == "run_unlocked":
@@ -87,6 +86,34 @@ class ProcessGuard:
         state.lease = middleware.leases.hold(key, owner, taken_at, actor=spec.actor_name)
         set_fence(got.fence)
         middleware.emit("locked", spec, key, message)
+
+    def _acquire_run(self, message: "MessageProxy", state: Delivery, key: str, owner: str) -> "Acquisition":
+        """Take the run lock.  A lock type that releases its enqueue lock
+        as the run starts releases it in the same round trip, and only
+        once the run lock is taken: a conflict leaves it to the
+        conflict strategy, as before.
+        """
+        spec, lease = state.spec, self.middleware.settings.lease
+        if state.queue_released or spec.lock.queue_release != "run_start":
+            return self.backend.acquire(key, owner, ttl=lease, limit=spec.lock_limit, lock=spec.lock.name)
+        queue_key = self.middleware.key(spec, state.digest, "queue")
+        got, queue_held = self.backend.take_run(
+            key, owner, queue_key, message.message_id, ttl=lease, limit=spec.lock_limit, lock=spec.lock.name
+        )
+        if queue_held is not None:
+            state.queue_released = True
+            self._queue_lock_released(message, state, queue_key, queue_held)
+        return got
+
+    def _queue_lock_released(self, message: "MessageProxy", state: Delivery, key: str, held: bool) -> None:
+        middleware = self.middleware
+        if held:
+            middleware.emit("released", state.spec, key, message)
+            return
+        middleware.logger.warning(
+            "Lock %r of message %s lapsed before it was released: raise its lock_ttl.", key, message.message_id
+        )
+        middleware.emit("lock_lost", state.spec, key, message)
 
     def _claim(self, message: "MessageProxy", key: str) -> bool:
         attempt = message.options.get("unique_reschedules", 0)
@@ -174,27 +201,65 @@ class ProcessGuard:
 
     def end_run(self, broker: "Broker", message: "MessageProxy", state: Delivery) -> None:
         """Release the run lock of this delivery, once, and hand the key
-        to its longest waiter.
+        to its longest waiter: in the background when the backend
+        batches releases (see :mod:`dramatiq_unique.releaser`).
         """
         if state.run_key is None or state.run_owner is None:
             return
         middleware = self.middleware
-        key, owner, lease = state.run_key, state.run_owner, state.lease
+        key, owner, lease, spec = state.run_key, state.run_owner, state.lease, state.spec
         state.run_key = state.run_owner = state.lease = None
         set_fence(None)
         if lease is not None:
             middleware.leases.drop(lease)
-        try:
-            released = self.backend.release(key, owner)
-        except Exception as e:
-            middleware.backend_error("release", key, state.spec, message, e)
+
+        def done(outcome: Outcome) -> None:
+            self._released(broker, message, spec, key, owner, lease, outcome)
+
+        releaser = middleware.releaser
+        if releaser is not None:
+            releaser.submit(PendingRelease(key, owner, spec.actor_name, done))
             return
-        if released.held:
-            middleware.emit("released", state.spec, key, message)
+        try:
+            outcome: Outcome = self.backend.release(key, owner)
+        except Exception as e:
+            outcome = e
+        done(outcome)
+
+    def _released(
+        self,
+        broker: "Broker",
+        message: "MessageProxy",
+        spec: ActorSpec,
+        key: str,
+        owner: str,
+        lease: Optional[Lease],
+        outcome: Outcome,
+    ) -> None:
+        middleware = self.middleware
+        if isinstance(outcome, Exception):
+            middleware.backend_error("release", key, spec, message, outcome)
+            return
+        if outcome.held:
+            middleware.emit("released", spec, key, message)
         elif lease is None or not lease.lost:
-            self.report_lost(state.spec.actor_name, key, owner)
-        if released.promoted is not None:
-            self._promote(broker, key, released.promoted)
+            self.report_lost(spec.actor_name, key, owner)
+        if outcome.promoted is not None:
+            self._promote(broker, key, outcome.promoted)
+
+    def releases_stalled(self, batch: list[PendingRelease]) -> None:
+        """Report releases still waiting for the backend."""
+        self.middleware.logger.error(
+            "Lock backend %s has not answered %d release(s) for %.0f ms; the keys stay held until it does "
+            "or their leases expire.",
+            self.backend.describe(),
+            len(batch),
+            time.monotonic() * 1000 - min(pending.submitted_at for pending in batch),
+        )
+        for pending in batch:
+            self.middleware.events.emit(
+                LockEvent("backend_error", pending.actor, pending.key, message_id_of(pending.owner))
+            )
 
     def _promote(self, broker: "Broker", key: str, encoded: bytes) -> None:
         try:

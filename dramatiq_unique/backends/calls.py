@@ -35,7 +35,7 @@ _EVALSHA = b"EVALSHA"
 
 
 def _mirrorable(client: Any) -> bool:
-    pool = getattr(client, "connection_pool", None)
+    pool: Any = getattr(client, "connection_pool", None)
     return (
         type(client) is redis.Redis
         and type(pool) in (redis.ConnectionPool, redis.BlockingConnectionPool)
@@ -86,6 +86,11 @@ class ScriptCalls:
     def _give(self, conn: Any) -> None:
         if conn.pid == os.getpid():
             self._idle.append(conn)
+
+    def add(self, name: str, source: str) -> None:
+        """Make one more script callable by ``name``."""
+        self.sources = {**self.sources, name: source}
+        self.shas = {**self.shas, name: hashlib.sha1(source.encode()).hexdigest().encode()}
 
     def close(self) -> None:
         """Disconnect the idle connections."""

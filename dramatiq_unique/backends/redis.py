@@ -34,6 +34,11 @@ def _as_function(name: str) -> str:
 _SCRIPTS = {name: _lua(name) for name in ("acquire", "release", "extend", "wait", "claim")}
 _SCRIPTS["take_run"] = _as_function("acquire") + _as_function("release") + _lua("take_run")
 
+
+def send_script(dispatch: str) -> str:
+    """send.lua behind acquire.lua and the broker's ``dispatch`` source."""
+    return f"local function dispatch(KEYS, ARGV)\n{dispatch}\nend\n" + _as_function("acquire") + _lua("send")
+
 #: The URL scheme that connects to a Cluster.
 CLUSTER_SCHEME = "redis+cluster://"
 
@@ -106,6 +111,7 @@ class RedisBackend(LockBackend):
         self.cluster = isinstance(self.client, redis.cluster.RedisCluster)
         self.scripts = {name: self.client.register_script(source) for name, source in _SCRIPTS.items()}
         self.calls = None if self.cluster else ScriptCalls(self.client, _SCRIPTS)
+        self.batches_releases = self.calls is not None
 
     def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
         if self.calls is not None:
@@ -151,6 +157,33 @@ class RedisBackend(LockBackend):
         )
         got = Acquisition(status != 0, reentered=status == 2, holder=_text(holder), fence=int(fence))
         return got, None if queue_held == -1 else bool(queue_held)
+
+    def acquire_and_dispatch(
+        self,
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        limit: int,
+        lock: str,
+        lock_args: Optional[str],
+        dispatch: str,
+        namespace: str,
+        arguments: Sequence[Any],
+    ) -> Acquisition:
+        """Acquire ``key`` as :meth:`acquire` does and, only when that
+        succeeds, run the Redis broker's ``dispatch`` script source with
+        ``arguments`` under ``namespace``, in one round trip.  Only on a
+        standalone client, the broker's own Redis.
+        """
+        assert self.calls is not None, "a Cluster cannot run two slots' keys in one script"
+        name = f"send:{hash(dispatch):x}"
+        if name not in self.calls.sources:
+            self.calls.add(name, send_script(dispatch))
+        status, holder, fence = self.calls.call(
+            name, [namespace, key], [owner, ttl, limit, lock, lock_args or "", *arguments]
+        )
+        return Acquisition(status != 0, reentered=status == 2, holder=_text(holder), fence=int(fence))
 
     def wait(self, key: str, ticket: str, message: bytes, *, order: int, ttl: int) -> None:
         self._call("wait", _waiting(key), [ticket, message, order, ttl])
