@@ -91,9 +91,17 @@ class Results:
         return sum(n for name, n in counted.items() if not owners or trips.owner(name) in owners)
 
     def lock_trips(self, contender: str, phase: str) -> str:
+        """Lock round trips per message by script; a pipeline of N
+        calls of one script (``release x8``) counts as one, under
+        ``release (batched)``.
+        """
         counted = self.audit.get(contender, {}).get(phase, {})
-        mine = {name: n for name, n in counted.items() if trips.owner(name) in ("lock", "mutex")}
-        return ", ".join(f"{name.removeprefix('lock:')} {n:.2f}" for name, n in sorted(mine.items())) or "none"
+        mine: dict[str, float] = defaultdict(float)
+        for name, n in counted.items():
+            if trips.owner(name) in ("lock", "mutex", "lock+broker"):
+                base, batched, _ = name.partition(" x")
+                mine[base.removeprefix("lock:") + (" (batched)" if batched else "")] += n
+        return ", ".join(f"{name} {n:.2f}" for name, n in sorted(mine.items())) or "none"
 
     def cost(self, name: str) -> Optional[CallCost]:
         return next((cost for cost in self.costs if cost.name == name), None)
@@ -152,7 +160,7 @@ def redis_table(results: Results) -> str:
             number(results.median("process_commands", contender), 2),
             number(results.trips_per_message(contender, "enqueue"), 2),
             number(results.trips_per_message(contender, "process"), 2),
-            number(results.trips_per_message(contender, "enqueue", ("lock", "mutex")), 2),
+            number(results.trips_per_message(contender, "enqueue", ("lock", "mutex", "lock+broker")), 2),
             number(results.trips_per_message(contender, "process", ("lock", "mutex")), 2),
             number(results.trips_per_message(contender, "worker", ("lock", "mutex")), 2),
             results.lock_trips(contender, "process"),
@@ -240,7 +248,7 @@ def verdicts(results: Results) -> list[Verdict]:
                 f"{number(enqueue, 2)} × bare (1 PING: {number(results.ratio('enqueue', FLOOR, BARE), 2)} ×)",
                 _at_least(enqueue, 0.70)),
         Verdict("1 lock round trip on the worker thread per `while_executing` job",
-                f"{number(on_worker, 2)} ({_lock_trips(results, 'while_executing', 'worker')})",
+                f"{number(on_worker, 2)} ({results.lock_trips('while_executing', 'worker')})",
                 None if on_worker is None else round(on_worker, 2) <= 1.0),
         Verdict("2 lock round trips per `until_and_while_executing` job",
                 f"{number(both, 2)} ({results.lock_trips('until_and_while_executing', 'process')})",
@@ -260,12 +268,6 @@ def verdicts(results: Results) -> list[Verdict]:
         Verdict("one key per held lock", f"{number(max(keys) if keys else None, 2)} keys at most",
                 None if not keys else max(keys) <= 1.0),
     ]
-
-
-def _lock_trips(results: Results, contender: str, phase: str) -> str:
-    counted = results.audit.get(contender, {}).get(phase, {})
-    mine = {name: n for name, n in counted.items() if trips.owner(name) == "lock"}
-    return ", ".join(f"{name.removeprefix('lock:')} {n:.2f}" for name, n in sorted(mine.items())) or "none"
 
 
 def _at_least(value: Optional[float], limit: float) -> Optional[bool]:

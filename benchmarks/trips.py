@@ -18,7 +18,7 @@ import dramatiq.brokers.redis
 import redis.connection
 from dramatiq.worker import WorkerThread
 
-from dramatiq_unique.backends.redis import _SCRIPTS
+from dramatiq_unique.backends.redis import _SCRIPTS, send_script
 
 #: Commands of the ``ConcurrentRateLimiter`` recipe's Redis backend.
 _MUTEX_COMMANDS = {"SET", "GET", "WATCH", "UNWATCH", "MULTI+SET+EXEC"}
@@ -38,6 +38,8 @@ def _script_names() -> dict[str, str]:
     dispatch = Path(dramatiq.brokers.redis.__file__).parent / "redis" / "dispatch.lua"
     names = {_sha(dispatch.read_bytes()): "broker:dispatch"}
     names.update({_sha(source.encode()): f"lock:{name}" for name, source in _SCRIPTS.items()})
+    # The send fast path: a lock and the broker's enqueue in one script.
+    names[_sha(send_script(dispatch.read_text()).encode())] = "lock:send+broker:dispatch"
     return names
 
 
@@ -80,6 +82,8 @@ def label(packed: Any) -> str:
 
 def owner(name: str) -> str:
     """Who a round trip serves: ``lock``, ``mutex``, ``broker`` or ``other``."""
+    if name.startswith("lock:send"):
+        return "lock+broker"
     if name.startswith("lock:"):
         return "lock"
     if name in _MUTEX_COMMANDS:
