@@ -254,7 +254,11 @@ class UniqueMiddleware(Middleware):
             self.logger.debug("Moved %s before UniqueMiddleware.", type(late).__name__)
             late.before_worker_boot(broker, worker)
 
+    def after_consumer_thread_boot(self, broker: "Broker", thread: Any) -> None:
+        self._process.handoffs.consumer_booted(thread)
+
     def after_worker_shutdown(self, broker: "Broker", worker: "Worker") -> None:
+        self._process.handoffs.stop()
         if self._releaser is not None:
             self._releaser.stop()
         if self._leases is not None:

@@ -21,6 +21,7 @@ from dramatiq.middleware import SkipMessage
 from .delivery import Delivery, attach, message_id_of, set_fence
 from .errors import LockConflict, Rescheduled
 from .events import LockEvent
+from .handoff import HandoffPolls
 from .leases import Lease
 from .releaser import Outcome, PendingRelease
 from .spec import ActorSpec
@@ -42,6 +43,7 @@ class ProcessGuard:
         # even in two processes forked from one parent.
         self._tokens = itertools.count()
         self._token_prefix = f"{random.getrandbits(32):08x}"
+        self.handoffs = HandoffPolls()
 
     @property
     def backend(self) -> "LockBackend":
@@ -263,11 +265,13 @@ class ProcessGuard:
 
     def _promote(self, broker: "Broker", key: str, encoded: bytes) -> None:
         try:
-            broker.enqueue(Message.decode(encoded))
+            promoted = broker.enqueue(Message.decode(encoded))
         except Exception as e:
             self.middleware.logger.warning(
                 "Could not hand %r to its next waiter (%r); it runs after its delay.", key, e
             )
+            return
+        self.handoffs.handed_over(promoted.queue_name)
 
     def lease_lost(self, lease: Lease) -> None:
         self.report_lost(lease.actor, lease.key, lease.owner)

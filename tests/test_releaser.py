@@ -12,6 +12,8 @@ from typing import Any, Sequence, Union
 
 import dramatiq
 import pytest
+from dramatiq import Worker
+from dramatiq.brokers.redis import RedisBroker
 
 from dramatiq_unique.backend import Release
 from dramatiq_unique.backends.redis import RedisBackend
@@ -143,3 +145,40 @@ def test_take_run_releases_the_enqueue_lock_only_with_the_run_lock(backend):
     got, queue_held = backend.take_run("t:{e}:run", "m/1", "t:{e}:queue", "m", ttl=60_000, lock="x")
     assert got.acquired and queue_held is False
     assert backend.inspect("t:{e}:queue").holders.keys() == {"n"}
+
+
+def test_after_a_hand_off_the_redis_consumer_polls_quickly_for_a_while(redis_url, redis_client):
+    # Given a Redis broker whose worker backs off up to 1 s, and three same-key jobs
+    broker = RedisBroker(url=redis_url, namespace="t-handoff")
+    broker.emit_after("process_boot")
+    middleware = unique(prefix="t-handoff")
+    broker.add_middleware(middleware)
+    middleware._process.handoffs.hold = 1_500
+    ran: list[tuple[int, float, float]] = []
+
+    @dramatiq.actor(broker=broker, lock="while_executing", lock_args=["key"])
+    def job(key: int, seq: int) -> None:
+        started = time.monotonic()
+        time.sleep(0.05)
+        ran.append((seq, started, time.monotonic()))
+
+    for seq in range(3):
+        job.send(1, seq)
+    worker = Worker(broker, worker_timeout=1_000, worker_threads=4)
+    worker.start()
+    try:
+        consumer = worker.consumers["default"]
+        # When a hand-off has happened
+        wait_for(lambda: len(ran) >= 2, what="a hand-off")
+        # Then the queue's consumer polls at least every 5 ms
+        assert consumer.consumer.timeout == 5
+        # And once no hand-off has followed for a while, its own backoff is back
+        wait_for(lambda: len(ran) == 3, what="every job")
+        wait_for(lambda: consumer.consumer.timeout == 1_000, timeout=5, what="the backoff to come back")
+    finally:
+        worker.stop()
+        broker.close()
+    # And the jobs ran one at a time, each once
+    ordered = sorted(ran, key=lambda run: run[1])
+    assert sorted(seq for seq, _, _ in ran) == [0, 1, 2]
+    assert all(b[1] >= a[2] for a, b in zip(ordered, ordered[1:]))
