@@ -277,14 +277,15 @@ def _makespan(results: Results) -> str:
         lines.append(f"N={jobs}: median {median(spans):.2f} s against a serial ideal of "
                      f"{jobs * run_list[0].seconds:.1f} s, hand-offs {median(gaps):.0f} ms median and "
                      f"{max(gaps):.0f} ms at most")
-    return ("**Makespan.** When a holder releases, `release.lua` pops the longest waiter and the releasing worker "
-            "enqueues it at once; its delayed copy stays the safety net, and `claim` skips whichever copy arrives "
-            "second. " + "; ".join(lines) + ". A hand-off waits mostly for the Redis consumer, which polls an empty "
-            "queue with a backoff of 5·2^k ms (jittered, capped at `worker_timeout`, 1 s): a 100 ms job leaves it "
-            "in its 80–160 ms step, which is the longest hand-off seen. Longer runs also reschedule again when the "
-            "safety-net copies come back after 4–6 s and meet the lock held (the reschedules per job column). "
-            "With the fixed reschedule delay alone, each waiting job would come back only after 4–6 s: about "
-            "N × 5 s.")
+    return ("**Makespan.** When a holder's run lock is released, `release.lua` pops the longest waiter and the "
+            "releaser thread enqueues it at once; its delayed copy stays the safety net, and `claim` skips whichever "
+            "copy arrives second. " + "; ".join(lines) + ". Dramatiq's Redis consumer polls an empty queue with a "
+            "backoff of 5·2^k ms (jittered, capped at `worker_timeout`, 1 s), so a waiter handed a key after a 100 ms "
+            "job would wait 40–160 ms for the poll; after a hand-off on one of its queues, the process caps that "
+            "backoff at 5 ms for 5 s (only the consumer's cap changes, and only on the Redis broker). The first "
+            "hand-off of a run still meets the long backoff (the longest hand-off seen). Longer runs also reschedule "
+            "again when safety-net copies come back after 4–6 s and meet the lock held (the reschedules per job "
+            "column).")
 
 
 def _guarantees(results: Results) -> str:

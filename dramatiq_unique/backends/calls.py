@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import select
+import ssl
+import time
 from typing import Any, Sequence, Union
 
 import redis
@@ -33,6 +36,24 @@ Call = tuple[str, Sequence[Union[str, bytes]], Sequence[Union[str, bytes, int]]]
 _MIRRORED = (Connection, SSLConnection, UnixDomainSocketConnection)
 _EVALSHA = b"EVALSHA"
 
+#: An idle connection is checked for a close by the server before use
+#: once it has been idle this long, in seconds.
+STALE_CHECK_AFTER = 0.1
+
+
+def _pack(command: tuple[Any, ...]) -> bytes:
+    """One command in RESP, as redis-py's packer writes it for str
+    (UTF-8), int and bytes arguments: the only kinds the scripts take.
+    """
+    parts = [b"*%d\r\n" % len(command)]
+    for arg in command:
+        if isinstance(arg, str):
+            arg = arg.encode()
+        elif isinstance(arg, int):
+            arg = b"%d" % arg
+        parts.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
+    return b"".join(parts)
+
 
 def _mirrorable(client: Any) -> bool:
     pool: Any = getattr(client, "connection_pool", None)
@@ -41,8 +62,28 @@ def _mirrorable(client: Any) -> bool:
         and type(pool) in (redis.ConnectionPool, redis.BlockingConnectionPool)
         and pool.connection_class in _MIRRORED
         and getattr(pool, "cache", None) is None
+        and pool.connection_kwargs.get("encoding", "utf-8").lower().replace("-", "") == "utf8"
         and not getattr(client, "_single_connection_client", False)
     )
+
+
+def _readable(conn: Any) -> bool:
+    """Whether an idle connection has anything to read: one ``poll``
+    system call on a plain socket, where redis-py's ``can_read`` makes
+    three; TLS sockets, which may hold records of their own, ask the
+    connection.
+    """
+    sock = conn._sock
+    if sock is None:
+        return False
+    if isinstance(sock, ssl.SSLSocket):
+        return bool(conn.can_read())
+    poller = getattr(conn, "_unique_poller", None)
+    if poller is None or poller[0] is not sock:
+        poller = (sock, select.poll())
+        poller[1].register(sock.fileno(), select.POLLIN)
+        conn._unique_poller = poller
+    return bool(poller[1].poll(0))
 
 
 class ScriptCalls:
@@ -76,8 +117,12 @@ class ScriptCalls:
         # As redis-py's pool does: an idle connection that has data to
         # read was closed by the server (a restart, an idle timeout) or
         # left dirty; reconnect before sending, while that is still safe.
+        # A connection used within STALE_CHECK_AFTER was answered then, and
+        # the check's system call would cost as much as the call itself.
+        if time.monotonic() - getattr(conn, "_unique_used", 0.0) < STALE_CHECK_AFTER:
+            return conn
         try:
-            if conn._sock is not None and conn.can_read():
+            if _readable(conn):
                 conn.disconnect()
         except (redis.ConnectionError, redis.TimeoutError, OSError):
             conn.disconnect()
@@ -85,6 +130,7 @@ class ScriptCalls:
 
     def _give(self, conn: Any) -> None:
         if conn.pid == os.getpid():
+            conn._unique_used = time.monotonic()
             self._idle.append(conn)
 
     def add(self, name: str, source: str) -> None:
@@ -106,7 +152,7 @@ class ScriptCalls:
         """One round trip: send every command, read every reply; a
         Redis error reply is returned in its place, not raised.
         """
-        conn.send_packed_command(conn.pack_commands(commands) if len(commands) > 1 else conn.pack_command(*commands[0]))
+        conn.send_packed_command([b"".join(_pack(command) for command in commands)])
         replies: list[Any] = []
         for _ in commands:
             try:
