@@ -125,7 +125,9 @@ class SendPath:
         do_enqueue._unique_send_path = self  # type: ignore[attr-defined]
         broker.do_enqueue = do_enqueue  # type: ignore[attr-defined]
 
-    def defer(self, broker: "Broker", message: Any, delay: Optional[int], spec: ActorSpec, lock_args: Optional[str]) -> bool:
+    def defer(
+        self, broker: "Broker", message: Any, delay: Optional[int], spec: ActorSpec, lock_args: Optional[str]
+    ) -> bool:
         """Note the enqueue lock of a new send for ``do_enqueue`` to take.
 
         Returns:

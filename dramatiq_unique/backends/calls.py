@@ -23,7 +23,6 @@ import hashlib
 import os
 import select
 import ssl
-import time
 from typing import Any, Sequence, Union
 
 import redis
@@ -35,10 +34,6 @@ Call = tuple[str, Sequence[Union[str, bytes]], Sequence[Union[str, bytes, int]]]
 
 _MIRRORED = (Connection, SSLConnection, UnixDomainSocketConnection)
 _EVALSHA = b"EVALSHA"
-
-#: An idle connection is checked for a close by the server before use
-#: once it has been idle this long, in seconds.
-STALE_CHECK_AFTER = 0.1
 
 
 def _pack(command: tuple[Any, ...]) -> bytes:
@@ -117,10 +112,6 @@ class ScriptCalls:
         # As redis-py's pool does: an idle connection that has data to
         # read was closed by the server (a restart, an idle timeout) or
         # left dirty; reconnect before sending, while that is still safe.
-        # A connection used within STALE_CHECK_AFTER was answered then, and
-        # the check's system call would cost as much as the call itself.
-        if time.monotonic() - getattr(conn, "_unique_used", 0.0) < STALE_CHECK_AFTER:
-            return conn
         try:
             if _readable(conn):
                 conn.disconnect()
@@ -130,7 +121,6 @@ class ScriptCalls:
 
     def _give(self, conn: Any) -> None:
         if conn.pid == os.getpid():
-            conn._unique_used = time.monotonic()
             self._idle.append(conn)
 
     def add(self, name: str, source: str) -> None:
@@ -209,12 +199,13 @@ class ScriptCalls:
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
             # A script flush or a new server: nothing in ``missing`` ran.
-            self._load({calls[i][0] for i in missing})
-            for i, reply in zip(missing, self._round_trip([commands[i] for i in missing])):
+            # Load what is missing and send those calls again, in one round trip.
+            loads = [(b"SCRIPT", b"LOAD", self.sources[name]) for name in {calls[i][0] for i in missing}]
+            again = self._round_trip(loads + [commands[i] for i in missing])
+            for error in again[: len(loads)]:
+                if isinstance(error, Exception):
+                    raise error
+            for i, reply in zip(missing, again[len(loads) :]):
                 replies[i] = reply
         return replies
-
-    def _load(self, names: set[str]) -> None:
-        for name in names:
-            self.client.script_load(self.sources[name])
 
