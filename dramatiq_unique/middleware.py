@@ -15,6 +15,7 @@ Hook placement follows how Dramatiq 2.x fires its hooks:
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from dramatiq.logging import get_logger
@@ -51,6 +52,9 @@ if TYPE_CHECKING:
 #: of a message that we skip never reaches them (AgeLimit would
 #: dead-letter both copies of an expired message).
 _RUN_AFTER = (AgeLimit, TimeLimit, ShutdownNotifications, Callbacks, Pipelines, Retries)
+
+#: Guards the lazy creation of a middleware's releaser.
+_RELEASER_LOCK = threading.Lock()
 
 #: Middleware that must come before ours: it counts a delivery in its
 #: before-hook and uncounts it in ``after_skip_message``, so it must see
@@ -202,8 +206,9 @@ class UniqueMiddleware(Middleware):
         batches releases; None when it does not.
         """
         if self._releaser is None and getattr(self.backend, "batches_releases", False):
-            assert self.backend is not None
-            self._releaser = Releaser(self.backend, on_stalled=self._process.releases_stalled)
+            with _RELEASER_LOCK:  # worker threads ask at once: make one
+                if self._releaser is None and self.backend is not None:
+                    self._releaser = Releaser(self.backend, on_stalled=self._process.releases_stalled)
         return self._releaser
 
     def key(self, spec: ActorSpec, digest: str, phase: str) -> str:
