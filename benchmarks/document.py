@@ -135,7 +135,7 @@ def notes(results: Results) -> str:
     """What the figures mean, with the run's own numbers."""
     sections = [_noise(results), _processing(results), _configurations(results), _release(results),
                 _enqueue(results), _recipe(results), _round_trips(results), _footprint(results), _makespan(results),
-                _guarantees(results)]
+                _not_done(results), _guarantees(results), _closing(results)]
     return "## Notes\n\n" + "\n\n".join(section for section in sections if section)
 
 
@@ -246,8 +246,10 @@ def _recipe(results: Results) -> str:
 
 
 def _round_trips(results: Results) -> str:
-    text = ("**Round trips.** `while_executing` makes one `acquire.lua` and one `release.lua` call per job and no "
-            "renewal: the jobs are far shorter than lease/3 (20 s). ")
+    text = ("**Round trips.** `while_executing` makes one `acquire.lua` call per job on the worker thread; its "
+            "`release.lua` call goes out from the releaser thread in a pipeline with every other release pending "
+            "then (the `release (batched)` round trips are shared by the jobs of a batch), and no renewal: the jobs "
+            "are far shorter than lease/3 (20 s). ")
     r = results.renewals
     if r is not None:
         text += (f"In the renewal run, {r.jobs} jobs of {r.seconds:.1f} s under a {r.lease} ms lease needed "
@@ -289,6 +291,49 @@ def _makespan(results: Results) -> str:
             "hand-off of a run still meets the long backoff (the longest hand-off seen). Longer runs also reschedule "
             "again when safety-net copies come back after 4–6 s and meet the lock held (the reschedules per job "
             "column).")
+
+
+def _not_done(results: Results) -> str:
+    return ("**Not done, on purpose.** Group commit of acquires (worker threads handing their acquires to one I/O "
+            "thread that pipelines them) was not built: an acquire now costs its worker thread less CPU than a "
+            "redis-py `PING` (see the single-call costs), so a hand-over to another thread (a wake-up and a GIL "
+            "switch each way) would cost about what it saves, and that thread would be a choke point for every "
+            "worker thread. The prototype in issue 12 measured no gain from it either at default prefetch (0.97–1.02 "
+            "with it, 0.99 without).")
+
+
+#: The "now" column of issue 12's target table: the figures before it.
+_BEFORE = {
+    "default": "0.66–0.72", "prefetch 64": "0.36–0.39", "sleep/cpu": "0.79 / 0.80", "enqueue": "0.46–0.49",
+    "worker trips": "2", "uaw trips": "3", "makespan": "1.20–1.37 s / 13.8–14.1 s",
+}
+
+
+def _closing(results: Results) -> str:
+    def ratio(config: str, contender: str = "while_executing") -> str:
+        return number(_ratio(results, config, contender), 2)
+
+    spans = {jobs: [run.makespan for run in runs] for jobs, runs in results.makespans.items() if runs}
+    makespan = " / ".join(f"{median(spans[jobs]):.2f} s" if jobs in spans else "n/a" for jobs in (10, 100))
+    rows = [
+        ["processing, `while_executing`, default prefetch", _BEFORE["default"], "≥ 0.95",
+         f"{ratio('default')} (1 PING: {ratio('default', FLOOR_ONE)})"],
+        ["processing, `while_executing`, prefetch 64", _BEFORE["prefetch 64"], "≥ the one-PING floor",
+         f"{ratio('prefetch 64')} (1 PING: {ratio('prefetch 64', FLOOR_ONE)})"],
+        ["processing, 1 ms sleep job / 1 ms CPU job", _BEFORE["sleep/cpu"], "≥ 0.95 / ≥ 0.90",
+         f"{ratio('1 ms sleep job')} / {ratio('1 ms CPU job')}"],
+        ["enqueue, `until_executed`, lock in the broker's Redis", _BEFORE["enqueue"], "≥ 0.70",
+         number(results.ratio("enqueue", "until_executed", BARE), 2)],
+        ["round trips on the worker thread per `while_executing` job", _BEFORE["worker trips"], "1",
+         number(results.trips_per_message("while_executing", "worker", ("lock",)), 2)],
+        ["lock round trips per `until_and_while_executing` job", _BEFORE["uaw trips"], "2",
+         number(results.trips_per_message("until_and_while_executing", "process", ("lock",)), 2)],
+        ["10 / 100 same-key 100 ms jobs", _BEFORE["makespan"], "≤ 1.2 s / ≤ 11 s", makespan],
+    ]
+    header = "| figure | before (issue 12) | target | this run |\n|---|---|---|---|\n"
+    return ("**Issue 12's targets, with this run's figures** (the verdicts are in the Targets table above; the "
+            "ratios are medians of per-round ratios, as everywhere on this page):\n\n" + header
+            + "\n".join("| " + " | ".join(row) + " |" for row in rows))
 
 
 def _guarantees(results: Results) -> str:
