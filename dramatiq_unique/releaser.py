@@ -108,6 +108,7 @@ class Releaser:
         self._thread: Optional[threading.Thread] = None
         self._pid = os.getpid()
         self._stopping = False
+        self._idle = False
 
     def submit(self, pending: PendingRelease) -> None:
         """Queue one release; never waits for the backend."""
@@ -120,7 +121,8 @@ class Releaser:
                 self._stopping = False
                 self._thread = threading.Thread(target=self._run, name="dramatiq-unique-releaser", daemon=True)
                 self._thread.start()
-            self._wakeup.notify()
+            if self._idle:
+                self._wakeup.notify()  # only an idle releaser needs waking; a busy one looks again
             stalled = self._stalled()
         if stalled:
             self.on_stalled(stalled)
@@ -171,7 +173,9 @@ class Releaser:
         while True:
             with self._wakeup:
                 while not self._pending and not self._stopping:
+                    self._idle = True
                     self._wakeup.wait(timeout=1.0)
+                self._idle = False
                 if not self._pending:
                     return
                 batch, self._pending = self._pending[: self.batch], self._pending[self.batch :]
