@@ -98,7 +98,7 @@ class _AnsweringBackend(StubBackend):
     def acquire(self, key: str, owner: str, **options: Any) -> Acquisition:
         return Acquisition(True, fence=1)
 
-    def release(self, key: str, owner: str) -> Release:
+    def release(self, key: str, owner: str, *, hand_over: bool = True) -> Release:
         return Release(True)
 
 

@@ -143,7 +143,8 @@ def config_table(results: Results) -> str:
             p50, p99 = percentile(latencies, 0.5), percentile(latencies, 0.99)
             rows.append([
                 config, _name(contender), number(results.median(process, contender)),
-                f"{number(results.ratio(process, contender, BARE), 2)} ({_spread(results.ratios(process, contender, BARE))})",
+                f"{number(results.ratio(process, contender, BARE), 2)} "
+                f"({_spread(results.ratios(process, contender, BARE))})",
                 number(results.median(cpu, contender)),
                 "n/a" if p50 is None else f"{p50 * 1000:.2f} / {p99 * 1000:.2f}",  # type: ignore[operator]
             ])
