@@ -18,7 +18,8 @@ from typing import Optional, Sequence
 import redis
 
 from . import app, costs, document, footprint, replace_cost, serial, throughput
-from .report import Results, tables
+from .report import CONFIG_CONTENDERS, Results, figure_name, tables
+from .runs import CPU_1MS, PREFETCH_64, SLEEP_1MS, Config
 from .server import BenchmarkError, PrivateRedis, connect
 from .workers import ROOT, clean_environment
 
@@ -34,6 +35,7 @@ class Plan:
     makespans: tuple[tuple[int, int], ...]  # (jobs, rounds)
     locks: int  # locks held for the footprint
     calls: int  # calls of each kind timed for the cost of one call
+    configs: tuple[Config, ...] = (PREFETCH_64, SLEEP_1MS, CPU_1MS)  # measured beside the default, per round
 
 
 #: Two waves of 8 jobs, each outliving two renewal intervals of the lease.
@@ -81,6 +83,16 @@ def measure(client: redis.Redis, url: str, plan: Plan, results: Results) -> None
                 record(results, sender, processing, round_)
         finally:
             throughput.close(client, senders)
+        for config in plan.configs:
+            order = rotated(list(CONFIG_CONTENDERS), round_)
+            progress(f"round {round_ + 1}/{plan.rounds}, {config.name}: {', '.join(order)}")
+            senders = throughput.enqueue_round(client, url, order, plan.sent, plan.chunk)
+            try:
+                for sender in senders:
+                    processing = throughput.process_run(client, url, sender, config=config)
+                    record(results, sender, processing, round_, config)
+            finally:
+                throughput.close(client, senders)
     for round_ in range(max(rounds for _, rounds in plan.makespans)):
         for jobs, rounds in plan.makespans:
             if round_ < rounds:
@@ -98,16 +110,27 @@ def measure(client: redis.Redis, url: str, plan: Plan, results: Results) -> None
         results.footprints += footprint.footprints(client, url, contender, plan.locks)
 
 
-def record(results: Results, sender: throughput.Sender, processing: throughput.Processing, round_: int) -> None:
+def record(
+    results: Results,
+    sender: throughput.Sender,
+    processing: throughput.Processing,
+    round_: int,
+    config: Optional[Config] = None,
+) -> None:
     contender, sent = sender.contender, sender.sent
-    results.add("enqueue", contender, sender.rate)
-    results.add("process", contender, processing.rate)
-    results.add("enqueue_commands", contender, sum(sender.commands.values()) / sent)
-    results.add("process_commands", contender, sum(processing.commands.values()) / sent)
-    results.add("worker_cpu", contender, None if processing.worker_cpu is None else processing.worker_cpu / sent * 1e6)
-    results.add("redis_cpu", contender, processing.redis_cpu / sent * 1e6)
+    name = config.name if config is not None else None
+    if config is None:
+        results.add("enqueue", contender, sender.rate)
+        results.add("enqueue_commands", contender, sum(sender.commands.values()) / sent)
+        results.add("process_commands", contender, sum(processing.commands.values()) / sent)
+        results.add("redis_cpu", contender, processing.redis_cpu / sent * 1e6)
+    results.add(figure_name("process", name), contender, processing.rate)
+    cpu = None if processing.worker_cpu is None else processing.worker_cpu / sent * 1e6
+    results.add(figure_name("worker_cpu", name), contender, cpu)
+    results.latencies[(name or "default", contender)] += processing.release_latencies
     if not processing.exactly_once:
-        results.violations.append(f"{contender}, round {round_ + 1}: the jobs did not each run exactly once")
+        where = f"{contender}{'' if name is None else ', ' + name}, round {round_ + 1}"
+        results.violations.append(f"{where}: the jobs did not each run exactly once")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -3,7 +3,8 @@ the driver (which sends) and by the ``dramatiq`` worker (which runs).
 
 Every contender runs the same ``job(key, seq)``: ``key`` is what it is
 locked by, ``seq`` numbers the send, and the body only records when it
-started and ended (after sleeping ``seconds``, when that is not 0).
+started and ended (after sleeping ``seconds``, or spinning for ``cpu``
+seconds of its thread's CPU, when those are not 0).
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ RECIPE = "ConcurrentRateLimiter"
 #: taken at enqueue, and one each where a run lock would be taken and
 #: released.  It measures what bare round trips cost on this machine.
 FLOOR = "floor"
-CONTENDERS = (BARE, *LOCK_TYPES, RECIPE, FLOOR)
+#: The floor of a lock that costs one round trip on the worker thread:
+#: one PING in ``before_process_message``, nothing else.
+FLOOR_ONE = "floor1"
+CONTENDERS = (BARE, *LOCK_TYPES, RECIPE, FLOOR, FLOOR_ONE)
 
 #: The queue every contender uses, inside its own broker namespace.
 QUEUE = "bench"
@@ -63,6 +67,25 @@ class Recorder(dramatiq.Middleware):
         self.first_cpu: Optional[float] = None
         self.cpu: Optional[float] = None  # process CPU seconds from the first start to the expect-th end
         self._mutex = threading.Lock()
+        # Added release latency: from the job's end (our after-hook runs
+        # before the middleware's) to the run lock's ``released`` event.
+        self.ended: dict[str, float] = {}
+        self.release_latencies: list[float] = []
+        if unique is not None:
+            unique.events.subscribe(self._on_event)
+
+    def after_process_message(self, broker: dramatiq.Broker, message: Any, *, result: Any = None,
+                              exception: Any = None) -> None:
+        if self.unique is not None:
+            self.ended[message.message_id] = time.monotonic()
+
+    def _on_event(self, event: Any) -> None:
+        if event.name == "released" and event.key.endswith(":run"):
+            ended = self.ended.pop(event.message_id, None)
+            if ended is not None:
+                latency = time.monotonic() - ended
+                with self._mutex:
+                    self.release_latencies.append(latency)
 
     def start(self) -> float:
         """Called as a job starts; returns the wall-clock time."""
@@ -96,7 +119,10 @@ class Recorder(dramatiq.Middleware):
         events = {name: self.unique.events.count(name) for name in EVENTS} if self.unique is not None else {}
         with self._mutex:
             runs = list(self.runs)
-        return {"runs": runs, "events": events, "trips": trips.counts(), "cpu": self.cpu}
+        with self._mutex:
+            latencies = list(self.release_latencies)
+        return {"runs": runs, "events": events, "trips": trips.counts(), "worker_trips": trips.worker_counts(),
+                "cpu": self.cpu, "release_latencies": latencies}
 
 
 class Floor(dramatiq.Middleware):
@@ -113,12 +139,20 @@ class Floor(dramatiq.Middleware):
         broker.client.ping()  # type: ignore[attr-defined]
 
 
+class FloorOne(dramatiq.Middleware):
+    """One PING per job, on the worker thread, through the broker's client."""
+
+    def before_process_message(self, broker: dramatiq.Broker, message: Any) -> None:
+        broker.client.ping()  # type: ignore[attr-defined]
+
+
 def build(
     contender: str,
     *,
     redis_url: str,
     namespace: str,
     seconds: float = 0.0,
+    cpu: float = 0.0,
     report: Optional[str] = None,
     expect: int = 0,
 ) -> tuple[RedisBroker, dramatiq.Actor[Any, Any]]:
@@ -138,20 +172,26 @@ def build(
         options = {"lock": contender, "lock_args": ["key"]}
     if contender == FLOOR:
         broker.add_middleware(Floor())
+    if contender == FLOOR_ONE:
+        broker.add_middleware(FloorOne())
     recorder = Recorder(report=report, expect=expect, unique=unique)
     broker.add_middleware(recorder)
-    body = _body(recorder, seconds)
+    body = _body(recorder, seconds, cpu)
     if contender == RECIPE:
         body = _under_mutex(body, RateLimiterBackend(url=redis_url), namespace)
     actor = dramatiq.actor(broker=broker, actor_name="job", queue_name=QUEUE, **options)(body)
     return broker, actor
 
 
-def _body(recorder: Recorder, seconds: float) -> Callable[[int, int], None]:
+def _body(recorder: Recorder, seconds: float, cpu: float) -> Callable[[int, int], None]:
     def job(key: int, seq: int) -> None:
         started = recorder.start()
         if seconds:
             time.sleep(seconds)
+        if cpu:
+            spin_until = time.thread_time() + cpu
+            while time.thread_time() < spin_until:
+                pass
         recorder.ran(seq, started, time.time())
 
     return job
@@ -179,6 +219,7 @@ def from_environment() -> tuple[RedisBroker, dramatiq.Actor[Any, Any]]:
         redis_url=os.environ["BENCH_REDIS_URL"],
         namespace=os.environ["BENCH_NAMESPACE"],
         seconds=float(os.environ.get("BENCH_SECONDS", "0")),
+        cpu=float(os.environ.get("BENCH_CPU", "0")),
         report=os.environ["BENCH_REPORT"],
         expect=int(os.environ["BENCH_EXPECT"]),
     )

@@ -28,6 +28,8 @@ from .server import cleanup, command_usec
 
 #: The name of a bare send in :func:`call_costs`.
 SEND = "bare send (one dispatch.lua)"
+#: A send of an ``until_executed`` actor on the broker's own Redis.
+LOCKED_SEND = "`until_executed` send (acquire.lua + dispatch.lua in one script)"
 
 
 @dataclass
@@ -46,10 +48,12 @@ def call_costs(client: redis.Redis, url: str, calls: int, chunk: int) -> list[Ca
     namespace = new_namespace()
     backend = RedisBackend(url=url)
     broker, actor = app.build(app.BARE, redis_url=url, namespace=namespace)
+    locked_broker, locked = app.build("until_executed", redis_url=url, namespace=namespace + "-locked")
     owners = [uuid.uuid4().hex for _ in range(calls)]
     queue_key, run_key = f"{namespace}:job:{{q%d}}:queue", f"{namespace}:job:{{r%d}}:run"
     groups = [
         [(SEND, "evalsha", lambda i: actor.send(i, i))],
+        [(LOCKED_SEND, "evalsha", lambda i: locked.send(i, i))],
         [("PING", "ping", lambda i: backend.client.ping())],
         [("enqueue lock: acquire", "evalsha",
           lambda i: backend.acquire(queue_key % i, owners[i], ttl=DEFAULT_LOCK_TTL, lock="until_executed")),
@@ -75,6 +79,7 @@ def call_costs(client: redis.Redis, url: str, calls: int, chunk: int) -> list[Ca
                     server[name] += command_usec(client)[command] - usec
     finally:
         broker.close()
+        locked_broker.close()
         backend.client.close()
         cleanup(client, namespace)
     return [CallCost(name, median(values), server[name] / calls) for name, values in walls.items()]
@@ -93,7 +98,7 @@ class _AnsweringBackend(StubBackend):
     def acquire(self, key: str, owner: str, **options: Any) -> Acquisition:
         return Acquisition(True, fence=1)
 
-    def release(self, key: str, owner: str) -> Release:
+    def release(self, key: str, owner: str, *, hand_over: bool = True) -> Release:
         return Release(True)
 
 

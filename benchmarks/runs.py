@@ -5,8 +5,8 @@ process per run, and the check that each job ran exactly once.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from .workers import WorkerProcess
 
@@ -37,6 +37,24 @@ class Executions:
         return max(end for _, _, end in self.spans) - min(start for _, start, _ in self.spans)
 
 
+@dataclass(frozen=True)
+class Config:
+    """How the worker runs and what the job does, beyond the defaults."""
+
+    name: str
+    seconds: float = 0.0  # the job sleeps this long
+    cpu: float = 0.0  # the job spins for this much CPU
+    env: Mapping[str, str] = field(default_factory=dict)  # e.g. dramatiq_queue_prefetch
+
+
+#: The default worker (8 threads, Dramatiq's prefetch of 16) and no-op job.
+DEFAULT = Config("default")
+#: Where bare Dramatiq is CPU-bound: a prefetch window of 64.
+PREFETCH_64 = Config("prefetch 64", env={"dramatiq_queue_prefetch": "64"})
+SLEEP_1MS = Config("1 ms sleep job", seconds=0.001)
+CPU_1MS = Config("1 ms CPU job", cpu=0.001)
+
+
 def worker_settings(
     url: str, contender: str, namespace: str, expect: int, seconds: float, count_trips: bool
 ) -> dict[str, str]:
@@ -45,9 +63,13 @@ def worker_settings(
             "BENCH_EXPECT": str(expect), "BENCH_SECONDS": str(seconds), "BENCH_TRIPS": "1" if count_trips else "0"}
 
 
-def work(url: str, contender: str, namespace: str, expect: int, *, count_trips: bool = False) -> dict[str, Any]:
+def work(
+    url: str, contender: str, namespace: str, expect: int, *, count_trips: bool = False, config: Config = DEFAULT
+) -> dict[str, Any]:
     """Run one worker on the ``expect`` jobs queued under ``namespace``
     until every one is acked, and return its report.
     """
-    with WorkerProcess(worker_settings(url, contender, namespace, expect, 0.0, count_trips)) as worker:
-        return worker.finish(timeout=60 + expect * 0.01)
+    settings = worker_settings(url, contender, namespace, expect, config.seconds, count_trips)
+    settings = {**settings, "BENCH_CPU": str(config.cpu), **config.env}
+    with WorkerProcess(settings) as worker:
+        return worker.finish(timeout=60 + expect * (0.01 + config.seconds + config.cpu * 8))

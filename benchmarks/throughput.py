@@ -12,7 +12,7 @@ from typing import Any, Optional
 import redis
 
 from . import app, trips
-from .runs import Executions, new_namespace, work
+from .runs import DEFAULT, Config, Executions, new_namespace, work
 from .server import cleanup, command_calls, delta, redis_cpu
 
 
@@ -75,15 +75,19 @@ class Processing:
     worker_cpu: Optional[float]
     redis_cpu: float
     trips: dict[str, int] = field(default_factory=dict)
+    worker_trips: dict[str, int] = field(default_factory=dict)
     events: dict[str, int] = field(default_factory=dict)
+    release_latencies: list[float] = field(default_factory=list)
 
 
-def process_run(client: redis.Redis, url: str, sender: Sender, *, count_trips: bool = False) -> Processing:
+def process_run(
+    client: redis.Redis, url: str, sender: Sender, *, count_trips: bool = False, config: Config = DEFAULT
+) -> Processing:
     """Start one worker on the jobs ``sender`` sent and let it run them
     all.  The rate runs from the first start to the last end.
     """
     calls, cpu = command_calls(client), redis_cpu(client)
-    report = work(url, sender.contender, sender.namespace, sender.sent, count_trips=count_trips)
+    report = work(url, sender.contender, sender.namespace, sender.sent, count_trips=count_trips, config=config)
     runs = Executions(sender.sent, [tuple(span) for span in report["runs"]])  # type: ignore[misc]
     return Processing(
         sender.contender,
@@ -94,7 +98,9 @@ def process_run(client: redis.Redis, url: str, sender: Sender, *, count_trips: b
         worker_cpu=report["cpu"],
         redis_cpu=redis_cpu(client) - cpu,
         trips=report["trips"],
+        worker_trips=report.get("worker_trips", {}),
         events=report["events"],
+        release_latencies=report.get("release_latencies", []),
     )
 
 

@@ -16,13 +16,21 @@ from typing import Any, Callable, Optional
 
 import dramatiq.brokers.redis
 import redis.connection
+from dramatiq.worker import WorkerThread
 
 from dramatiq_unique.backends.redis import _SCRIPTS
+
+try:
+    from dramatiq_unique.backends.redis import send_script
+except ImportError:  # a version without the send fast path, measured for comparison
+    send_script = None  # type: ignore[assignment]
 
 #: Commands of the ``ConcurrentRateLimiter`` recipe's Redis backend.
 _MUTEX_COMMANDS = {"SET", "GET", "WATCH", "UNWATCH", "MULTI+SET+EXEC"}
 
 _counts: Counter[str] = Counter()
+#: The round trips made on Dramatiq's worker threads, which run the actors.
+_worker_counts: Counter[str] = Counter()
 _mutex = threading.Lock()
 _original: Optional[Callable[..., Any]] = None
 
@@ -35,6 +43,9 @@ def _script_names() -> dict[str, str]:
     dispatch = Path(dramatiq.brokers.redis.__file__).parent / "redis" / "dispatch.lua"
     names = {_sha(dispatch.read_bytes()): "broker:dispatch"}
     names.update({_sha(source.encode()): f"lock:{name}" for name, source in _SCRIPTS.items()})
+    # The send fast path: a lock and the broker's enqueue in one script.
+    if send_script is not None:
+        names[_sha(send_script(dispatch.read_text()).encode())] = "lock:send+broker:dispatch"
     return names
 
 
@@ -77,6 +88,8 @@ def label(packed: Any) -> str:
 
 def owner(name: str) -> str:
     """Who a round trip serves: ``lock``, ``mutex``, ``broker`` or ``other``."""
+    if name.startswith("lock:send"):
+        return "lock+broker"
     if name.startswith("lock:"):
         return "lock"
     if name in _MUTEX_COMMANDS:
@@ -95,8 +108,11 @@ def install() -> None:
 
     def send_packed_command(self: Any, command: Any, check_health: bool = True) -> None:
         name = label(command)
+        on_worker = isinstance(threading.current_thread(), WorkerThread)
         with _mutex:
             _counts[name] += 1
+            if on_worker:
+                _worker_counts[name] += 1
         original(self, command, check_health)
 
     _original = original
@@ -117,6 +133,13 @@ def counts() -> dict[str, int]:
         return dict(_counts)
 
 
+def worker_counts() -> dict[str, int]:
+    """Round trips so far on worker threads, by label."""
+    with _mutex:
+        return dict(_worker_counts)
+
+
 def reset() -> None:
     with _mutex:
         _counts.clear()
+        _worker_counts.clear()

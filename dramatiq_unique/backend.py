@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence, Union
 
 
 @dataclass(frozen=True)
@@ -194,6 +194,10 @@ class Waiter:
 
 class LockBackend(abc.ABC):
     """ABC for lock backends.  Durations are in milliseconds."""
+
+    #: True when :meth:`release_many` sends its releases in one round
+    #: trip: the worker then releases run locks in the background.
+    batches_releases: bool = False
 
     @abc.abstractmethod
     def acquire(
@@ -408,6 +412,22 @@ class LockBackend(abc.ABC):
           str: The message made current again, or None.
         """
         raise NotImplementedError  # pragma: no cover
+
+    def release_many(self, locks: Sequence[tuple[str, str]]) -> list[Union[Release, Exception]]:
+        """Release each ``(key, owner)`` and hand its slot over, as
+        :meth:`release` does, in as few round trips as the backend can.
+
+        Returns:
+          list: per lock, its :class:`Release`, or the exception its
+          release raised.
+        """
+        outcomes: list[Union[Release, Exception]] = []
+        for key, owner in locks:
+            try:
+                outcomes.append(self.release(key, owner))
+            except Exception as e:
+                outcomes.append(e)
+        return outcomes
 
     def describe(self) -> str:
         """A short description for error messages, e.g. a URL."""

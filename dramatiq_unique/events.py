@@ -13,7 +13,8 @@ is built or later::
   unique.events.subscribe(on_lock_event)
 
 Listeners run on the thread where the event happened (the sender's, a
-worker thread, or the lease renewal thread for ``lock_lost``), so they
+worker thread, the lease renewal thread for ``lock_lost``, or the
+releaser thread for a run lock's ``released``), so they
 must be quick and thread-safe.  One that raises is logged and ignored.
 """
 
@@ -175,6 +176,32 @@ LOG_LINES: tuple[LogLine, ...] = (
         _MIDDLEWARE,
         "Could not hand %r to its next waiter (%r); it runs after its delay.",
         "the broker refused the promoted waiter; its rescheduled copy still runs",
+    ),
+    LogLine(
+        "ERROR",
+        _MIDDLEWARE,
+        "Lock backend %s has not answered %d release(s) for %.0f ms; the keys stay held until it does "
+        "or their leases expire.",
+        "a batch of run-lock releases waited longer than a second for Redis; worker threads go on "
+        "(event backend_error per lock)",
+    ),
+    LogLine(
+        "WARNING",
+        "dramatiq_unique.releaser.Releaser",
+        "The lock backend answered %d release(s) after %.0f ms.",
+        "a batch reported as stalled was answered at last; its outcomes follow as usual",
+    ),
+    LogLine(
+        "WARNING",
+        "dramatiq_unique.releaser.Releaser",
+        "%d run lock(s) were not released before shutdown; their leases expire.",
+        "the worker stopped while the backend did not answer; those keys stay held until their leases expire",
+    ),
+    LogLine(
+        "ERROR",
+        "dramatiq_unique.releaser.Releaser",
+        "Could not report the release of %r.",
+        "a bug: reporting a finished release raised (the traceback follows)",
     ),
     LogLine(
         "WARNING",

@@ -15,6 +15,7 @@ Hook placement follows how Dramatiq 2.x fires its hooks:
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from dramatiq.logging import get_logger
@@ -42,6 +43,7 @@ from .leases import LeaseKeeper
 from .process import ProcessGuard
 from .reap import PeriodicReaper, start_periodic_reaper
 from .quiet import install as quiet_our_skips
+from .releaser import Releaser
 from .spec import ACTOR_OPTIONS, ActorSpec, actor_spec
 
 if TYPE_CHECKING:
@@ -53,6 +55,9 @@ if TYPE_CHECKING:
 #: of a message that we skip never reaches them (AgeLimit would
 #: dead-letter both copies of an expired message).
 _RUN_AFTER = (AgeLimit, TimeLimit, ShutdownNotifications, Callbacks, Pipelines, Retries)
+
+#: Guards the lazy creation of a middleware's releaser.
+_RELEASER_LOCK = threading.Lock()
 
 #: Middleware that must come before ours: it counts a delivery in its
 #: before-hook and uncounts it in ``after_skip_message``, so it must see
@@ -140,6 +145,7 @@ class UniqueMiddleware(Middleware):
         #: Async actors with a run lock, whose coroutines are tracked.
         self.async_actors: set[str] = set()
         self._leases: Optional[LeaseKeeper] = None
+        self._releaser: Optional[Releaser] = None
         self.backend = backend if backend is not None else self._backend_from_url()
         self._guard = EnqueueGuard(self)
         self._process = ProcessGuard(self)
@@ -193,6 +199,9 @@ class UniqueMiddleware(Middleware):
         if self._leases is not None:
             self._leases.stop()
             self._leases = None
+        if self._releaser is not None:
+            self._releaser.stop()
+            self._releaser = None
         self._backend = backend
 
     @property
@@ -216,6 +225,17 @@ class UniqueMiddleware(Middleware):
           bool: True when none is left waiting.
         """
         return self._guard.flush(timeout)
+
+    @property
+    def releaser(self) -> Optional[Releaser]:
+        """Releases run locks off the worker thread, when the backend
+        batches releases; None when it does not.
+        """
+        if self._releaser is None and getattr(self.backend, "batches_releases", False):
+            with _RELEASER_LOCK:  # worker threads ask at once: make one
+                if self._releaser is None and self.backend is not None:
+                    self._releaser = Releaser(self.backend, on_stalled=self._process.releases_stalled)
+        return self._releaser
 
     def key(self, spec: ActorSpec, digest: str, phase: str) -> str:
         """The backend key of one lock: prefix, actor in clear text, and
@@ -269,7 +289,13 @@ class UniqueMiddleware(Middleware):
             self.logger.debug("Moved %s before UniqueMiddleware.", type(late).__name__)
             late.before_worker_boot(broker, worker)
 
+    def after_consumer_thread_boot(self, broker: "Broker", thread: Any) -> None:
+        self._process.handoffs.consumer_booted(thread)
+
     def after_worker_shutdown(self, broker: "Broker", worker: "Worker") -> None:
+        self._process.handoffs.stop()
+        if self._releaser is not None:
+            self._releaser.stop()
         if self._leases is not None:
             self._leases.stop()
         if self._reaper is not None:

@@ -26,9 +26,11 @@ from .coroutines import watch
 from .delivery import Delivery, attach, copy_of, message_id_of, set_fence
 from .errors import CopySkipped, LockConflict, Rescheduled
 from .events import LockEvent
+from .handoff import HandoffPolls
 from .leases import Lease
 from .replace import skip_if_superseded
 from .results import store_failure, store_nothing
+from .releaser import Outcome, PendingRelease
 from .spec import ActorSpec
 
 if TYPE_CHECKING:
@@ -54,6 +56,7 @@ class ProcessGuard:
         # even in two processes forked from one parent.
         self._tokens = itertools.count()
         self._token_prefix = f"{random.getrandbits(32):08x}"
+        self.handoffs = HandoffPolls()
 
     @property
     def backend(self) -> "LockBackend":
@@ -252,7 +255,8 @@ class ProcessGuard:
 
     def end_run(self, broker: "Broker", message: "MessageProxy", state: Delivery) -> None:
         """Release the run lock of this delivery, once, and hand the key
-        to its longest waiter.
+        to its longest waiter: in the background when the backend
+        batches releases (see :mod:`dramatiq_unique.releaser`).
         """
         if state.run_key is None or state.run_owner is None:
             return
@@ -264,30 +268,71 @@ class ProcessGuard:
                 state.run_key,
             )
             return
-        key, owner, lease, confirmed = state.run_key, state.run_owner, state.lease, state.run_confirmed
+        key, owner, lease, spec = state.run_key, state.run_owner, state.lease, state.spec
+        confirmed = state.run_confirmed
         state.run_key = state.run_owner = state.lease = None
         set_fence(None)
         if lease is not None:
             middleware.leases.drop(lease)
-        try:
-            released = self.backend.release(key, owner)
-        except Exception as e:
-            middleware.backend_error("release", key, state.spec, message, e)
+
+        def done(outcome: Outcome) -> None:
+            self._released(broker, message, spec, key, owner, lease, outcome, confirmed)
+
+        releaser = middleware.releaser
+        if releaser is not None:
+            releaser.submit(PendingRelease(key, owner, spec.actor_name, done))
             return
-        if released.held:
-            middleware.emit("released", state.spec, key, message)
+        try:
+            outcome: Outcome = self.backend.release(key, owner)
+        except Exception as e:
+            outcome = e
+        done(outcome)
+
+    def _released(
+        self,
+        broker: "Broker",
+        message: "MessageProxy",
+        spec: ActorSpec,
+        key: str,
+        owner: str,
+        lease: Optional[Lease],
+        outcome: Outcome,
+        confirmed: bool = True,
+    ) -> None:
+        middleware = self.middleware
+        if isinstance(outcome, Exception):
+            middleware.backend_error("release", key, spec, message, outcome)
+            return
+        if outcome.held:
+            middleware.emit("released", spec, key, message)
         elif confirmed and (lease is None or not lease.lost):
-            self.report_lost(state.spec.actor_name, key, owner)
-        if released.promoted is not None:
-            self._promote(broker, key, released.promoted)
+            self.report_lost(spec.actor_name, key, owner)
+        if outcome.promoted is not None:
+            self._promote(broker, key, outcome.promoted)
+
+    def releases_stalled(self, batch: list[PendingRelease]) -> None:
+        """Report releases still waiting for the backend."""
+        self.middleware.logger.error(
+            "Lock backend %s has not answered %d release(s) for %.0f ms; the keys stay held until it does "
+            "or their leases expire.",
+            self.backend.describe(),
+            len(batch),
+            time.monotonic() * 1000 - min(pending.submitted_at for pending in batch),
+        )
+        for pending in batch:
+            self.middleware.events.emit(
+                LockEvent("backend_error", pending.actor, pending.key, message_id_of(pending.owner))
+            )
 
     def _promote(self, broker: "Broker", key: str, encoded: bytes) -> None:
         try:
-            broker.enqueue(Message.decode(encoded))
+            promoted = broker.enqueue(Message.decode(encoded))
         except Exception as e:
             self.middleware.logger.warning(
                 "Could not hand %r to its next waiter (%r); it runs after its delay.", key, e
             )
+            return
+        self.handoffs.handed_over(promoted.queue_name)
 
     def lease_lost(self, lease: Lease) -> None:
         self.report_lost(lease.actor, lease.key, lease.owner)

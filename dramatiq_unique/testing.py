@@ -115,6 +115,21 @@ def assert_duplicate(message: "Message[Any]", of: Union["Message[Any]", str, Non
     return str(holder)
 
 
+def wait_for_releases(target: Union[UniqueMiddleware, "Broker"], timeout: int = 10_000) -> None:
+    """Wait until the run locks that ``target``'s workers released in
+    the background are released in the backend, at most ``timeout``
+    milliseconds.  A worker's ``join()`` returns once every message is
+    processed; a run lock on Redis is released a moment later.
+
+    Raises:
+      TimeoutError: when releases are still pending after ``timeout``.
+    """
+    for middleware in _middlewares(target):
+        releaser = middleware.releaser
+        if releaser is not None and not releaser.drain(timeout):
+            raise TimeoutError(f"{releaser.pending()} run lock release(s) still pending after {timeout} ms.")
+
+
 def redis_backend_for_tests(url: Optional[str] = None) -> "RedisBackend":
     """A :class:`RedisBackend` on ``url``, ``REDIS_URL`` or
     :data:`DEFAULT_TEST_REDIS_URL`.

@@ -24,13 +24,15 @@ from dramatiq.middleware import MiddlewareError
 from dramatiq_unique import LockBackendError, LockEvent, UniqueMiddleware, digest_for
 from dramatiq_unique.backends.redis import RedisBackend
 from dramatiq_unique.events import LOG_LINES
+from dramatiq_unique.testing import wait_for_releases
 from tests.conftest import free_port, make_worker, start_redis_server, unique, wait_for
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dramatiq_unique"
 
 #: The modules whose log lines ``LOG_LINES`` documents: the middleware at run time.
 RUNTIME_MODULES = (
-    "middleware.py", "enqueue.py", "process.py", "leases.py", "events.py", "spec.py", "results.py", "replace.py", "confirm.py", "reap.py"
+    "middleware.py", "enqueue.py", "process.py", "leases.py", "releaser.py", "events.py", "spec.py", "results.py",
+    "replace.py", "confirm.py", "reap.py",
 )
 
 
@@ -73,6 +75,7 @@ class Setup:
         else:
             self.broker.join("default", timeout=30_000)
         self.worker.join()
+        wait_for_releases(self.unique)
 
     def actor(self, fn: Any, **options: Any) -> dramatiq.Actor:
         return dramatiq.actor(fn, broker=self.broker, actor_name=f"{fn.__name__}_{uuid.uuid4().hex[:6]}", **options)

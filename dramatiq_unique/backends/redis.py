@@ -1,15 +1,17 @@
 """A lock backend on Redis, standalone or Cluster.
 
 Each lock is one hash whose key carries a Cluster hash tag around the
-digest, and every script touches that one key only.  Deadlines come
-from the server's ``TIME``, so worker clocks do not matter, and
-``redis-py``'s ``Script`` reloads a script after ``NOSCRIPT``.
+digest, and every script touches that one digest's keys only.
+Deadlines come from the server's ``TIME``, so worker clocks do not
+matter.  Scripts are called through :mod:`.calls` (one pre-encoded
+``EVALSHA`` per call, reloaded after ``NOSCRIPT``) on a standalone
+client, and through redis-py's ``Script`` on a Cluster.
 """
 
 from __future__ import annotations
 
 from importlib import resources
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence, Union
 from urllib.parse import urlsplit, urlunsplit
 
 try:
@@ -32,6 +34,7 @@ from ..backend import (
     Start,
     Waiter,
 )
+from .calls import ScriptCalls
 
 _LUA = resources.files(__package__).joinpath("lua")
 
@@ -44,6 +47,7 @@ def _source(name: str) -> str:
     return "".join(_source(line.split()[1]) if line.startswith("--@include ") else line for line in lines)
 
 
+
 _SCRIPTS = {
     name: _source(name)
     for name in (
@@ -52,6 +56,24 @@ _SCRIPTS = {
         *("confirm", "reap"),  # provisional enqueue locks and the reaper
     )
 }
+
+
+def _as_function(name: str) -> str:
+    """A script's source as a local Lua function of (KEYS, ARGV), for
+    a script that composes it.
+    """
+    return f"local function {name}(KEYS, ARGV)\n{_SCRIPTS[name]}\nend\n"
+
+
+# The common outcomes as one integer, which costs the client less to
+# read than an array: a fresh, confirmed acquisition as its fence, a
+# release that hands nothing over as its held flag.
+_SCRIPTS["acquire"] = _as_function("acquire") + (
+    "local got = acquire(KEYS, ARGV)\nif got[1] == 1 and got[4] == 0 then return got[3] end\nreturn got\n"
+)
+_SCRIPTS["release"] = _as_function("release") + (
+    "local done = release(KEYS, ARGV)\nif not done[2] then return done[1] end\nreturn done\n"
+)
 
 #: The URL scheme that connects to a Cluster.
 CLUSTER_SCHEME = "redis+cluster://"
@@ -88,14 +110,6 @@ def _copy_args(copy: Copy) -> list[Any]:
     return [copy.message_id, copy.attempt, copy.via]
 
 
-def _acquisition(status: int, holder: Any, fence: Any, confirm: Any = 0) -> Acquisition:
-    if status == 3:
-        return Acquisition(False, refused=_text(holder))
-    return Acquisition(
-        status in (1, 2), reentered=status == 2, holder=_text(holder), fence=int(fence), provisional=confirm == 1
-    )
-
-
 def _superseded(key: str) -> str:
     """The superseded record of an enqueue lock key: same hash tag."""
     return f"{key}:superseded"
@@ -107,6 +121,29 @@ _REPLACED = {0: "refused", 1: "acquired", 2: "reentered", 3: "replaced"}
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _acquisition(reply: Any, owner: str) -> Acquisition:
+    """acquire.lua's reply: the fence alone (a fresh, confirmed slot), or
+    {status, holder, fence, provisional}; status 3 names why a copy may
+    not run.
+    """
+    if isinstance(reply, int):
+        return Acquisition(True, holder=owner, fence=reply)
+    status, holder, fence, provisional = reply
+    if status == 3:
+        return Acquisition(False, refused=_text(holder))
+    return Acquisition(
+        status in (1, 2), reentered=status == 2, holder=_text(holder), fence=int(fence), provisional=provisional == 1
+    )
+
+
+def _release(reply: Any) -> Release:
+    """release.lua's reply: the held flag alone, or {held, message}."""
+    if isinstance(reply, int):
+        return Release(bool(reply))
+    held, promoted = reply
+    return Release(bool(held), promoted or None)
 
 
 class RedisBackend(LockBackend):
@@ -152,6 +189,13 @@ class RedisBackend(LockBackend):
         self.url = url
         self.cluster = isinstance(self.client, redis.cluster.RedisCluster)
         self.scripts = {name: self.client.register_script(source) for name, source in _SCRIPTS.items()}
+        self.calls = None if self.cluster else ScriptCalls(self.client, _SCRIPTS)
+        self.batches_releases = self.calls is not None
+
+    def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        if self.calls is not None:
+            return self.calls.call(name, keys, args)
+        return self.scripts[name](keys=keys, args=args, client=self.client)
 
     def describe(self) -> str:
         if self.url:
@@ -184,48 +228,49 @@ class RedisBackend(LockBackend):
         args: list[Any] = [owner, ttl, limit, lock, lock_args or "", provisional, int(where is not None), where or ""]
         if copy is not None:
             keys, args = keys + _records(copy), args + _copy_args(copy)
-        status, holder, fence, confirm = self.scripts["acquire"](keys=keys, args=args, client=self.client)
-        return _acquisition(status, holder, fence, confirm)
+        return _acquisition(self._call("acquire", keys, args), owner)
 
     def start(
         self, key: str, owner: str, *, ttl: int, limit: int, lock: str, copy: Copy, queue_key: Optional[str] = None
     ) -> Start:
         keys = [key, *_records(copy)] + ([queue_key] if queue_key else [])
-        status, holder, fence, queue = self.scripts["start"](
-            keys=keys, args=[owner, ttl, limit, lock, *_copy_args(copy)], client=self.client
-        )
-        return Start(_acquisition(status, holder, fence), queue_released=bool(queue))
+        status, holder, fence, queue = self._call("start", keys, [owner, ttl, limit, lock, *_copy_args(copy)])
+        return Start(_acquisition([status, holder, fence, 0], owner), queue_released=bool(queue))
 
     def release(self, key: str, owner: str, *, hand_over: bool = True) -> Release:
-        held, promoted = self.scripts["release"](
-            keys=[key, *_waiting(key)], args=[owner, int(hand_over)], client=self.client
-        )
-        return Release(bool(held), promoted or None)
+        return _release(self._call("release", [key, *_waiting(key)], [owner, int(hand_over)]))
+
+    def release_many(self, locks: Sequence[tuple[str, str]]) -> list[Union[Release, Exception]]:
+        if self.calls is None or len(locks) < 2:
+            return super().release_many(locks)
+        replies = self.calls.batch([("release", [key, *_waiting(key)], [owner, 1]) for key, owner in locks])
+        return [reply if isinstance(reply, Exception) else _release(reply) for reply in replies]
 
     def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> None:
-        self.scripts["wait"](
-            keys=_records(copy), args=[copy.message_id, message, order, copy.attempt, ttl], client=self.client
-        )
+        self._call("wait", _records(copy), [copy.message_id, message, order, copy.attempt, ttl])
 
     def claim(self, copy: Copy) -> bool:
-        return bool(self.scripts["claim"](keys=_records(copy), args=_copy_args(copy), client=self.client))
+        return bool(self._call("claim", _records(copy), _copy_args(copy)))
 
     def withdraw(self, copy: Copy) -> None:
-        self.scripts["withdraw"](keys=_records(copy), args=_copy_args(copy), client=self.client)
+        self._call("withdraw", _records(copy), _copy_args(copy))
 
     def extend(self, locks: Sequence[tuple[str, str]], ttl: int) -> list[bool]:
         if not locks:
             return []
+        if self.calls is not None:
+            replies = self.calls.batch([("extend", [key], [owner, ttl]) for key, owner in locks])
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+            return [bool(reply) for reply in replies]
         if len(locks) == 1:
             key, owner = locks[0]
             return [bool(self.scripts["extend"](keys=[key], args=[owner, ttl], client=self.client))]
         pipe = self.client.pipeline(transaction=False)
         for key, owner in locks:
-            if self.cluster:
-                # A Cluster pipeline refuses EVALSHA but sends EVAL, one batch per node.
-                pipe.execute_command("EVAL", _SCRIPTS["extend"], 1, key, owner, ttl)
-            else:
-                self.scripts["extend"](keys=[key], args=[owner, ttl], client=pipe)
+            # A Cluster pipeline refuses EVALSHA but sends EVAL, one batch per node.
+            pipe.execute_command("EVAL", _SCRIPTS["extend"], 1, key, owner, ttl)
         return [bool(result) for result in pipe.execute()]
 
     def confirm(self, locks: Sequence[tuple[str, str, int]]) -> list[bool]:

@@ -1,0 +1,211 @@
+"""Cheap script calls on a standalone Redis: the lock I/O of a
+:class:`~dramatiq_unique.backends.redis.RedisBackend`.
+
+redis-py's ``Script.__call__``, its connection pool and its command
+machinery cost more per lock call than the round trip itself on a
+loaded worker.  So each call here is one pre-encoded ``EVALSHA``,
+packed and sent on a connection of a small private pool that mirrors
+the client's own connection parameters, and read back with the
+connection's own parser.  What redis-py gives a command is kept: the
+connection's retry policy (a blip is retried on a fresh connection,
+exactly as ``execute_command`` retries it), its health checks and
+socket timeouts, and a reload of the script after ``NOSCRIPT``.
+
+Clients this module does not know how to mirror (Sentinel-managed
+pools, client-side caching, a single-connection client, anything that
+is not a plain ``redis.Redis``) go through ``execute_command`` and
+pipelines instead: the same replies, at redis-py's usual cost.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import select
+import ssl
+from typing import Any, Sequence, Union
+
+import redis
+from redis.connection import Connection, SSLConnection, UnixDomainSocketConnection
+from redis.exceptions import NoScriptError, ResponseError
+
+#: One script call: script name, keys, arguments.
+Call = tuple[str, Sequence[Union[str, bytes]], Sequence[Union[str, bytes, int]]]
+
+_MIRRORED = (Connection, SSLConnection, UnixDomainSocketConnection)
+_EVALSHA = b"EVALSHA"
+
+
+def _pack(command: tuple[Any, ...]) -> bytes:
+    """One command in RESP, as redis-py's packer writes it for str
+    (UTF-8), int and bytes arguments: the only kinds the scripts take.
+    """
+    parts = [b"*%d\r\n" % len(command)]
+    for arg in command:
+        if isinstance(arg, str):
+            arg = arg.encode()
+        elif isinstance(arg, int):
+            arg = b"%d" % arg
+        parts.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
+    return b"".join(parts)
+
+
+def _mirrorable(client: Any) -> bool:
+    pool: Any = getattr(client, "connection_pool", None)
+    return (
+        type(client) is redis.Redis
+        and type(pool) in (redis.ConnectionPool, redis.BlockingConnectionPool)
+        and pool.connection_class in _MIRRORED
+        and getattr(pool, "cache", None) is None
+        and pool.connection_kwargs.get("encoding", "utf-8").lower().replace("-", "") == "utf8"
+        and not getattr(client, "_single_connection_client", False)
+    )
+
+
+def _readable(conn: Any) -> bool:
+    """Whether an idle connection has anything to read: one ``poll``
+    system call on a plain socket, where redis-py's ``can_read`` makes
+    three; TLS sockets, which may hold records of their own, ask the
+    connection.
+    """
+    sock = conn._sock
+    if sock is None:
+        return False
+    if isinstance(sock, ssl.SSLSocket):
+        return bool(conn.can_read())
+    poller = getattr(conn, "_unique_poller", None)
+    if poller is None or poller[0] is not sock:
+        poller = (sock, select.poll())
+        poller[1].register(sock.fileno(), select.POLLIN)
+        conn._unique_poller = poller
+    return bool(poller[1].poll(0))
+
+
+class ScriptCalls:
+    """Calls Lua scripts by SHA1 on ``client``.
+
+    Parameters:
+      client(redis.Redis): A standalone client; its connection
+        parameters and retry policy are used.
+      sources(dict[str, str]): Script name -> Lua source.
+    """
+
+    def __init__(self, client: Any, sources: dict[str, str]) -> None:
+        self.client = client
+        self.sources = sources
+        self.shas = {name: hashlib.sha1(source.encode()).hexdigest().encode() for name, source in sources.items()}
+        self.direct = _mirrorable(client)
+        self._idle: list[Any] = []
+        self._pid = os.getpid()
+
+    # Connections ----------------------------------------------------
+
+    def _take(self) -> Any:
+        if self._pid != os.getpid():
+            # Forked: the parent's sockets are not ours to use.
+            self._idle, self._pid = [], os.getpid()
+        try:
+            conn = self._idle.pop()
+        except IndexError:
+            pool = self.client.connection_pool
+            return pool.connection_class(**pool.connection_kwargs)
+        # As redis-py's pool does: an idle connection that has data to
+        # read was closed by the server (a restart, an idle timeout) or
+        # left dirty; reconnect before sending, while that is still safe.
+        try:
+            if _readable(conn):
+                conn.disconnect()
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            conn.disconnect()
+        return conn
+
+    def _give(self, conn: Any) -> None:
+        if conn.pid == os.getpid():
+            self._idle.append(conn)
+
+    def add(self, name: str, source: str) -> None:
+        """Make one more script callable by ``name``."""
+        self.sources = {**self.sources, name: source}
+        self.shas = {**self.shas, name: hashlib.sha1(source.encode()).hexdigest().encode()}
+
+    def close(self) -> None:
+        """Disconnect the idle connections."""
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.disconnect()
+
+    def _command(self, call: Call) -> tuple[Any, ...]:
+        name, keys, args = call
+        return (_EVALSHA, self.shas[name], len(keys), *keys, *args)
+
+    def _exchange(self, conn: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """One round trip: send every command, read every reply; a
+        Redis error reply is returned in its place, not raised.
+        """
+        conn.send_packed_command([b"".join(_pack(command) for command in commands)])
+        replies: list[Any] = []
+        for _ in commands:
+            try:
+                replies.append(conn.read_response())
+            except ResponseError as e:
+                replies.append(e)
+        return replies
+
+    def _round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        if not self.direct:
+            return self._through_client(commands)
+        conn = self._take()
+        try:
+            result: list[Any] = conn.retry.call_with_retry(
+                lambda: self._exchange(conn, commands), lambda _error: conn.disconnect()
+            )
+            return result
+        finally:
+            self._give(conn)
+
+    def _through_client(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        if len(commands) == 1:
+            try:
+                return [self.client.execute_command(*commands[0])]
+            except ResponseError as e:
+                return [e]
+        pipe = self.client.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        return list(pipe.execute(raise_on_error=False))
+
+    # Calls ----------------------------------------------------------
+
+    def call(self, name: str, keys: Sequence[Union[str, bytes]], args: Sequence[Union[str, bytes, int]]) -> Any:
+        """Run one script and return its reply.
+
+        Raises:
+          redis.RedisError: on a connection failure that outlived the
+            client's retries, or an error reply of the script.
+        """
+        [reply] = self.batch([(name, keys, args)])
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    def batch(self, calls: Sequence[Call]) -> list[Any]:
+        """Run scripts in one round trip (two after ``NOSCRIPT``).
+
+        Returns:
+          list: per call, its reply, or the ``ResponseError`` it got.
+        """
+        commands = [self._command(call) for call in calls]
+        replies = self._round_trip(commands)
+        missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if missing:
+            # A script flush or a new server: nothing in ``missing`` ran.
+            # Load what is missing and send those calls again, in one round trip.
+            loads = [(b"SCRIPT", b"LOAD", self.sources[name]) for name in {calls[i][0] for i in missing}]
+            again = self._round_trip(loads + [commands[i] for i in missing])
+            for error in again[: len(loads)]:
+                if isinstance(error, Exception):
+                    raise error
+            for i, reply in zip(missing, again[len(loads) :]):
+                replies[i] = reply
+        return replies
+

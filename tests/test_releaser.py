@@ -1,0 +1,161 @@
+"""Run locks released off the worker thread, and the run lock of
+``until_and_while_executing`` taken with its enqueue lock released in
+one call.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Sequence, Union
+
+import dramatiq
+import pytest
+from dramatiq import Worker
+from dramatiq.brokers.redis import RedisBroker
+
+from dramatiq_unique.backend import Release
+from dramatiq_unique.backends.redis import RedisBackend
+from dramatiq_unique.releaser import PendingRelease, Releaser
+
+from .conftest import make_worker, unique, wait_for
+
+
+class SlowBackend(RedisBackend):
+    """Releases for real, but only once ``gate`` is set; records every call."""
+
+    def __init__(self, client: Any) -> None:
+        super().__init__(client=client)
+        self.gate = threading.Event()
+        self.sent: list[tuple[str, str]] = []
+
+    def release_many(self, locks: Sequence[tuple[str, str]]) -> list[Union[Release, Exception]]:
+        self.gate.wait(10)
+        self.sent += locks
+        return super().release_many(locks)
+
+
+def pending(key: str, owner: str, outcomes: list[Any]) -> PendingRelease:
+    return PendingRelease(key, owner, "actor", outcomes.append)
+
+
+def test_every_release_is_sent_once_and_reported_once(redis_client):
+    # Given 400 held locks and a releaser
+    backend = SlowBackend(redis_client)
+    backend.gate.set()
+    locks = [(f"t:{{{i}}}:run", f"m{i}/0") for i in range(400)]
+    for key, owner in locks:
+        backend.acquire(key, owner, ttl=60_000)
+    releaser = Releaser(backend, on_stalled=lambda batch: None)
+    outcomes: list[Any] = []
+    # When 8 threads submit their releases at once
+    threads = [threading.Thread(target=lambda part=locks[i::8]: [releaser.submit(pending(*lock, outcomes))
+                                                                    for lock in part]) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert releaser.drain(10_000)
+    # Then each lock was released exactly once, in batches, and every one was held until then
+    assert sorted(backend.sent) == sorted(locks)
+    assert len(outcomes) == 400 and all(isinstance(o, Release) and o.held for o in outcomes)
+    assert not any(redis_client.exists(key) for key, _ in locks)
+    releaser.stop()
+
+
+def test_a_stalled_backend_is_reported_without_stalling_the_submitters(redis_client, caplog):
+    # Given a backend that does not answer
+    backend = SlowBackend(redis_client)
+    backend.acquire("t:{a}:run", "a/0", ttl=60_000)
+    backend.acquire("t:{b}:run", "b/0", ttl=60_000)
+    backend.acquire("t:{c}:run", "c/0", ttl=60_000)
+    stalled: list[list[PendingRelease]] = []
+    releaser = Releaser(backend, on_stalled=stalled.append, stall_after=50)
+    outcomes: list[Any] = []
+    releaser.submit(pending("t:{a}:run", "a/0", outcomes))
+    wait_for(lambda: releaser.pending() == 1 and not releaser._pending, what="the first batch in flight")
+    # When a worker submits another release after the stall threshold
+    time.sleep(0.1)
+    started = time.monotonic()
+    releaser.submit(pending("t:{b}:run", "b/0", outcomes))
+    # Then it returns at once, and the stuck batch is reported, once
+    assert time.monotonic() - started < 0.05
+    assert [[p.key for p in batch] for batch in stalled] == [["t:{a}:run"]]
+    releaser.submit(pending("t:{c}:run", "c/0", outcomes))
+    assert len(stalled) == 1
+    # And a stop that cannot drain gives up after its timeout and says so
+    with caplog.at_level(logging.WARNING):
+        started = time.monotonic()
+        releaser.stop(timeout=100)
+    assert time.monotonic() - started < 1
+    assert "were not released before shutdown" in caplog.text
+    # And once the backend answers, everything is released and reported
+    backend.gate.set()
+    wait_for(lambda: len(outcomes) == 3, what="the releases")
+    assert [o.held for o in outcomes] == [True, True, True]
+
+
+def test_a_worker_shutdown_drains_the_pending_releases(redis_client, stub_broker):
+    # Given a Redis lock backend and a while_executing job that has just run
+    backend = SlowBackend(redis_client)
+    middleware = unique(backend, prefix="drain")
+    stub_broker.add_middleware(middleware)
+    ran = threading.Event()
+
+    @dramatiq.actor(broker=stub_broker, lock="while_executing", lock_args=["key"])
+    def job(key: int) -> None:
+        ran.set()
+
+    worker = make_worker(stub_broker, threads=2)
+    job.send(1)
+    assert ran.wait(10)
+    wait_for(lambda: backend.sent == [] and middleware.releaser is not None and middleware.releaser.pending() == 1,
+             what="the release to be pending")
+    # When the worker shuts down while the backend answers slowly
+    threading.Timer(0.2, backend.gate.set).start()
+    worker.stop()
+    # Then the shutdown waited for the release
+    assert [key for key, _ in backend.sent] == ["drain:job:{%s}:run" % job_digest(middleware, job)]
+    assert redis_client.keys("drain:*") == []
+
+
+def job_digest(middleware: Any, actor: Any) -> str:
+    return str(middleware.specs[actor.actor_name].digest((1,), {}))
+
+
+def test_after_a_hand_off_the_redis_consumer_polls_quickly_for_a_while(redis_url, redis_client):
+    # Given a Redis broker whose worker backs off up to 1 s, and three same-key jobs
+    broker = RedisBroker(url=redis_url, namespace="t-handoff")
+    broker.emit_after("process_boot")
+    middleware = unique(prefix="t-handoff")
+    broker.add_middleware(middleware)
+    middleware._process.handoffs.hold = 1_500
+    ran: list[tuple[int, float, float]] = []
+
+    @dramatiq.actor(broker=broker, lock="while_executing", lock_args=["key"])
+    def job(key: int, seq: int) -> None:
+        started = time.monotonic()
+        time.sleep(0.05)
+        ran.append((seq, started, time.monotonic()))
+
+    for seq in range(3):
+        job.send(1, seq)
+    worker = Worker(broker, worker_timeout=1_000, worker_threads=4)
+    worker.start()
+    try:
+        consumer = worker.consumers["default"]
+        # When a hand-off has happened
+        wait_for(lambda: len(ran) >= 2, what="a hand-off")
+        # Then the queue's consumer polls at least every 5 ms
+        assert consumer.consumer.timeout == 5
+        # And once no hand-off has followed for a while, its own backoff is back
+        wait_for(lambda: len(ran) == 3, what="every job")
+        wait_for(lambda: consumer.consumer.timeout == 1_000, timeout=5, what="the backoff to come back")
+    finally:
+        worker.stop()
+        broker.close()
+    # And the jobs ran one at a time, each once
+    ordered = sorted(ran, key=lambda run: run[1])
+    assert sorted(seq for seq, _, _ in ran) == [0, 1, 2]
+    assert all(b[1] >= a[2] for a, b in zip(ordered, ordered[1:]))
