@@ -33,6 +33,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from dramatiq_unique import StubBackend, UniqueMiddleware, digest_for
 from dramatiq_unique.backends.redis import RedisBackend
+from dramatiq_unique.testing import wait_for_releases
 
 QUEUE = "replace-machine"
 
@@ -204,6 +205,7 @@ class ReplaceMachine(RuleBasedStateMachine):
             assert self.successes.get(self.newest) == 1, "the newest message did not run once"
         backend = self.middleware.backend
         assert backend is not None
+        wait_for_releases(self.middleware)  # run locks on Redis are released in the background
         keys = list(backend.scan(f"{self.prefix}:*"))
         # Superseded and message records expire on their own; locks and waiters must be gone.
         assert [key for key in keys if key.endswith((":queue", ":run", ":wait", ":bodies"))] == [], "a lock was left"
