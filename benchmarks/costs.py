@@ -29,7 +29,7 @@ from .server import cleanup, command_usec
 #: The name of a bare send in :func:`call_costs`.
 SEND = "bare send (one dispatch.lua)"
 #: A send of an ``until_executed`` actor on the broker's own Redis.
-LOCKED_SEND = "`until_executed` send (acquire.lua + dispatch.lua in one script)"
+LOCKED_SEND = "`until_executed` send (one lock round trip, then dispatch.lua)"
 
 
 @dataclass
