@@ -232,15 +232,7 @@ class EnqueueGuard:
                 copy=copy,
             )
         except Exception as e:
-            error = middleware.backend_error("take the enqueue lock", key, spec, message, e)
-            if fresh and middleware.settings.on_backend_error == "fail":
-                message.options.pop("unique_digest", None)
-                if _maybe_applied(e):
-                    # Only the reply may be lost: the guard gives back
-                    # whatever this new message holds.
-                    self._record(key, message.message_id)
-                raise error from e
-            middleware.logger.warning("Enqueueing %s without its lock %r.", message, key)
+            self.take_failed(message, spec, key, fresh, e)
             return
         if got.refused:
             middleware.logger.debug("Re-enqueued %s without its lock %r: %s.", message, key, got.refused)
@@ -259,6 +251,21 @@ class EnqueueGuard:
             middleware.emit("lock_lost", spec, key, message, got.holder)
             return
         self._refuse(message, spec, key, got.holder)
+
+    def take_failed(self, message: Any, spec: ActorSpec, key: str, fresh: bool, error: Exception) -> None:
+        """A call that takes the enqueue lock failed: a new send fails
+        closed (unless told to go on unlocked); a re-enqueue goes on.
+        """
+        middleware = self.middleware
+        wrapped = middleware.backend_error("take the enqueue lock", key, spec, message, error)
+        if fresh and middleware.settings.on_backend_error == "fail":
+            message.options.pop("unique_digest", None)
+            if _maybe_applied(error):
+                # Only the reply may be lost: the guard gives back whatever
+                # this new message holds (and what a replace superseded).
+                self._record(key, message.message_id)
+            raise wrapped from error
+        middleware.logger.warning("Enqueueing %s without its lock %r.", message, key)
 
     def _record(self, key: str, owner: str) -> None:
         """Remember a lock this guarded call took, to give it back if

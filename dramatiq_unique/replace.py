@@ -65,21 +65,7 @@ def take(guard: "EnqueueGuard", message: Any, delay: Optional[int], spec: ActorS
     except MiddlewareError:  # a refused duplicate
         raise
     except Exception as e:
-        error = middleware.backend_error("take the enqueue lock", key, spec, message, e)
-        if fresh and middleware.settings.on_backend_error == "fail":
-            message.options.pop("unique_digest", None)
-            if _maybe_applied(e):
-                # Only the reply may be lost: the guard restores what this
-                # send superseded and gives back what it holds.
-                guard._record(key, message.message_id)
-            raise error from e
-        middleware.logger.warning("Enqueueing %s without its lock %r.", message, key)
-
-
-def _maybe_applied(error: Exception) -> bool:
-    from .enqueue import _maybe_applied as maybe_applied
-
-    return maybe_applied(error)
+        guard.take_failed(message, spec, key, fresh, e)
 
 
 def _replace(guard: "EnqueueGuard", message: Any, delay: Optional[int], spec: ActorSpec, key: str, ttl: int) -> None:

@@ -256,59 +256,31 @@ class RedisBackend(LockBackend):
         self._call("withdraw", _records(copy), _copy_args(copy))
 
     def extend(self, locks: Sequence[tuple[str, str]], ttl: int) -> list[bool]:
-        if not locks:
-            return []
-        if self.calls is not None:
-            replies = self.calls.batch([("extend", [key], [owner, ttl]) for key, owner in locks])
-            for reply in replies:
-                if isinstance(reply, Exception):
-                    raise reply
-            return [bool(reply) for reply in replies]
-        if len(locks) == 1:
-            key, owner = locks[0]
-            return [bool(self.scripts["extend"](keys=[key], args=[owner, ttl], client=self.client))]
-        pipe = self.client.pipeline(transaction=False)
-        for key, owner in locks:
-            # A Cluster pipeline refuses EVALSHA but sends EVAL, one batch per node.
-            pipe.execute_command("EVAL", _SCRIPTS["extend"], 1, key, owner, ttl)
-        return [bool(result) for result in pipe.execute()]
+        return self._each("extend", [(key, owner, ttl) for key, owner in locks])
 
     def confirm(self, locks: Sequence[tuple[str, str, int]]) -> list[bool]:
         return self._each("confirm", locks)
 
     def _each(self, script: str, calls: Sequence[tuple[str, str, int]]) -> list[bool]:
         """Run a one-key ``script`` once per ``(key, owner, ttl)``, in
-        one round trip (as :meth:`extend` does).
+        one round trip.
         """
         if not calls:
             return []
-        if len(calls) == 1:
-            key, owner, ttl = calls[0]
-            return [bool(self.scripts[script](keys=[key], args=[owner, ttl], client=self.client))]
-        if self.cluster:
-            pipe = self.client.pipeline(transaction=False)
-            for key, owner, ttl in calls:
-                # A Cluster pipeline refuses EVALSHA but sends EVAL, one batch per node.
-                pipe.execute_command("EVAL", _SCRIPTS[script], 1, key, owner, ttl)
-            return [bool(result) for result in pipe.execute()]
-        # Plain EVALSHA: a third cheaper than Script calls, for a path
-        # that runs once per send.  The scripts are idempotent, so after a
-        # NOSCRIPT (Redis restarted) the whole batch is simply sent again.
-        sha = self.scripts[script].sha
-        for attempt in range(2):
-            pipe = self.client.pipeline(transaction=False)
-            for key, owner, ttl in calls:
-                pipe.execute_command("EVALSHA", sha, 1, key, owner, ttl)
-            try:
-                return [bool(result) for result in pipe.execute()]
-            except redis.exceptions.NoScriptError:
-                if attempt:
-                    raise
-                self.client.script_load(_SCRIPTS[script])
-        raise AssertionError("unreachable")  # pragma: no cover
+        if self.calls is not None:
+            replies = self.calls.batch([(script, [key], [owner, ttl]) for key, owner, ttl in calls])
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+            return [bool(reply) for reply in replies]
+        pipe = self.client.pipeline(transaction=False)
+        for key, owner, ttl in calls:
+            # A Cluster pipeline refuses EVALSHA but sends EVAL, one batch per node.
+            pipe.execute_command("EVAL", _SCRIPTS[script], 1, key, owner, ttl)
+        return [bool(result) for result in pipe.execute()]
 
     def reap(self, key: str, owner: str, record: EnqueueRecord) -> bool:
-        return bool(self.scripts["reap"](keys=[key], args=[owner, record.encode()], client=self.client))
+        return bool(self._call("reap", [key], [owner, record.encode()]))
 
     def replace(
         self,
@@ -323,10 +295,10 @@ class RedisBackend(LockBackend):
         debounce_max: int = 0,
         superseded_ttl: int,
     ) -> Replacement:
-        status, other, fence, delay = self.scripts["replace"](
-            keys=[key, _superseded(key)],
-            args=[owner, ttl, lock, lock_args or "", int(keep_started), debounce, debounce_max, superseded_ttl],
-            client=self.client,
+        status, other, fence, delay = self._call(
+            "replace",
+            [key, _superseded(key)],
+            [owner, ttl, lock, lock_args or "", int(keep_started), debounce, debounce_max, superseded_ttl],
         )
         return Replacement(_REPLACED[int(status)], _text(other) if other else None, int(delay), int(fence))
 
@@ -344,11 +316,11 @@ class RedisBackend(LockBackend):
         args: list[Any] = [owner, "reenter" if reenter else "start", ttl, lock]
         if reenter and copy is not None:
             keys, args = keys + _records(copy), args + [copy.attempt, copy.via]
-        status, other = self.scripts["current"](keys=keys, args=args, client=self.client)
+        status, other = self._call("current", keys, args)
         return int(status), _text(other) if other else None
 
     def unreplace(self, key: str, owner: str) -> Optional[str]:
-        previous = self.scripts["unreplace"](keys=[key, _superseded(key)], args=[owner], client=self.client)
+        previous = self._call("unreplace", [key, _superseded(key)], [owner])
         return _text(previous) if previous else None
 
     def inspect(self, key: str) -> Optional[LockInfo]:
