@@ -271,14 +271,15 @@ class UniqueMiddleware(Middleware):
         self._retries = any(isinstance(m, Retries) for m in broker.middleware)
         self._move_before_interrupters(broker, worker)
         quiet_our_skips()
-        self._reaper = start_periodic_reaper(self, broker)
+        if self._reaper is None:
+            self._reaper = start_periodic_reaper(self, broker)
 
     def _move_before_interrupters(self, broker: "Broker", worker: "Worker") -> None:
-        # Called while emit_before iterates over the stack.  Moving
-        # ourselves earlier is safe: only visited items shift.  A
-        # middleware moved in front of us from behind is never visited,
-        # so it gets its hook here, and we are visited twice: idempotent.
-        stack = broker.middleware
+        # Called while emit_before iterates over the stack: the new order
+        # goes into a new list, so the ongoing iteration over the old one
+        # still visits every middleware exactly once (AsyncIO's boot hook
+        # starts a thread: twice would start two).
+        stack = list(broker.middleware)
         targets = [i for i, m in enumerate(stack) if isinstance(m, _RUN_AFTER)]
         here = stack.index(self)
         if targets and min(targets) < here:
@@ -287,7 +288,8 @@ class UniqueMiddleware(Middleware):
         for late in [m for m in stack[stack.index(self) + 1 :] if isinstance(m, _RUN_BEFORE)]:
             stack.insert(stack.index(self), stack.pop(stack.index(late)))
             self.logger.debug("Moved %s before UniqueMiddleware.", type(late).__name__)
-            late.before_worker_boot(broker, worker)
+        if stack != broker.middleware:
+            broker.middleware = stack
 
     def after_consumer_thread_boot(self, broker: "Broker", thread: Any) -> None:
         self._process.handoffs.consumer_booted(thread)
@@ -300,6 +302,7 @@ class UniqueMiddleware(Middleware):
             self._leases.stop()
         if self._reaper is not None:
             self._reaper.stop()
+            self._reaper = None
         self.flush_confirmations()
 
     # Enqueue --------------------------------------------------------

@@ -425,3 +425,23 @@ def test_an_async_actor_that_ignores_its_time_limit_keeps_its_lock_until_it_ends
     (first_start, first_end), (second_start, _) = sorted(spans)
     assert second_start >= first_end
     assert rig.unique.events.count("lock_lost") == 0
+
+
+def test_placement_at_boot_runs_every_boot_hook_once(stub_broker):
+    # Given AsyncIO, then the middleware, then Prometheus: boot moves both of ours
+    import dramatiq.asyncio
+    from dramatiq.middleware.prometheus import Prometheus
+
+    stub_broker.add_middleware(AsyncIO())
+    stub_broker.add_middleware(unique())
+    stub_broker.add_middleware(Prometheus())
+    dramatiq.actor(lambda key: None, broker=stub_broker, actor_name="placed", lock="while_executing")
+    worker = make_worker(stub_broker, threads=1)
+    try:
+        # Then AsyncIO started one event loop, not one per visit of its boot hook
+        loops = [t for t in threading.enumerate() if isinstance(t, dramatiq.asyncio.EventLoopThread)]
+        assert len(loops) == 1
+        names = [type(m).__name__ for m in stub_broker.middleware]
+        assert names.index("Prometheus") < names.index("UniqueMiddleware") < names.index("AgeLimit")
+    finally:
+        worker.stop()
