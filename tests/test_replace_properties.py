@@ -157,6 +157,9 @@ class ReplaceMachine(RuleBasedStateMachine):
         else:
             self.broker.emit_before("ack", proxy)
             self.broker.emit_after("ack", proxy)
+        # Run locks on Redis are released, and their waiters handed over,
+        # in the background: settle that before the next step looks.
+        wait_for_releases(self.middleware)
         self.collect()
 
     def start(self, proxy: MessageProxy) -> None:
