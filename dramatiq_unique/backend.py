@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 
 @dataclass(frozen=True)
@@ -428,6 +428,23 @@ class LockBackend(abc.ABC):
             except Exception as e:
                 outcomes.append(e)
         return outcomes
+
+    def release_and_start(
+        self, releases: Sequence[tuple[str, str]], key: str, owner: str, **options: Any
+    ) -> tuple[list[Union[Release, Exception]], Union[Start, Exception]]:
+        """Release each of ``releases`` as :meth:`release_many` does,
+        then :meth:`start` ``key`` for ``owner`` with ``options``: in one
+        round trip where the backend batches releases.
+
+        Returns:
+          tuple: the outcome of each release, and the :class:`Start`, or
+          the exception the start raised.
+        """
+        released = self.release_many(releases)
+        try:
+            return released, self.start(key, owner, **options)
+        except Exception as e:
+            return released, e
 
     def describe(self) -> str:
         """A short description for error messages, e.g. a URL."""

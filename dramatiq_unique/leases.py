@@ -113,23 +113,28 @@ class LeaseKeeper:
     def hold(self, key: str, owner: str, taken_at: float, *, actor: str = "") -> Lease:
         """Start renewing a lease taken at monotonic ``taken_at`` ms."""
         lease = Lease(key, owner, actor, taken_at + self.lease, taken_at + self.lease / 3)
-        with self._wakeup:
-            self._leases[id(lease)] = lease
-            if self._thread is None or not self._thread.is_alive():
-                self._stopping = False
-                self._thread = threading.Thread(target=self._run, name="dramatiq-unique-leases", daemon=True)
-                self._thread.start()
+        # One dict store, atomic on its own: worker threads register and
+        # drop a lease per job without contending for the renewal lock.
+        self._leases[id(lease)] = lease
+        if self._thread is None or not self._thread.is_alive():
+            with self._wakeup:
+                if self._thread is None or not self._thread.is_alive():
+                    self._stopping = False
+                    self._thread = threading.Thread(target=self._run, name="dramatiq-unique-leases", daemon=True)
+                    self._thread.start()
         return lease
 
     def drop(self, lease: Lease) -> None:
         """Stop renewing ``lease``."""
-        with self._wakeup:
-            self._leases.pop(id(lease), None)
+        self._leases.pop(id(lease), None)
 
     def count(self, actor: Optional[str] = None) -> int:
         """How many leases this process holds, for one actor or all."""
-        with self._wakeup:
-            return sum(1 for lease in self._leases.values() if actor in (None, lease.actor))
+        return sum(1 for lease in self._held() if actor in (None, lease.actor))
+
+    def _held(self) -> list[Lease]:
+        # A copy made in one call: the dict may change while it is read.
+        return list(self._leases.values())
 
     def stop(self) -> None:
         """Stop the renewal thread; held leases then run out."""
@@ -145,7 +150,8 @@ class LeaseKeeper:
                 if self._stopping:
                     return
                 now = _now_ms()
-                following = min((lease.renew_at for lease in self._leases.values()), default=None)
+                held = self._held()
+                following = min((lease.renew_at for lease in held), default=None)
                 if following is None or following > now:
                     wait = self.lease / 3 if following is None else following - now
                     self._wakeup.wait(timeout=max(wait, 1) / 1000)
@@ -154,7 +160,7 @@ class LeaseKeeper:
                 # times: renew with the first every lease due within half an
                 # interval, so that they align and share one round trip.
                 # Renewing early is safe; it only moves the deadline later.
-                due = [lease for lease in self._leases.values() if lease.renew_at <= now + self.lease / 6]
+                due = [lease for lease in held if lease.renew_at <= now + self.lease / 6]
             self.renew(due)
 
     def renew(self, due: list[Lease]) -> None:
@@ -189,8 +195,7 @@ class LeaseKeeper:
         return self._renewal.result(min(lease.expires_at for lease in due) - _now_ms())
 
     def _lose(self, lease: Lease) -> None:
-        with self._wakeup:
-            if self._leases.pop(id(lease), None) is None:
-                return
+        if self._leases.pop(id(lease), None) is None:
+            return
         lease.lost = True
         self.on_lost(lease)

@@ -12,7 +12,6 @@ other, and every stale copy, is skipped.  ``docs/reliability.md``,
 from __future__ import annotations
 
 import itertools
-import os
 import random
 import time
 from typing import TYPE_CHECKING, Any, NoReturn, Optional
@@ -26,6 +25,7 @@ from .coroutines import watch
 from .delivery import Delivery, attach, copy_of, message_id_of, set_fence
 from .errors import CopySkipped, LockConflict, Rescheduled
 from .events import LockEvent
+from .forks import pid
 from .handoff import HandoffPolls
 from .leases import Lease
 from .replace import skip_if_superseded
@@ -82,7 +82,7 @@ class ProcessGuard:
             self._take_run_lock(broker, message, state)
 
     def _owner(self, message: "MessageProxy") -> str:
-        return f"{message.message_id}/{self._token_prefix}.{os.getpid():x}.{next(self._tokens):x}"
+        return f"{message.message_id}/{self._token_prefix}.{pid():x}.{next(self._tokens):x}"
 
     def _take_run_lock(self, broker: "Broker", message: "MessageProxy", state: Delivery) -> None:
         middleware, spec = self.middleware, state.spec
@@ -94,8 +94,10 @@ class ProcessGuard:
         taken_at = time.monotonic() * 1000
         # Set before the call: one whose reply is lost may have taken it.
         state.run_key, state.run_owner = key, owner
+        # Releases pending in this process ride in front of the call.
+        starter = middleware.releaser or self.backend
         try:
-            started = self.backend.start(
+            started = starter.start(
                 key,
                 owner,
                 ttl=middleware.settings.lease,

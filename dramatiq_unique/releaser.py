@@ -1,21 +1,28 @@
-"""Releases run locks off the worker thread.
+"""Releases run locks off the worker thread's own round trips.
 
-A worker thread that has run its actor hands the release of its run
-lock to one daemon thread per process and moves on to its next
-message.  The releaser sends every release pending at that moment in
-one round trip (:meth:`LockBackend.release_many`), then reports each
-outcome on its own thread, which also enqueues the message a release
-handed the key to.
+A worker thread that has run its actor queues the release of its run
+lock here and moves on to its next message.  The releases pending when
+a worker thread takes its next run lock ride in front of that call, in
+the same round trip (:meth:`LockBackend.release_and_start`): under load
+a release costs no round trip of its own.  What no worker thread has
+carried within ``linger`` milliseconds, one daemon thread per process
+sends in one round trip (:meth:`LockBackend.release_many`).  A release
+that hands its key to a waiter is reported on that thread, which
+enqueues the promoted message; other outcomes are reported where they
+arrived.
 
 What stays true:
 
 * Each release is submitted once, by the delivery that took the lock,
-  and sent once; the release script checks the owner, so a release can
-  never free another holder's slot.
+  and sent once, by whichever thread takes it off the pending list
+  first; the release script checks the owner, so a release can never
+  free another holder's slot.  A release sent in front of another
+  lock's call is applied before it.
 * Nothing on a worker thread waits for Redis here: submitting appends
   to a list.  A batch that has waited longer than ``stall_after`` for
   its reply is reported (ERROR log and a ``backend_error`` per lock) by
-  the next submission, so a stuck Redis is never silent.
+  the next submission, so a stuck Redis is never silent.  A release
+  that rides with a run lock's call fails with that call.
 * The lock is released a little later than the message is acked.  If
   the process dies in between, the key stays held until its lease
   expires (``lease``, 60 s by default), as after any crash.
@@ -25,15 +32,15 @@ What stays true:
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from dramatiq.logging import get_logger
 
-from .backend import LockBackend, Release
+from .backend import LockBackend, Release, Start
+from .forks import pid
 
 #: The most releases sent in one round trip.
 DEFAULT_BATCH = 256
@@ -45,6 +52,15 @@ DEFAULT_STALL_AFTER = 1_000
 #: How long, in milliseconds, the worker's shutdown waits for pending
 #: releases.
 DEFAULT_DRAIN_TIMEOUT = 10_000
+
+#: How long, in milliseconds, a release waits for a worker thread's run
+#: lock call to carry it before the releaser thread sends it.
+DEFAULT_LINGER = 2
+
+#: After how long without a submission, in milliseconds, the releaser
+#: thread stops looking every ``linger`` and waits to be woken: under
+#: load it wakes once per ``linger``, not once per release.
+QUIET_AFTER = 50
 
 Outcome = Union[Release, Exception]
 
@@ -83,6 +99,8 @@ class Releaser:
       batch(int): The most releases per round trip.
       stall_after(int): In milliseconds.
       drain_timeout(int): In milliseconds.
+      linger(int): In milliseconds; 0 sends every release at once from
+        the releaser thread.
     """
 
     def __init__(
@@ -93,6 +111,7 @@ class Releaser:
         batch: int = DEFAULT_BATCH,
         stall_after: int = DEFAULT_STALL_AFTER,
         drain_timeout: int = DEFAULT_DRAIN_TIMEOUT,
+        linger: int = DEFAULT_LINGER,
     ) -> None:
         self.logger = get_logger(__name__, type(self))
         self.backend = backend
@@ -100,23 +119,30 @@ class Releaser:
         self.batch = batch
         self.stall_after = stall_after
         self.drain_timeout = drain_timeout
+        self.linger = linger
         self._pending: list[PendingRelease] = []
         self._sending: list[PendingRelease] = []
+        self._riding = 0  # releases sent by worker threads, not yet reported
+        self._draining = 0  # drains waiting: the releaser lingers for none
+        self._last_submitted = 0.0
+        self._handoffs: list[tuple[PendingRelease, Outcome]] = []  # to report on the releaser thread
         self._sending_since = 0.0
         self._stall_reported = False
         self._wakeup = threading.Condition()
         self._thread: Optional[threading.Thread] = None
-        self._pid = os.getpid()
+        self._pid = pid()
         self._stopping = False
         self._idle = False
 
     def submit(self, pending: PendingRelease) -> None:
         """Queue one release; never waits for the backend."""
         with self._wakeup:
-            if self._pid != os.getpid():
+            if self._pid != pid():
                 # A forked child: the parent releases what it queued.
-                self._pending, self._sending, self._pid = [], [], os.getpid()
+                self._pending, self._sending, self._handoffs, self._riding = [], [], [], 0
+                self._pid = pid()
             self._pending.append(pending)
+            self._last_submitted = pending.submitted_at
             if self._thread is None or not self._thread.is_alive():
                 self._stopping = False
                 self._thread = threading.Thread(target=self._run, name="dramatiq-unique-releaser", daemon=True)
@@ -127,6 +153,53 @@ class Releaser:
         if stalled:
             self.on_stalled(stalled)
 
+    def start(self, key: str, owner: str, **options: Any) -> Start:
+        """:meth:`LockBackend.start`, with the releases pending now sent
+        in front of it, in the same round trip.
+
+        Raises:
+          Exception: What the start raised; the releases that rode with
+            it are reported as failed with it.
+        """
+        riders = self._board()
+        if not riders:
+            return self.backend.start(key, owner, **options)
+        try:
+            outcomes, started = self.backend.release_and_start(
+                [(pending.key, pending.owner) for pending in riders], key, owner, **options
+            )
+        except Exception as e:
+            outcomes, started = [e] * len(riders), e
+        self._arrived(riders, outcomes)
+        if isinstance(started, Exception):
+            raise started
+        return started
+
+    def _board(self) -> list[PendingRelease]:
+        if not self._pending or self._pid != pid():
+            return []  # read without the lock: a release missed here goes with the next call
+        with self._wakeup:
+            riders, self._pending = self._pending[: self.batch], self._pending[self.batch :]
+            self._riding += len(riders)
+        return riders
+
+    def _arrived(self, riders: Sequence[PendingRelease], outcomes: Sequence[Outcome]) -> None:
+        """Report the releases a worker thread carried: a hand-off on
+        the releaser thread, which enqueues the promoted message; the
+        rest here.
+        """
+        handoffs = []
+        for pending, outcome in zip(riders, outcomes):
+            if isinstance(outcome, Release) and outcome.promoted is not None:
+                handoffs.append((pending, outcome))
+            else:
+                self._report(pending, outcome)
+        with self._wakeup:
+            self._riding -= len(riders) - len(handoffs)
+            self._handoffs += handoffs
+            if handoffs or self._draining:
+                self._wakeup.notify_all()
+
     def _stalled(self) -> list[PendingRelease]:
         """The batch in flight, once, when it has waited too long."""
         if not self._sending or self._stall_reported or _now_ms() - self._sending_since < self.stall_after:
@@ -135,9 +208,12 @@ class Releaser:
         return list(self._sending)
 
     def pending(self) -> int:
-        """How many releases are queued or in flight."""
+        """How many releases are queued, in flight or not yet reported."""
         with self._wakeup:
-            return len(self._pending) + len(self._sending)
+            return self._left()
+
+    def _left(self) -> int:
+        return len(self._pending) + len(self._sending) + self._riding
 
     def drain(self, timeout: Optional[float] = None) -> bool:
         """Wait until every submitted release was sent and reported, at
@@ -148,13 +224,18 @@ class Releaser:
         """
         deadline = _now_ms() + (self.drain_timeout if timeout is None else timeout)
         with self._wakeup:
-            while self._pending or self._sending:
-                if self._thread is None or not self._thread.is_alive():
-                    return False
-                left = deadline - _now_ms()
-                if left <= 0:
-                    return False
-                self._wakeup.wait(timeout=left / 1000)
+            self._draining += 1
+            self._wakeup.notify_all()  # a lingering releaser sends at once
+            try:
+                while self._left():
+                    if (self._thread is None or not self._thread.is_alive()) and not self._riding:
+                        return False
+                    left = deadline - _now_ms()
+                    if left <= 0:
+                        return False
+                    self._wakeup.wait(timeout=left / 1000)
+            finally:
+                self._draining -= 1
         return True
 
     def stop(self, timeout: Optional[float] = None) -> None:
@@ -165,29 +246,57 @@ class Releaser:
         with self._wakeup:
             self._stopping = True
             self._wakeup.notify_all()
-            left = len(self._pending) + len(self._sending)
+            left = self._left()
         if not drained and left:
             self.logger.warning("%d run lock(s) were not released before shutdown; their leases expire.", left)
 
     def _run(self) -> None:
         while True:
             with self._wakeup:
-                while not self._pending and not self._stopping:
-                    self._idle = True
-                    self._wakeup.wait(timeout=1.0)
-                self._idle = False
-                if not self._pending:
+                batch, handoffs = self._next()
+                if batch is None:
                     return
-                batch, self._pending = self._pending[: self.batch], self._pending[self.batch :]
                 self._sending, self._sending_since, self._stall_reported = batch, _now_ms(), False
+            for pending, outcome in handoffs:
+                self._report(pending, outcome)
             outcomes = self._release(batch)
             for pending, outcome in zip(batch, outcomes):
                 self._report(pending, outcome)
             with self._wakeup:
                 self._sending = []
+                self._riding -= len(handoffs)
                 self._wakeup.notify_all()
 
+    def _next(self) -> tuple[Optional[list[PendingRelease]], list[tuple[PendingRelease, Outcome]]]:
+        """Wait, holding the lock, for hand-offs to report or releases
+        that no worker thread carried within ``linger``; None to end.
+        """
+        while True:
+            if self._handoffs:
+                handoffs, self._handoffs = self._handoffs, []
+                return self._due(force=True), handoffs
+            due = self._due(force=self._stopping or self._draining > 0)
+            if due:
+                return due, []
+            if self._stopping and not self._pending:
+                return None, []
+            self._idle = not self._pending and _now_ms() - self._last_submitted > QUIET_AFTER
+            look_again = self._linger_left() if self._pending else self.linger
+            self._wakeup.wait(timeout=1.0 if self._idle else look_again / 1000)
+            self._idle = False
+
+    def _due(self, *, force: bool) -> list[PendingRelease]:
+        if not self._pending or not (force or self._linger_left() <= 0):
+            return []
+        batch, self._pending = self._pending[: self.batch], self._pending[self.batch :]
+        return batch
+
+    def _linger_left(self) -> float:
+        return self._pending[0].submitted_at + self.linger - _now_ms()
+
     def _release(self, batch: list[PendingRelease]) -> list[Outcome]:
+        if not batch:
+            return []
         try:
             outcomes = self.backend.release_many([(pending.key, pending.owner) for pending in batch])
         except Exception as e:

@@ -20,14 +20,17 @@ pipelines instead: the same replies, at redis-py's usual cost.
 from __future__ import annotations
 
 import hashlib
-import os
 import select
 import ssl
-from typing import Any, Sequence, Union
+import time
+from typing import Any, Callable, Sequence, Union
 
 import redis
 from redis.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.exceptions import NoScriptError, ResponseError
+
+from ..forks import pid
+from .group import DEFAULT_TIMEOUT, GroupCommit
 
 #: One script call: script name, keys, arguments.
 Call = tuple[str, Sequence[Union[str, bytes]], Sequence[Union[str, bytes, int]]]
@@ -36,7 +39,7 @@ _MIRRORED = (Connection, SSLConnection, UnixDomainSocketConnection)
 _EVALSHA = b"EVALSHA"
 
 
-def _pack(command: tuple[Any, ...]) -> bytes:
+def _pack_in_python(command: tuple[Any, ...]) -> bytes:
     """One command in RESP, as redis-py's packer writes it for str
     (UTF-8), int and bytes arguments: the only kinds the scripts take.
     """
@@ -48,6 +51,33 @@ def _pack(command: tuple[Any, ...]) -> bytes:
             arg = b"%d" % arg
         parts.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
     return b"".join(parts)
+
+
+def _packer() -> Callable[[tuple[Any, ...]], bytes]:
+    """hiredis's packer, in C, where installed (the redis extra installs
+    it); the same bytes in Python otherwise.
+    """
+    try:
+        from hiredis import pack_command
+    except ImportError:  # pragma: no cover - without hiredis
+        return _pack_in_python
+    return pack_command  # type: ignore[no-any-return]
+
+
+#: Packs one command in RESP.
+_pack = _packer()
+
+#: A connection idle for longer than this, in seconds, is checked for
+#: a close by the server before it is used again.
+IDLE_CHECK_AFTER = 0.5
+
+
+def _group_timeout(client: Any) -> float:
+    """How long a grouped call waits for another thread's round trip:
+    long enough for that round trip to time out and be retried once.
+    """
+    timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
+    return DEFAULT_TIMEOUT if not timeout else 2 * timeout + 1
 
 
 def _mirrorable(client: Any) -> bool:
@@ -95,33 +125,39 @@ class ScriptCalls:
         self.sources = sources
         self.shas = {name: hashlib.sha1(source.encode()).hexdigest().encode() for name, source in sources.items()}
         self.direct = _mirrorable(client)
-        self._idle: list[Any] = []
-        self._pid = os.getpid()
+        self._idle: list[tuple[Any, float]] = []  # (connection, idle since)
+        self._pid = pid()
+        self._group = GroupCommit(self._round_trip, timeout=_group_timeout(client)) if self.direct else None
 
     # Connections ----------------------------------------------------
 
     def _take(self) -> Any:
-        if self._pid != os.getpid():
+        if self._pid != pid():
             # Forked: the parent's sockets are not ours to use.
-            self._idle, self._pid = [], os.getpid()
+            self._idle, self._pid = [], pid()
         try:
-            conn = self._idle.pop()
+            conn, since = self._idle.pop()
         except IndexError:
             pool = self.client.connection_pool
             return pool.connection_class(**pool.connection_kwargs)
         # As redis-py's pool does: an idle connection that has data to
-        # read was closed by the server (a restart, an idle timeout) or
-        # left dirty; reconnect before sending, while that is still safe.
-        try:
-            if _readable(conn):
+        # read was closed by the server (an idle timeout, a restart);
+        # reconnect before sending, while that is still safe.  A
+        # connection is never given back dirty (see _round_trip), and one
+        # used moments ago is checked by its round trip alone: a close in
+        # between fails it before the server saw the call, and the
+        # connection's retry policy sends it again on a new connection.
+        if time.monotonic() - since > IDLE_CHECK_AFTER:
+            try:
+                if _readable(conn):
+                    conn.disconnect()
+            except (redis.ConnectionError, redis.TimeoutError, OSError):
                 conn.disconnect()
-        except (redis.ConnectionError, redis.TimeoutError, OSError):
-            conn.disconnect()
         return conn
 
     def _give(self, conn: Any) -> None:
-        if conn.pid == os.getpid():
-            self._idle.append(conn)
+        if conn.pid == self._pid:
+            self._idle.append((conn, time.monotonic()))
 
     def add(self, name: str, source: str) -> None:
         """Make one more script callable by ``name``."""
@@ -131,7 +167,7 @@ class ScriptCalls:
     def close(self) -> None:
         """Disconnect the idle connections."""
         idle, self._idle = self._idle, []
-        for conn in idle:
+        for conn, _ in idle:
             conn.disconnect()
 
     def _command(self, call: Call) -> tuple[Any, ...]:
@@ -159,9 +195,14 @@ class ScriptCalls:
             result: list[Any] = conn.retry.call_with_retry(
                 lambda: self._exchange(conn, commands), lambda _error: conn.disconnect()
             )
-            return result
+        except BaseException:
+            # Whatever broke the exchange (a time limit's exception too)
+            # may have left replies unread: never reuse the socket.
+            conn.disconnect()
+            raise
         finally:
             self._give(conn)
+        return result
 
     def _through_client(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         if len(commands) == 1:
@@ -188,14 +229,19 @@ class ScriptCalls:
             raise reply
         return reply
 
-    def batch(self, calls: Sequence[Call]) -> list[Any]:
+    def batch(self, calls: Sequence[Call], *, grouped: bool = False) -> list[Any]:
         """Run scripts in one round trip (two after ``NOSCRIPT``).
+
+        Parameters:
+          grouped(bool): Share the round trip with other threads' grouped
+            calls of the moment (see :mod:`.group`): for the calls that
+            every job makes on its worker thread.
 
         Returns:
           list: per call, its reply, or the ``ResponseError`` it got.
         """
         commands = [self._command(call) for call in calls]
-        replies = self._round_trip(commands)
+        replies = self._group.call(commands) if grouped and self._group is not None else self._round_trip(commands)
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
             # A script flush or a new server: nothing in ``missing`` ran.

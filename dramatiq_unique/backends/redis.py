@@ -34,7 +34,7 @@ from ..backend import (
     Start,
     Waiter,
 )
-from .calls import ScriptCalls
+from .calls import Call, ScriptCalls
 
 _LUA = resources.files(__package__).joinpath("lua")
 
@@ -67,9 +67,13 @@ def _as_function(name: str) -> str:
 
 # The common outcomes as one integer, which costs the client less to
 # read than an array: a fresh, confirmed acquisition as its fence, a
-# release that hands nothing over as its held flag.
+# fresh run lock as its fence * 2 + the queue flag, a release that
+# hands nothing over as its held flag.
 _SCRIPTS["acquire"] = _as_function("acquire") + (
     "local got = acquire(KEYS, ARGV)\nif got[1] == 1 and got[4] == 0 then return got[3] end\nreturn got\n"
+)
+_SCRIPTS["start"] = _as_function("start") + (
+    "local got = start(KEYS, ARGV)\nif got[1] == 1 then return got[3] * 2 + got[4] end\nreturn got\n"
 )
 _SCRIPTS["release"] = _as_function("release") + (
     "local done = release(KEYS, ARGV)\nif not done[2] then return done[1] end\nreturn done\n"
@@ -110,6 +114,14 @@ def _copy_args(copy: Copy) -> list[Any]:
     return [copy.message_id, copy.attempt, copy.via]
 
 
+def _start_call(
+    key: str, owner: str, ttl: int, limit: int, lock: str, copy: Copy, queue_key: Optional[str] = None
+) -> tuple[list[str], list[Any]]:
+    """start.lua's keys and arguments."""
+    keys = [key, *_records(copy)] + ([queue_key] if queue_key else [])
+    return keys, [owner, ttl, limit, lock, *_copy_args(copy)]
+
+
 def _superseded(key: str) -> str:
     """The superseded record of an enqueue lock key: same hash tag."""
     return f"{key}:superseded"
@@ -138,12 +150,31 @@ def _acquisition(reply: Any, owner: str) -> Acquisition:
     )
 
 
+def _start(reply: Any, owner: str) -> Start:
+    """start.lua's reply: fence * 2 + the queue flag (a fresh slot), or
+    {status, holder, fence, queue}.
+    """
+    if isinstance(reply, int):
+        return Start(Acquisition(True, holder=owner, fence=reply >> 1), queue_released=bool(reply & 1))
+    status, holder, fence, queue = reply
+    return Start(_acquisition([status, holder, fence, 0], owner), queue_released=bool(queue))
+
+
 def _release(reply: Any) -> Release:
     """release.lua's reply: the held flag alone, or {held, message}."""
     if isinstance(reply, int):
         return Release(bool(reply))
     held, promoted = reply
     return Release(bool(held), promoted or None)
+
+
+def _release_calls(locks: Sequence[tuple[str, str]]) -> list[Call]:
+    """release.lua calls that hand each slot over."""
+    return [("release", [key, *_waiting(key)], [owner, 1]) for key, owner in locks]
+
+
+def _releases(replies: Sequence[Any]) -> list[Union[Release, Exception]]:
+    return [reply if isinstance(reply, Exception) else _release(reply) for reply in replies]
 
 
 class RedisBackend(LockBackend):
@@ -233,9 +264,22 @@ class RedisBackend(LockBackend):
     def start(
         self, key: str, owner: str, *, ttl: int, limit: int, lock: str, copy: Copy, queue_key: Optional[str] = None
     ) -> Start:
-        keys = [key, *_records(copy)] + ([queue_key] if queue_key else [])
-        status, holder, fence, queue = self._call("start", keys, [owner, ttl, limit, lock, *_copy_args(copy)])
-        return Start(_acquisition([status, holder, fence, 0], owner), queue_released=bool(queue))
+        keys, args = _start_call(key, owner, ttl, limit, lock, copy, queue_key)
+        if self.calls is None:
+            return _start(self._call("start", keys, args), owner)
+        [reply] = self.calls.batch([("start", keys, args)], grouped=True)  # every job's call: shared with other threads'
+        if isinstance(reply, Exception):
+            raise reply
+        return _start(reply, owner)
+
+    def release_and_start(
+        self, releases: Sequence[tuple[str, str]], key: str, owner: str, **options: Any
+    ) -> tuple[list[Union[Release, Exception]], Union[Start, Exception]]:
+        if self.calls is None:
+            return super().release_and_start(releases, key, owner, **options)
+        start: Call = ("start", *_start_call(key, owner, **options))
+        *released, started = self.calls.batch([*_release_calls(releases), start], grouped=True)
+        return _releases(released), started if isinstance(started, Exception) else _start(started, owner)
 
     def release(self, key: str, owner: str, *, hand_over: bool = True) -> Release:
         return _release(self._call("release", [key, *_waiting(key)], [owner, int(hand_over)]))
@@ -243,8 +287,7 @@ class RedisBackend(LockBackend):
     def release_many(self, locks: Sequence[tuple[str, str]]) -> list[Union[Release, Exception]]:
         if self.calls is None or len(locks) < 2:
             return super().release_many(locks)
-        replies = self.calls.batch([("release", [key, *_waiting(key)], [owner, 1]) for key, owner in locks])
-        return [reply if isinstance(reply, Exception) else _release(reply) for reply in replies]
+        return _releases(self.calls.batch(_release_calls(locks)))
 
     def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> None:
         self._call("wait", _records(copy), [copy.message_id, message, order, copy.attempt, ttl])
