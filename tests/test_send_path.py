@@ -89,8 +89,9 @@ def trips(monkeypatch: pytest.MonkeyPatch) -> RoundTrips:
     return RoundTrips(monkeypatch)
 
 
-def new_broker(url: str, namespace: str, *middleware: Middleware, cls: type = RedisBroker, **unique: Any) -> Any:
-    broker = cls(url=url, namespace=namespace)
+def new_broker(url: str, namespace: str, *middleware: Middleware, **unique: Any) -> RedisBroker:
+    """A Redis broker with ``middleware``, then ours."""
+    broker = RedisBroker(url=url, namespace=namespace)
     for m in middleware:
         broker.add_middleware(m)
     broker.add_middleware(UniqueMiddleware(prefix=namespace, **unique))
@@ -173,7 +174,7 @@ def test_a_new_send_is_one_round_trip_and_a_worker_runs_it_as_a_two_step_send(
     # And its lock is confirmed at once, where the two-step path's waits for the confirmer
     record = lock_of(redis_client, namespace, a["message_id"]).records[a["message_id"]]
     assert record.provisional_until == 0 and record.where == f"{namespace}\tdefault\t{a['options']['redis_message_id']}"
-    # And a dramatiq worker process runs all four as sent, and frees every key
+    # And a dramatiq worker process runs all four as sent (and the warm-ups), and frees every key
     group = WorkerGroup(f"{app.__name__}:broker", processes=1, threads=2,
                         env={"SENDPATH_REDIS_URL": redis_url, "SENDPATH_NAMESPACE": namespace})
     with group:
@@ -293,6 +294,22 @@ def test_many_threads_sending_one_key_enqueue_it_once(redis_url, redis_client, n
     accepted = [m for m in results if "unique_duplicate_of" not in m.options]
     assert [m.message_id for m in accepted] == [queued["message_id"]]
     assert {m.options["unique_duplicate_of"] for m in results if m not in accepted} == {queued["message_id"]}
+
+
+def test_a_flushed_script_cache_reloads_the_send_script(redis_url, redis_client, namespace, brokers, trips):
+    # Given a send script that Redis forgot (a restart, a SCRIPT FLUSH)
+    broker = new_broker(redis_url, namespace)
+    brokers.append(broker)
+    job = job_of(broker)
+    job.send("warm-up")
+    redis_client.script_flush()
+    # When a message is sent
+    sent: list[Any] = []
+    assert trips.of(lambda: sent.append(job.send("k"))) == 2  # NOSCRIPT, then the load and the call again
+    # Then it is enqueued once, holding its lock, and the next send is one round trip again
+    assert [m["message_id"] for m in stored(redis_client, namespace, "default")][-1] == sent[0].message_id
+    assert lock_of(redis_client, namespace, sent[0].message_id) is not None
+    assert trips.of(lambda: job.send("other")) == 1
 
 
 # Failures ---------------------------------------------------------------------
