@@ -152,6 +152,17 @@ def shape(message: dict[str, Any]) -> tuple[Any, ...]:
 # One round trip, the message Dramatiq would have enqueued ------------------
 
 
+def test_the_installed_dramatiqs_dispatch_script_is_one_the_fast_path_knows(redis_url: str) -> None:
+    broker = RedisBroker(url=redis_url, namespace="t-known")
+    try:
+        assert dispatch_source(broker) is not None, (
+            f"Dramatiq {dramatiq.__version__}'s dispatch.lua is not in sendpath.KNOWN_DISPATCH: check that its "
+            "enqueue command and arguments are unchanged, then add its SHA1."
+        )
+    finally:
+        broker.close()
+
+
 def test_a_new_send_is_one_round_trip_and_a_worker_runs_it_as_a_two_step_send(
     redis_url, redis_client, namespace, brokers, trips
 ):
