@@ -28,8 +28,9 @@ from .server import cleanup, command_usec
 
 #: The name of a bare send in :func:`call_costs`.
 SEND = "bare send (one dispatch.lua)"
-#: A send of an ``until_executed`` actor on the broker's own Redis.
-LOCKED_SEND = "`until_executed` send (one lock round trip, then dispatch.lua)"
+#: A send of an ``until_executed`` actor on the broker's own Redis: the
+#: send fast path.
+LOCKED_SEND = "`until_executed` send (one send.lua: the lock, then dispatch.lua)"
 
 
 @dataclass

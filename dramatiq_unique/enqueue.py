@@ -11,7 +11,9 @@ and callbacks alike.
 A new lock is taken for the provisional window only, and confirmed to
 its full lifetime by the process's :class:`~.confirm.Confirmer` once
 the publish has returned (see :mod:`dramatiq_unique.confirm`): a
-producer that dies in between leaves a key that frees itself.
+producer that dies in between leaves a key that frees itself.  On the
+Redis broker's own Redis, a new send takes its lock with its publish
+instead, in one round trip (see :mod:`dramatiq_unique.sendpath`).
 """
 
 from __future__ import annotations
@@ -29,24 +31,29 @@ from .delivery import copy_of
 from .errors import DuplicateMessage
 from .events import LockEvent
 from .results import store_failure
+from .sendpath import Deferred, SendPath
 from .spec import ActorSpec
 
 if TYPE_CHECKING:
     from dramatiq import Broker
 
+    from .backend import Acquisition
     from .middleware import UniqueMiddleware
 
 
 class _Call:
     """What the current guarded enqueue call did to locks."""
 
-    __slots__ = ("taken", "provisional")
+    __slots__ = ("taken", "provisional", "deferred")
 
     def __init__(self) -> None:
         #: Locks taken fresh: released if the publish fails.
         self.taken: list[tuple[str, str]] = []
         #: Provisional locks: confirmed once the publish returns.
         self.provisional: list[Pending] = []
+        #: Locks the send fast path takes with the publish, by
+        #: ``redis_message_id`` (a hook may enqueue another message).
+        self.deferred: Optional[dict[str, Deferred]] = None
 
 
 _taken: ContextVar[Optional[_Call]] = ContextVar("dramatiq_unique_taken", default=None)
@@ -76,11 +83,15 @@ class EnqueueGuard:
         self.namespace: Optional[str] = None
         self._confirmer: Optional[Confirmer] = None
         self._confirmer_mutex = threading.Lock()
+        self.send_path = SendPath(self)
 
     def install(self, broker: "Broker") -> None:
-        """Wrap ``broker.enqueue``, once."""
+        """Wrap ``broker.enqueue``, once, and route the Redis broker's
+        publish through the send fast path where it applies.
+        """
         if getattr(broker.enqueue, "_unique_guard", None) is self:
             return
+        self.send_path.install(broker)
         namespace = getattr(broker, "namespace", None)
         self.namespace = namespace if isinstance(namespace, str) else None
         original: Callable[..., Any] = broker.enqueue
@@ -166,8 +177,11 @@ class EnqueueGuard:
         """
         return "unique_digest" not in message.options and not isinstance(threading.current_thread(), ConsumerThread)
 
-    def before_enqueue(self, message: Any, delay: Optional[int], spec: ActorSpec, *, fresh: bool) -> None:
-        """Stamp the digest on a new message and take its enqueue lock.
+    def before_enqueue(
+        self, message: Any, delay: Optional[int], spec: ActorSpec, *, fresh: bool, broker: Optional["Broker"] = None
+    ) -> None:
+        """Stamp the digest on a new message and take its enqueue lock,
+        or leave it to the send fast path to take with the publish.
 
         A message that carries the stamp already is being re-enqueued
         (a retry, a delay-queue move, a reschedule, a publish retry):
@@ -175,7 +189,7 @@ class EnqueueGuard:
         """
         if "unique_digest" not in message.options:
             message.options["unique_digest"] = spec.digest(message.args, message.kwargs)
-        if spec.lock.queue_lock:
+        if spec.lock.queue_lock and not self._defer(message, delay, spec, fresh, broker):
             self._take(message, delay, spec, fresh)
 
     def where(self, message: Any) -> str:
@@ -207,12 +221,8 @@ class EnqueueGuard:
         middleware = self.middleware
         digest = message.options["unique_digest"]
         key = middleware.key(spec, digest, "queue")
-        ttl = (delay or 0) + (spec.lock_ttl or middleware.settings.lock_ttl)
-        recorded = (
-            spec.canonical(spec.key_material(message.args, message.kwargs))
-            if fresh and middleware.record_lock_args
-            else None
-        )
+        ttl = self._ttl(spec, delay)
+        recorded = self._lock_args(message, spec, fresh)
         call = _taken.get()
         window = middleware.settings.provisional_window if provisional and call is not None else 0
         started = time.monotonic() * 1000
@@ -251,6 +261,83 @@ class EnqueueGuard:
             middleware.emit("lock_lost", spec, key, message, got.holder)
             return
         self._refuse(message, spec, key, got.holder)
+
+    def _ttl(self, spec: ActorSpec, delay: Optional[int]) -> int:
+        """An enqueue lock's lifetime: ``lock_ttl`` from when the message is due."""
+        return (delay or 0) + (spec.lock_ttl or self.middleware.settings.lock_ttl)
+
+    def _lock_args(self, message: Any, spec: ActorSpec, fresh: bool) -> Optional[str]:
+        """The lock args JSON a new send records, if the middleware records them."""
+        if not (fresh and self.middleware.record_lock_args):
+            return None
+        return spec.canonical(spec.key_material(message.args, message.kwargs))
+
+    # The send fast path (see sendpath) --------------------------------
+
+    def _defer(self, message: Any, delay: Optional[int], spec: ActorSpec, fresh: bool, broker: Any) -> bool:
+        """Note the enqueue lock of a new send for the broker's publish to
+        take, in one round trip with it.
+
+        Returns:
+          bool: False when the two-step path applies: a re-enqueue, a
+          replacing actor, an enqueue outside a guarded call, or a
+          broker the fast path does not serve.
+        """
+        call = _taken.get()
+        redis_message_id = message.options.get("redis_message_id")
+        if (
+            not fresh
+            or spec.client == "replace"
+            or call is None
+            or broker is None
+            or not isinstance(redis_message_id, str)
+            or not self.send_path.applies(broker)
+        ):
+            return False
+        key = self.middleware.key(spec, message.options["unique_digest"], "queue")
+        lock_args = self._lock_args(message, spec, fresh)
+        deferred = Deferred(key, self._ttl(spec, delay), lock_args, self.where(message), spec, message)
+        if call.deferred is None:
+            call.deferred = {}
+        call.deferred[redis_message_id] = deferred
+        return True
+
+    def take_deferred(self, redis_message_id: str) -> Optional[Deferred]:
+        """The lock noted for the publish of ``redis_message_id`` in the
+        current guarded call, once; None when there is none to take.
+        """
+        call = _taken.get()
+        if call is None or not call.deferred:
+            return None
+        return call.deferred.pop(redis_message_id, None)
+
+    def took(self, message: Any, spec: ActorSpec, key: str, got: "Acquisition") -> None:
+        """The fast path's lock call answered: refuse a duplicate (its
+        message was not enqueued) or record the lock it took.
+        """
+        if not got.acquired:
+            self._refuse(message, spec, key, got.holder)
+        if not got.reentered:
+            self._record(key, message.message_id)
+            self.middleware.emit("locked", spec, key, message)
+
+    def send_failed(self, message: Any, spec: ActorSpec, key: str, error: Exception) -> bool:
+        """The fast path's call failed: fail closed as :meth:`take_failed`
+        does, or go on unlocked.  The call was also the publish, so a
+        timeout, which may have locked and enqueued, raises even when
+        told to go on, as the broker's own enqueue would, and its lock
+        is given back.
+
+        Returns:
+          bool: True when the message is to be enqueued without its lock.
+        """
+        middleware = self.middleware
+        if middleware.settings.on_backend_error != "fail" and _maybe_applied(error):
+            middleware.backend_error("take the enqueue lock", key, spec, message, error)
+            self._record(key, message.message_id)
+            raise error
+        self.take_failed(message, spec, key, True, error)
+        return True
 
     def take_failed(self, message: Any, spec: ActorSpec, key: str, fresh: bool, error: Exception) -> None:
         """A call that takes the enqueue lock failed: a new send fails

@@ -313,7 +313,7 @@ class UniqueMiddleware(Middleware):
             return
         fresh = self._guard.is_fresh(message)
         try:
-            self._guard.before_enqueue(message, delay, spec, fresh=fresh)
+            self._guard.before_enqueue(message, delay, spec, fresh=fresh, broker=broker)
         except MiddlewareError:
             if fresh:
                 raise

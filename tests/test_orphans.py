@@ -133,7 +133,8 @@ def orphans(redis_client, redis_url) -> Iterator:  # type: ignore[no-untyped-def
 def test_a_producer_that_dies_inside_the_publish_leaves_a_key_that_frees_itself(orphans, broker, request):
     if broker == "rabbitmq":
         request.getfixturevalue("rabbitmq_url")
-    o = orphans(broker)
+    # (On Redis, the two-step path: the send fast path takes the lock in its publish, see below.)
+    o = orphans(broker, ORPHANS_TWO_STEP="1")
     # Given a producer process that dies inside the broker's publish, after taking the lock of key k
     died = o.produce("die", "run", "k")
     assert died.returncode == 9, died.stderr
@@ -170,8 +171,27 @@ def test_a_producer_that_dies_inside_the_publish_leaves_a_key_that_frees_itself(
     wait_for(lambda: o.lock("k") is None, what="the lock of k to be released")
 
 
-def test_in_the_crash_window_the_lock_lapses_and_the_queued_message_still_runs_sanely(orphans):
+def test_a_producer_that_dies_inside_the_send_fast_path_leaves_its_lock_only_with_its_message(orphans):
     o = orphans()
+    # Given a producer process that dies once the fast path's one script went out, before its reply
+    died = o.produce("die-in-send", "run", "k")
+    assert died.returncode == 9, died.stderr
+    # Then its lock and its message are both there, or neither is: the script takes both or none
+    lock, queued = o.lock("k"), o.records.lrange(f"{o.namespace}:run", 0, -1)
+    assert (lock is None) == (not queued)
+    if lock is None:
+        return
+    # And the lock is confirmed at once, for its full lifetime: nothing was left to confirm
+    assert not lock.holders[0].provisional and lock.holders[0].deadline > time.time() * 1000 + 86_000_000
+    # And a worker runs the message once, and then k is free
+    o.workers()
+    wait_for(lambda: len(o.runs()) == 1, timeout=30, what="the run of k")
+    assert o.runs()[0]["message_id"] == lock.holders[0].message_id
+    wait_for(lambda: o.lock("k") is None, what="the lock of k to be released")
+
+
+def test_in_the_crash_window_the_lock_lapses_and_the_queued_message_still_runs_sanely(orphans):
+    o = orphans(ORPHANS_TWO_STEP="1")  # the send fast path has no crash window
     # Given a producer that dies after its publish returned, before confirming the lock of k
     died = o.produce("die-after-publish", "run", "k")
     assert died.returncode == 9, died.stderr

@@ -10,6 +10,7 @@ client, and through redis-py's ``Script`` on a Cluster.
 
 from __future__ import annotations
 
+import hashlib
 from importlib import resources
 from typing import Any, Iterator, Optional, Sequence, Union
 from urllib.parse import urlsplit, urlunsplit
@@ -47,7 +48,6 @@ def _source(name: str) -> str:
     return "".join(_source(line.split()[1]) if line.startswith("--@include ") else line for line in lines)
 
 
-
 _SCRIPTS = {
     name: _source(name)
     for name in (
@@ -78,6 +78,22 @@ _SCRIPTS["start"] = _as_function("start") + (
 _SCRIPTS["release"] = _as_function("release") + (
     "local done = release(KEYS, ARGV)\nif not done[2] then return done[1] end\nreturn done\n"
 )
+
+
+
+def send_script(dispatch: str) -> str:
+    """send.lua behind acquire.lua and the Redis broker's ``dispatch``
+    source, each as a local function of (KEYS, ARGV).
+    """
+    acquire = f"local function acquire(KEYS, ARGV)\n{_source('acquire')}\nend\n"
+    return f"local function dispatch(KEYS, ARGV)\n{dispatch}\nend\n" + acquire + _source("send")
+
+
+class DispatchFailed(redis.ResponseError):
+    """The broker's ``dispatch.lua`` failed inside send.lua: nothing
+    was enqueued, and the lock the call took was dropped.
+    """
+
 
 #: The URL scheme that connects to a Cluster.
 CLUSTER_SCHEME = "redis+cluster://"
@@ -260,6 +276,45 @@ class RedisBackend(LockBackend):
         if copy is not None:
             keys, args = keys + _records(copy), args + _copy_args(copy)
         return _acquisition(self._call("acquire", keys, args), owner)
+
+    def acquire_and_dispatch(
+        self,
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        limit: int,
+        lock: str,
+        lock_args: Optional[str],
+        where: str,
+        dispatch: str,
+        namespace: str,
+        arguments: Sequence[Any],
+    ) -> Acquisition:
+        """Acquire ``key`` as :meth:`acquire` does, confirmed at once and
+        recording ``where``, and only when that succeeds run the Redis
+        broker's ``dispatch`` script source with ``arguments`` under
+        ``namespace``: one round trip (send.lua).  Only on a standalone
+        client, the broker's own Redis.
+
+        Raises:
+          DispatchFailed: ``dispatch`` failed; nothing is locked by
+            this call.
+          redis.RedisError: the call failed; when the reply was lost it
+            may have taken the lock and enqueued.
+        """
+        assert self.calls is not None, "a Cluster cannot run two slots' keys in one script"
+        name = f"send:{hashlib.sha1(dispatch.encode()).hexdigest()}"
+        if name not in self.calls.sources:
+            self.calls.add(name, send_script(dispatch))
+        args = [owner, ttl, limit, lock, lock_args or "", 0, 1, where, *arguments]
+        reply = self.calls.call(name, [key, namespace], args)
+        if isinstance(reply, int):
+            return Acquisition(True, holder=owner, fence=reply)
+        status, holder, fence, _ = reply
+        if status == 4:
+            raise DispatchFailed(_text(holder))
+        return Acquisition(status in (1, 2), reentered=status == 2, holder=_text(holder), fence=int(fence))
 
     def start(
         self, key: str, owner: str, *, ttl: int, limit: int, lock: str, copy: Copy, queue_key: Optional[str] = None

@@ -11,6 +11,10 @@ workers build the same thing:
 * ``ORPHANS_NAMESPACE``: isolates keys and queues of one test.
 * ``ORPHANS_RECORD_PASSES``: ``1`` records every reaper pass (start,
   end, pid) and makes each last at least 100 ms.
+* ``ORPHANS_TWO_STEP``: ``1`` adds a later middleware with its own
+  ``before_enqueue``, so that a Redis broker's sends take their lock in
+  one round trip and publish in another, as on RabbitMQ, instead of the
+  send fast path's one.
 * ``dramatiq_unique_*``: the middleware's settings, as in production.
 
 Run as ``python -m tests.apps.orphans MODE QUEUE KEY``: ``send`` sends
@@ -18,7 +22,8 @@ one message and exits normally; ``die`` sends one and dies with
 ``os._exit(9)`` inside the broker's low-level publish, after the
 enqueue lock was taken and before anything was published;
 ``die-after-publish`` dies after the publish returned, before the lock
-was handed to the confirmer (the crash window).
+was handed to the confirmer (the crash window); ``die-in-send`` dies
+after the send fast path's one script went out, before its reply.
 """
 
 from __future__ import annotations
@@ -52,6 +57,17 @@ broker.add_middleware(CurrentMessage())
 unique = UniqueMiddleware(backend=RedisBackend(url=REDIS_URL), prefix=NAMESPACE, record_lock_args=True)
 broker.add_middleware(unique)
 records = redis.Redis.from_url(REDIS_URL)
+
+
+class LaterHook(dramatiq.Middleware):
+    """A later ``before_enqueue``: the send fast path stands aside."""
+
+    def before_enqueue(self, broker: dramatiq.Broker, message: Any, delay: Any) -> None:
+        pass
+
+
+if os.environ.get("ORPHANS_TWO_STEP") == "1":
+    broker.add_middleware(LaterHook())
 
 
 def _body(key: str, gate: str = "") -> None:
@@ -114,6 +130,21 @@ def _die_inside_publish() -> None:
         broker.do_enqueue = die  # type: ignore[attr-defined]
 
 
+def _die_inside_the_send_script() -> None:
+    from dramatiq_unique.backends.calls import ScriptCalls, _pack
+
+    exchange = ScriptCalls._exchange
+
+    def die(self: ScriptCalls, conn: Any, commands: list[Any]) -> Any:
+        sends = {sha for name, sha in self.shas.items() if name.startswith("send:")}
+        if commands[0][1] not in sends:
+            return exchange(self, conn, commands)
+        conn.send_packed_command([b"".join(_pack(command) for command in commands)])
+        os._exit(9)
+
+    ScriptCalls._exchange = die  # type: ignore[method-assign]
+
+
 def _die_before_confirming() -> None:
     from dramatiq_unique.confirm import Confirmer
 
@@ -129,5 +160,7 @@ if __name__ == "__main__":
         _die_inside_publish()
     elif mode == "die-after-publish":
         _die_before_confirming()
+    elif mode == "die-in-send":
+        _die_inside_the_send_script()
     message = ACTORS[queue].send(key)
     print(json.dumps({"message_id": message.message_id, "duplicate_of": message.options.get("unique_duplicate_of")}))

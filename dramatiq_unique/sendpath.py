@@ -1,0 +1,211 @@
+"""The send fast path: one round trip that takes a new message's enqueue
+lock and enqueues it, when the locks live in the Redis broker's own
+Redis.
+
+The lock cannot be taken in ``before_enqueue`` and published in the
+same round trip: Dramatiq encodes the message only after every
+``before_enqueue`` ran.  So, for a new send that takes an enqueue lock,
+``before_enqueue`` only notes the lock to take (in the guarded enqueue
+call, see :mod:`.enqueue`), and the broker's ``do_enqueue`` (the one
+place where Dramatiq hands Redis the encoded message) runs one script:
+acquire.lua, then, only when the lock was taken, the broker's own
+``dispatch.lua`` with exactly the arguments Dramatiq would have passed
+(send.lua).  Every middleware hook fires as before; a refused duplicate
+raises from ``do_enqueue``, so nothing is enqueued and no
+``after_enqueue`` fires, and the guarded call turns it into a returned,
+unsent message as on the two-step path.
+
+The lock is taken confirmed, for its full lifetime, with no provisional
+window and nothing for the :class:`~.confirm.Confirmer` to do: the
+message is published in the same script, so a producer that dies at any
+point leaves either both the lock and its message or neither.  An
+orphaned enqueue lock cannot happen on this path.  A ``dispatch.lua``
+that fails inside the script drops the lock it took in the same script.
+
+The path is taken only when it is known to be exact, else the usual two
+steps are: a ``RedisBroker`` itself (not a subclass) whose
+``do_enqueue`` nobody else replaced, with a ``dispatch.lua`` this module
+knows; a :class:`~.backends.redis.RedisBackend` on the same standalone
+Redis and database (not Cluster, not Sentinel); no later middleware
+with its own ``before_enqueue`` (it would otherwise see a refused
+duplicate that it never saw before); and a new send, not a re-enqueue
+(retries, delay-queue moves and reschedules re-enter their lock in two
+steps, and never raise).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
+
+from dramatiq.common import current_millis
+from dramatiq.middleware import Middleware
+
+from .spec import ActorSpec
+
+if TYPE_CHECKING:
+    from dramatiq import Broker
+
+    from .enqueue import EnqueueGuard
+
+#: SHA1 of the ``dispatch.lua`` scripts whose ``enqueue`` command and
+#: arguments this module reproduces: [command, timestamp, queue name,
+#: broker id, heartbeat timeout, dead message ttl, do maintenance, max
+#: unpack size, redis message id, encoded message], under keys
+#: [namespace].
+KNOWN_DISPATCH = {
+    "fdacc359c79a5adc3b8eeb53ff5772d7c42144e3": "dramatiq 2.2",
+    "976fb89fbb3c404c8c7bed59060c56521eb9ba69": "dramatiq 1.17",
+}
+
+#: What the fast path reads of a broker to call its ``dispatch.lua``.
+_BROKER_ATTRIBUTES = ("broker_id", "namespace", "heartbeat_timeout", "dead_message_ttl", "client", "scripts")
+_BROKER_METHODS = ("_should_do_maintenance", "_max_unpack_size", "_dispatch")
+
+#: The connection parameters that say two clients reach one database.
+_WHERE = ("host", "port", "path", "db", "username", "password")
+
+
+class Deferred(NamedTuple):
+    """An enqueue lock noted in ``before_enqueue``, taken in ``do_enqueue``."""
+
+    key: str
+    ttl: int
+    lock_args: Optional[str]
+    where: str
+    spec: ActorSpec
+    message: Any
+
+
+def dispatch_source(broker: Any) -> Optional[str]:
+    """The broker's ``dispatch.lua`` when it is one this module knows
+    and the broker is a plain ``RedisBroker``; None otherwise.
+    """
+    cls = type(broker)
+    if cls.__name__ != "RedisBroker" or cls.__module__ != "dramatiq.brokers.redis":
+        return None
+    if not all(hasattr(broker, name) for name in _BROKER_ATTRIBUTES + _BROKER_METHODS):
+        return None
+    source = getattr(broker.scripts.get("dispatch"), "script", None)
+    if isinstance(source, str):
+        source = source.encode()
+    if not isinstance(source, bytes) or hashlib.sha1(source).hexdigest() not in KNOWN_DISPATCH:
+        return None
+    return source.decode()
+
+
+def _standalone(client: Any) -> Optional[dict[str, Any]]:
+    """The connection parameters of a plain standalone client; None for
+    Cluster, Sentinel and anything else.
+    """
+    import redis  # only a Redis broker gets here
+
+    pool: Any = getattr(client, "connection_pool", None)
+    if type(client) is not redis.Redis or type(pool) not in (redis.ConnectionPool, redis.BlockingConnectionPool):
+        return None
+    kwargs: dict[str, Any] = pool.connection_kwargs
+    return kwargs
+
+
+def same_redis(backend: Any, broker: Any) -> bool:
+    """Whether ``backend`` is a Redis backend that runs scripts on the
+    standalone Redis database of ``broker``.
+    """
+    if getattr(backend, "calls", None) is None or not hasattr(backend, "acquire_and_dispatch"):
+        return False
+    a, b = _standalone(backend.client), _standalone(broker.client)
+    if a is None or b is None:
+        return False
+    return all(a.get(name, 0 if name == "db" else None) == b.get(name, 0 if name == "db" else None) for name in _WHERE)
+
+
+def _later_hooks(broker: "Broker", middleware: Any) -> bool:
+    """Whether a middleware after ``middleware`` has a ``before_enqueue``."""
+    stack = broker.middleware
+    later = stack[stack.index(middleware) + 1 :] if middleware in stack else stack
+    return any(type(m).before_enqueue is not Middleware.before_enqueue for m in later)
+
+
+class SendPath:
+    """The fast path of one middleware's enqueue guard."""
+
+    def __init__(self, guard: "EnqueueGuard") -> None:
+        self.guard = guard
+        #: (backend, broker client, whether the fast path may use them).
+        self._same: Optional[tuple[Any, Any, bool]] = None
+
+    def install(self, broker: "Broker") -> None:
+        """Route ``broker.do_enqueue`` through the fast path, once, when
+        the broker is one whose enqueue it can reproduce.
+        """
+        source = dispatch_source(broker)
+        if source is None or "do_enqueue" in broker.__dict__:  # ours already, or someone else's
+            return
+        plain: Callable[..., Any] = broker._dispatch("enqueue")  # type: ignore[attr-defined]
+        take_deferred = self.guard.take_deferred
+
+        def do_enqueue(queue_name: str, redis_message_id: str, data: bytes) -> Any:
+            deferred = take_deferred(redis_message_id)
+            if deferred is None:
+                return plain(queue_name, redis_message_id, data)
+            return self._send(broker, source, deferred, queue_name, redis_message_id, data, plain)
+
+        do_enqueue._unique_send_path = self  # type: ignore[attr-defined]
+        broker.do_enqueue = do_enqueue  # type: ignore[attr-defined]
+
+    def applies(self, broker: "Broker") -> bool:
+        """Whether a new send on ``broker`` may take the fast path now."""
+        if getattr(broker.__dict__.get("do_enqueue"), "_unique_send_path", None) is not self:
+            return False
+        backend, client = self.guard.middleware.backend, getattr(broker, "client", None)
+        same = self._same
+        if same is None or same[0] is not backend or same[1] is not client:
+            same = self._same = (backend, client, same_redis(backend, broker))
+        return same[2] and not _later_hooks(broker, self.guard.middleware)
+
+    def _send(
+        self,
+        broker: Any,
+        source: str,
+        deferred: Deferred,
+        queue_name: str,
+        redis_message_id: str,
+        data: bytes,
+        plain: Callable[..., Any],
+    ) -> None:
+        """Take the deferred lock and enqueue, in one round trip."""
+        from .backends.redis import DispatchFailed
+
+        guard, spec, message, key = self.guard, deferred.spec, deferred.message, deferred.key
+        arguments = [
+            "enqueue",
+            current_millis(),
+            queue_name,
+            broker.broker_id,
+            broker.heartbeat_timeout,
+            broker.dead_message_ttl,
+            broker._should_do_maintenance("enqueue"),
+            broker._max_unpack_size(),
+            redis_message_id,
+            data,
+        ]
+        try:
+            got = guard.middleware.backend.acquire_and_dispatch(  # type: ignore[union-attr]
+                key,
+                message.message_id,
+                ttl=deferred.ttl,
+                limit=spec.lock_limit,
+                lock=spec.lock.name,
+                lock_args=deferred.lock_args,
+                where=deferred.where,
+                dispatch=source,
+                namespace=broker.namespace,
+                arguments=arguments,
+            )
+        except DispatchFailed:
+            raise  # the broker's own failure, as its enqueue raises it; nothing is locked
+        except Exception as e:
+            if guard.send_failed(message, spec, key, e):
+                plain(queue_name, redis_message_id, data)
+            return
+        guard.took(message, spec, key, got)
