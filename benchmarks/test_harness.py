@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 import uuid
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 import redis
 
+from dramatiq_unique.backend import Copy
 from dramatiq_unique.backends.redis import RedisBackend
 
 from . import trips
@@ -80,6 +81,25 @@ def test_a_pipeline_is_one_round_trip_and_scripts_are_told_apart(
     assert counted["lock:acquire"] == 1
     assert counted["PING"] == 1
     assert trips.owner("lock:acquire") == "lock" and trips.owner("MULTI+SET+EXEC") == "mutex"
+
+
+def test_a_run_lock_round_trip_is_named_by_what_it_carries(client: redis.Redis, namespace: str, counting: None) -> None:
+    # Given a held run lock
+    backend = RedisBackend(client=client)
+    held, key = f"{namespace}:job:{{1}}:run", f"{namespace}:job:{{2}}:run"
+    options: dict[str, Any] = {"ttl": 1000, "limit": 1, "lock": "while_executing", "copy": Copy(key, "b", 0, "")}
+    for owner in ("z/0", "a/0"):
+        backend.acquire(held, owner, ttl=1000, limit=2)
+    backend.release_and_start([(held, "z/0")], f"{namespace}:job:{{3}}:run", "c/0", **options)  # loads the scripts
+    trips.reset()
+    # When a start carries the release of the held lock
+    released, started = backend.release_and_start([(held, "a/0")], key, "b/0", **options)
+    # Then it is one round trip, named as a start carrying releases
+    assert trips.counts() == {"lock:start +releases": 1}
+    assert trips.label([b"*1\r\n$4\r\nPING\r\n"]) == "PING"
+    assert trips.owner("lock:start (grouped) +releases") == "lock"
+    assert not isinstance(started, Exception) and started.acquisition.acquired
+    assert [getattr(outcome, "held", None) for outcome in released] == [True]
 
 
 def test_nothing_is_counted_once_uninstalled(client: redis.Redis, counting: None) -> None:

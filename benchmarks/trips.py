@@ -83,7 +83,18 @@ def label(packed: Any) -> str:
         names.append(name)
     if len(set(names)) == 1 and len(names) > 1:
         return f"{names[0]} x{len(names)}"
+    if "lock:start" in names and set(names) <= {"lock:start", "lock:release"}:
+        return _start_label(names)
     return "+".join(names)
+
+
+def _start_label(names: list[str]) -> str:
+    """A run lock round trip: ``start``, shared by several worker
+    threads' starts (``grouped``), and carrying pending releases.
+    """
+    grouped = " (grouped)" if names.count("lock:start") > 1 else ""
+    releases = " +releases" if "lock:release" in names else ""
+    return f"lock:start{grouped}{releases}"
 
 
 def owner(name: str) -> str:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import select
 import ssl
-import time
 from typing import Any, Callable, Sequence, Union
 
 import redis
@@ -66,10 +65,6 @@ def _packer() -> Callable[[tuple[Any, ...]], bytes]:
 
 #: Packs one command in RESP.
 _pack = _packer()
-
-#: A connection idle for longer than this, in seconds, is checked for
-#: a close by the server before it is used again.
-IDLE_CHECK_AFTER = 0.5
 
 
 def _group_timeout(client: Any) -> float:
@@ -125,7 +120,7 @@ class ScriptCalls:
         self.sources = sources
         self.shas = {name: hashlib.sha1(source.encode()).hexdigest().encode() for name, source in sources.items()}
         self.direct = _mirrorable(client)
-        self._idle: list[tuple[Any, float]] = []  # (connection, idle since)
+        self._idle: list[Any] = []
         self._pid = pid()
         self._group = GroupCommit(self._round_trip, timeout=_group_timeout(client)) if self.direct else None
 
@@ -136,28 +131,25 @@ class ScriptCalls:
             # Forked: the parent's sockets are not ours to use.
             self._idle, self._pid = [], pid()
         try:
-            conn, since = self._idle.pop()
+            conn = self._idle.pop()
         except IndexError:
             pool = self.client.connection_pool
             return pool.connection_class(**pool.connection_kwargs)
         # As redis-py's pool does: an idle connection that has data to
-        # read was closed by the server (an idle timeout, a restart);
-        # reconnect before sending, while that is still safe.  A
-        # connection is never given back dirty (see _round_trip), and one
-        # used moments ago is checked by its round trip alone: a close in
-        # between fails it before the server saw the call, and the
-        # connection's retry policy sends it again on a new connection.
-        if time.monotonic() - since > IDLE_CHECK_AFTER:
-            try:
-                if _readable(conn):
-                    conn.disconnect()
-            except (redis.ConnectionError, redis.TimeoutError, OSError):
+        # read was closed by the server (a restart, an idle timeout);
+        # reconnect before sending, while that is still safe.  (A client
+        # made from a URL does not retry: the check is what saves the
+        # call.)  A connection is never given back dirty: see _round_trip.
+        try:
+            if _readable(conn):
                 conn.disconnect()
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            conn.disconnect()
         return conn
 
     def _give(self, conn: Any) -> None:
         if conn.pid == self._pid:
-            self._idle.append((conn, time.monotonic()))
+            self._idle.append(conn)
 
     def add(self, name: str, source: str) -> None:
         """Make one more script callable by ``name``."""
@@ -167,7 +159,7 @@ class ScriptCalls:
     def close(self) -> None:
         """Disconnect the idle connections."""
         idle, self._idle = self._idle, []
-        for conn, _ in idle:
+        for conn in idle:
             conn.disconnect()
 
     def _command(self, call: Call) -> tuple[Any, ...]:

@@ -75,9 +75,11 @@ def test_run_unlocked_keeps_running_without_the_lock_redis(make_harness, lock_se
 @pytest.mark.parametrize("loss", ["script_flush", "restart"])
 def test_locking_survives_a_redis_that_forgot_its_scripts(make_harness, lock_server, figure, loss):
     # Given workers that have loaded the lock scripts, and a first fenced run
-    h = make_harness("redis", FAULTS_LOCK_URL=lock_server.url)
+    h = make_harness("redis", FAULTS_LOCK_URL=lock_server.url, FAULTS_EVENTS="released,lock_lost,backend_error")
     h.workers(processes=1, threads=4)
     before = h.finished(h.app.hold.send("k").message_id)
+    # (its run lock is released in the background: let it be, before the scripts go)
+    wait_for(lambda: before.message_id in {e["message_id"] for e in h.events("released")}, what="the first release")
     lock_client = redis.Redis.from_url(lock_server.url)
     shas = [script.sha for script in h.app.unique.backend.scripts.values()]
     # When Redis loses its script cache, by SCRIPT FLUSH or by a restart

@@ -1,0 +1,275 @@
+"""The worker path's shared round trips, on a real Redis: concurrent
+run lock calls grouped into one round trip, and pending releases
+carried in front of the next run lock call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import threading
+from typing import Any, Callable, Optional
+
+import pytest
+import redis
+
+from dramatiq_unique.backend import Copy, Release
+from dramatiq_unique.backends.calls import ScriptCalls
+from dramatiq_unique.backends.group import GroupCommit
+from dramatiq_unique.backends.redis import RedisBackend
+from dramatiq_unique.releaser import PendingRelease, Releaser
+
+from .conftest import wait_for
+
+ECHO = {"echo": "return ARGV[1]"}
+
+
+class GatedRoundTrips:
+    """Real round trips through ``ScriptCalls``, recorded, the first
+    one held until ``gate`` is set.
+    """
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.calls = ScriptCalls(client, ECHO)
+        self.calls.batch([("echo", [], ["warm"])])  # loads the script
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.sent: list[list[str]] = []
+
+    def __call__(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        self.entered.set()
+        self.gate.wait(10)
+        self.sent.append([command[-1] for command in commands])
+        return self.calls._round_trip(commands)
+
+
+def echo(value: str) -> tuple[Any, ...]:
+    return (b"EVALSHA", hashlib.sha1(ECHO["echo"].encode()).hexdigest().encode(), 0, value)
+
+
+def in_thread(target: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = target()
+        except BaseException as e:  # noqa: B902 - the test inspects what the thread raised
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def queued(group: GroupCommit, n: int) -> None:
+    wait_for(lambda: len(group._queue) == n, what=f"{n} queued caller(s)")
+
+
+def test_callers_that_arrive_during_a_round_trip_share_the_next_one(redis_client):
+    # Given a round trip in flight, led by the first caller
+    trips = GatedRoundTrips(redis_client)
+    group = GroupCommit(trips)
+    leader, led = in_thread(lambda: group.call([echo("first")]))
+    assert trips.entered.wait(5)
+    # When seven more callers arrive meanwhile
+    callers = [in_thread(lambda i=i: group.call([echo(f"c{i}"), echo(f"c{i}+")])) for i in range(7)]
+    queued(group, 7)
+    trips.gate.set()
+    for thread, _ in [(leader, led), *callers]:
+        thread.join(5)
+    # Then they went out together in one more round trip, each caller got its own replies
+    assert len(trips.sent) == 2 and trips.sent[0] == ["first"]
+    assert sorted(trips.sent[1]) == sorted(v for i in range(7) for v in (f"c{i}", f"c{i}+"))
+    assert led["value"] == [b"first"]
+    assert [outcome["value"] for _, outcome in callers] == [[f"c{i}".encode(), f"c{i}+".encode()] for i in range(7)]
+    # And the next caller, alone, leads at once
+    assert group.call([echo("alone")]) == [b"alone"] and not group._leading
+
+
+def test_a_failed_round_trip_fails_every_caller_in_it_and_the_next_one_still_goes(redis_client):
+    # Given a round trip in flight and two callers queued behind it
+    trips = GatedRoundTrips(redis_client)
+    failing = {"next": False}
+
+    def round_trip(commands: list[tuple[Any, ...]]) -> list[Any]:
+        replies = trips(commands)
+        if failing["next"]:
+            raise redis.ConnectionError("lost")
+        failing["next"] = True
+        return replies
+
+    group = GroupCommit(round_trip)
+    first, first_outcome = in_thread(lambda: group.call([echo("a")]))
+    assert trips.entered.wait(5)
+    behind = [in_thread(lambda v=v: group.call([echo(v)])) for v in ("b", "c")]
+    queued(group, 2)
+    # When the round trip that carries them fails
+    trips.gate.set()
+    for thread, _ in [(first, first_outcome), *behind]:
+        thread.join(5)
+    # Then each of its callers hears of it, and the group is free again
+    assert first_outcome["value"] == [b"a"]
+    assert all(isinstance(outcome.get("error"), redis.ConnectionError) for _, outcome in behind)
+    failing["next"] = False
+    assert group.call([echo("d")]) == [b"d"]
+
+
+def test_a_caller_that_times_out_while_queued_sends_nothing_and_the_next_one_leads(redis_client):
+    # Given a round trip in flight, a caller that waits 0.2 s and one that waits long
+    trips = GatedRoundTrips(redis_client)
+    group = GroupCommit(trips, timeout=0.2)
+    first, _ = in_thread(lambda: group.call([echo("a")]))
+    assert trips.entered.wait(5)
+    impatient, impatient_outcome = in_thread(lambda: group.call([echo("impatient")]))
+    impatient.join(5)
+    group.timeout = 10
+    patient, patient_outcome = in_thread(lambda: group.call([echo("patient")]))
+    queued(group, 1)
+    # When the round trip in flight returns
+    trips.gate.set()
+    patient.join(5)
+    first.join(5)
+    # Then the impatient caller timed out and was never sent; the patient one led the next round trip
+    assert isinstance(impatient_outcome["error"], TimeoutError)
+    assert patient_outcome["value"] == [b"patient"]
+    assert ["impatient"] not in trips.sent and trips.sent[-1] == ["patient"]
+
+
+def async_raise(thread: threading.Thread, error: type[BaseException]) -> None:
+    """What Dramatiq's TimeLimit does to a worker thread."""
+    assert thread.ident is not None
+    done = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(error))
+    assert done == 1
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_a_caller_interrupted_as_it_is_handed_the_lead_passes_it_on(redis_client):
+    # Given a round trip in flight and two callers queued behind it, the first to be handed the lead
+    trips = GatedRoundTrips(redis_client)
+    group = GroupCommit(trips)
+    first, _ = in_thread(lambda: group.call([echo("a")]))
+    assert trips.entered.wait(5)
+    doomed, doomed_outcome = in_thread(lambda: group.call([echo("doomed")]))
+    queued(group, 1)
+    following, following_outcome = in_thread(lambda: group.call([echo("following")]))
+    queued(group, 2)
+    # When the first is interrupted (a time limit) just as it wakes to lead
+    async_raise(doomed, Interrupted)
+    trips.gate.set()
+    for thread in (first, doomed, following):
+        thread.join(5)
+    # Then it raised, sent nothing, and the other caller led instead: nobody waits for a lead that never comes
+    assert isinstance(doomed_outcome["error"], Interrupted)
+    assert following_outcome["value"] == [b"following"]
+    assert all("doomed" not in sent for sent in trips.sent)
+    assert not group._leading
+
+
+# Releases carried by the next run lock call ---------------------------
+
+
+def start_options(key: str, message_id: str) -> dict[str, Any]:
+    return {"ttl": 60_000, "limit": 1, "lock": "while_executing", "copy": Copy(key, message_id, 0, "")}
+
+
+class CountingBackend(RedisBackend):
+    """Counts round trips; can fail the next start."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        super().__init__(client=client)
+        self.trips: list[str] = []
+        self.fail_next: Optional[Exception] = None
+        assert self.calls is not None
+        round_trip = self.calls._round_trip
+
+        def counted(commands: list[tuple[Any, ...]]) -> list[Any]:
+            self.trips.append("+".join(sorted({self._name(command) for command in commands})))
+            if self.fail_next is not None:
+                error, self.fail_next = self.fail_next, None
+                raise error
+            return round_trip(commands)
+
+        self.calls._round_trip = counted  # type: ignore[method-assign]
+        self.calls._group = GroupCommit(counted)
+
+    def _name(self, command: tuple[Any, ...]) -> str:
+        assert self.calls is not None
+        return next((name for name, sha in self.calls.shas.items() if sha == command[1]), str(command[0]))
+
+
+@pytest.fixture
+def counting(redis_client: redis.Redis) -> CountingBackend:
+    backend = CountingBackend(redis_client)
+    backend.acquire("warm:{w}:run", "w/0", ttl=1000)  # loads the scripts
+    backend.release_and_start([("warm:{w}:run", "w/0")], "warm:{v}:run", "v/0", **start_options("warm:{v}:run", "v"))
+    backend.trips.clear()
+    return backend
+
+
+def pending(key: str, owner: str, outcomes: list[Any]) -> PendingRelease:
+    return PendingRelease(key, owner, "actor", outcomes.append)
+
+
+def test_a_pending_release_rides_in_front_of_the_next_start_and_frees_its_key_first(counting, redis_client):
+    # Given a job that ended holding key k, its release pending
+    counting.acquire("t:{k}:run", "a/0", ttl=60_000)
+    releaser = Releaser(counting, on_stalled=lambda batch: None, linger=10_000)
+    outcomes: list[Any] = []
+    releaser.submit(pending("t:{k}:run", "a/0", outcomes))
+    counting.trips.clear()
+    # When another worker thread starts the next job of the same key
+    started = releaser.start("t:{k}:run", "b/0", **start_options("t:{k}:run", "b"))
+    # Then one round trip released k and took it for the new job, and the release was reported
+    assert counting.trips == ["release+start"]
+    assert started.acquisition.acquired
+    assert [type(o) for o in outcomes] == [Release] and outcomes[0].held
+    holders = redis_client.hkeys("t:{k}:run")
+    assert b"b/0" in holders and b"a/0" not in holders
+    assert releaser.pending() == 0
+    releaser.stop()
+
+
+def test_a_release_that_no_start_carries_goes_out_within_the_linger(counting, redis_client):
+    # Given a release submitted while no job starts
+    counting.acquire("t:{k}:run", "a/0", ttl=60_000)
+    releaser = Releaser(counting, on_stalled=lambda batch: None, linger=50)
+    outcomes: list[Any] = []
+    counting.trips.clear()
+    releaser.submit(pending("t:{k}:run", "a/0", outcomes))
+    # Then the releaser thread sends it on its own, once
+    wait_for(lambda: len(outcomes) == 1, what="the release")
+    assert counting.trips == ["release"] and not redis_client.exists("t:{k}:run")
+    releaser.stop()
+
+
+def test_releases_carried_by_a_failing_start_are_reported_failed_not_lost(counting, redis_client):
+    # Given two pending releases
+    for key in ("t:{a}:run", "t:{b}:run"):
+        counting.acquire(key, "x/0", ttl=60_000)
+    releaser = Releaser(counting, on_stalled=lambda batch: None, linger=10_000)
+    outcomes: list[Any] = []
+    for key in ("t:{a}:run", "t:{b}:run"):
+        releaser.submit(pending(key, "x/0", outcomes))
+    counting.trips.clear()
+    # When the start that carries them fails
+    counting.fail_next = redis.ConnectionError("lost")
+    with pytest.raises(redis.ConnectionError):
+        releaser.start("t:{k}:run", "b/0", **start_options("t:{k}:run", "b"))
+    # Then each release reports that failure (the keys expire with their leases), none was sent twice
+    assert [type(o) for o in outcomes] == [redis.ConnectionError] * 2
+    assert releaser.pending() == 0 and counting.trips == ["release+start"]
+    assert redis_client.exists("t:{a}:run", "t:{b}:run") == 2
+    releaser.stop()
+
+
+def test_a_drain_sends_lingering_releases_at_once(counting, redis_client):
+    counting.acquire("t:{k}:run", "a/0", ttl=60_000)
+    releaser = Releaser(counting, on_stalled=lambda batch: None, linger=60_000)
+    outcomes: list[Any] = []
+    releaser.submit(pending("t:{k}:run", "a/0", outcomes))
+    assert releaser.drain(5_000)
+    assert len(outcomes) == 1 and not redis_client.exists("t:{k}:run")
+    releaser.stop()
