@@ -166,31 +166,21 @@ def _processing(results: Results) -> str:
     if mine is None or one is None or two is None:
         return ""
     cpu = {c: number(results.median("worker_cpu", c)) for c in (BARE, FLOOR_ONE, "while_executing")}
-    return (f"**Processing with `while_executing`: {mine:.2f} × bare (target 0.95).** The worker thread makes one "
-            "round trip per job: the run lock's acquire, an `EVALSHA` packed once and sent on a connection of a "
-            "small private pool that mirrors the client's (redis-py's `Script`, pool and command machinery cost "
-            "more than the round trip on a loaded worker). The release goes to a background thread per process "
-            "that sends every pending release in one pipeline (see the release latency below). A lock that "
-            f"makes one round trip on the worker thread is bounded by the one-`PING` floor: {one:.2f} × bare in "
-            f"the same rounds (two `PING`s: {two:.2f}); `while_executing` reached {mine / one:.0%} of it. "
-            f"Single calls from one thread: run-lock acquire {_cost(results, 'run lock: acquire'):.0f} µs, "
-            f"`PING` through redis-py {_cost(results, 'PING'):.0f} µs"
-            f"{'' if redis.utils.HIREDIS_AVAILABLE else PURE_PYTHON}. Worker CPU per job: bare {cpu[BARE]} µs, "
-            f"one `PING` {cpu[FLOOR_ONE]} µs, `while_executing` {cpu['while_executing']} µs, of which the "
-            f"middleware's own Python is {_cost(results, HOOKS):.0f} µs. What separates the lock from the floor is "
-            "that CPU: its release is off the worker thread but not out of the process (the releaser's round trips, "
-            f"{_batch(results)} releases each, and its reports), and the hooks' own Python; at default prefetch "
-            "bare Dramatiq waits on its prefetch window and poll backoff, so the ratio there moves with the machine's "
-            "load more than with the lock. The `redis` extra now installs hiredis, which parses replies in C; the "
-            "shared environment of this run does not have it.")
-
-
-def _batch(results: Results) -> str:
-    counted = results.audit.get("while_executing", {}).get("process", {})
-    mine = {name: n for name, n in counted.items() if name.startswith("lock:release")}
-    releases = sum(n * int(name.partition(" x")[2] or 1) for name, n in mine.items())
-    trips = sum(mine.values())
-    return number(releases / trips if trips else None, 1)
+    return (f"**Processing with `while_executing`: {mine:.2f} × bare (target 0.95).** A job costs its worker "
+            "thread at most one round trip, `start.lua`, and often a share of one: the starts of worker threads "
+            "that arrive while one is in flight go out together in the next round trip (group commit), and the "
+            "releases of jobs that have ended ride in front of it (see the round trips below). Each call is an "
+            "`EVALSHA` packed once (by hiredis) and sent on a connection of a small private pool that mirrors the "
+            "client's, bypassing redis-py's `Script`, pool and command machinery. A lock that makes one round trip "
+            f"of its own per job is bounded by the one-`PING` floor: {one:.2f} × bare in the same rounds (two "
+            f"`PING`s: {two:.2f}); `while_executing` reached {mine / one:.0%} of it. Single calls from one thread: "
+            f"run-lock acquire {_cost(results, 'run lock: acquire'):.0f} µs, `PING` through redis-py "
+            f"{_cost(results, 'PING'):.0f} µs{'' if redis.utils.HIREDIS_AVAILABLE else PURE_PYTHON}. Worker CPU per "
+            f"job: bare {cpu[BARE]} µs, one `PING` {cpu[FLOOR_ONE]} µs, `while_executing` {cpu['while_executing']} "
+            f"µs, of which the middleware's own Python is {_cost(results, HOOKS):.0f} µs. At default prefetch bare "
+            "Dramatiq waits on its prefetch window, its poll backoff and its consumer thread's one ack round trip "
+            "per message, which competes for the GIL with every other thread of the process: the ratio there moves "
+            "with the machine's load more than with the lock.")
 
 
 def _configurations(results: Results) -> str:
@@ -220,11 +210,14 @@ def _release(results: Results) -> str:
     p50, p99 = percentile(latencies, 0.5), percentile(latencies, 0.99)
     return (f"**Release in the background.** A run lock is released {p50 * 1000:.2f} ms after its job ends at the "  # type: ignore[operator]
             f"median and {p99 * 1000:.2f} ms at the 99th percentile (default configuration; the table above has "  # type: ignore[operator]
-            "the others). The releaser never releases twice or as a non-owner (each delivery submits its release "
-            "once and `release.lua` checks the owner), drains on worker shutdown, and reports a batch that waits "
-            "more than a second for Redis (ERROR log, `backend_error` per lock) without holding up any worker "
-            "thread. The message is acked before its run lock is released: a process that dies in between leaves "
-            "the key held until its lease expires (60 s by default), as any crash of a holder does.")
+            "the others). A worker thread queues its release and moves on; the next run lock call of any worker "
+            "thread of the process carries every release pending then, in front of its own call, and the releaser "
+            "thread sends what no call carried within 2 ms. A release is sent once, by whichever thread takes it "
+            "off the list first, and `release.lua` checks the owner: never twice, never as a non-owner. The "
+            "releaser drains on worker shutdown and reports a batch that waits more than a second for Redis (ERROR "
+            "log, `backend_error` per lock) without holding up any worker thread. The message is acked before its "
+            "run lock is released: a process that dies in between leaves the key held until its lease expires "
+            "(60 s by default), as any crash of a holder does.")
 
 
 def _enqueue(results: Results) -> str:
@@ -261,10 +254,13 @@ def _recipe(results: Results) -> str:
 
 
 def _round_trips(results: Results) -> str:
-    text = ("**Round trips.** `while_executing` makes one `acquire.lua` call per job on the worker thread; its "
-            "`release.lua` call goes out from the releaser thread in a pipeline with every other release pending "
-            "then (the `release (batched)` round trips are shared by the jobs of a batch), and no renewal: the jobs "
-            "are far shorter than lease/3 (20 s). ")
+    on_worker = results.trips_per_message("while_executing", "worker", ("lock",))
+    total = results.trips_per_message("while_executing", "process", ("lock",))
+    text = (f"**Round trips.** `while_executing` made {number(on_worker, 2)} lock round trips per job on the worker "
+            f"threads ({number(total, 2)} in all, with the releaser thread's): "
+            f"{results.lock_trips('while_executing', 'worker')} on the worker threads, where `(grouped)` is a round "
+            "trip shared by the starts of several worker threads and `+releases` one that carried the releases of "
+            "ended jobs. There is no renewal: the jobs are far shorter than lease/3 (20 s). ")
     r = results.renewals
     if r is not None:
         text += (f"In the renewal run, {r.jobs} jobs of {r.seconds:.1f} s under a {r.lease} ms lease needed "
@@ -309,12 +305,13 @@ def _makespan(results: Results) -> str:
 
 
 def _not_done(results: Results) -> str:
-    return ("**Not done, on purpose.** Group commit of acquires (worker threads handing their acquires to one I/O "
-            "thread that pipelines them) was not built: an acquire now costs its worker thread less CPU than a "
-            "redis-py `PING` (see the single-call costs), so a hand-over to another thread (a wake-up and a GIL "
-            "switch each way) would cost about what it saves, and that thread would be a choke point for every "
-            "worker thread. The prototype in issue 12 measured no gain from it either at default prefetch (0.97–1.02 "
-            "with it, 0.99 without).")
+    return ("**Group commit.** The first worker thread to find no start in flight leads: it sends its own call and "
+            "every call queued meanwhile in one pipeline, hands each caller its own reply, and wakes the first "
+            "caller queued since to lead the next round trip. A waiting worker thread blocks once, on a lock of "
+            "its own, instead of on a socket, which saves the process GIL hand-overs under load; alone, a call "
+            "leads at once. A waiter gives up after twice the socket timeout plus a second, withdrawing its call "
+            "if it was not sent yet; an interrupted waiter (a time limit) passes on a lead it was handed. Enqueue "
+            "locks, replace, renewals and the reaper keep their own direct calls.")
 
 
 #: The "now" column of issue 12's target table: the figures before it.

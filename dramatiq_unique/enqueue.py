@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from dramatiq import Broker
 
     from .backend import Acquisition
-    from .middleware import UniqueMiddleware
+    from .context import GuardContext
 
 
 class _Call:
@@ -76,7 +76,7 @@ class _Refused(DuplicateMessage):
 class EnqueueGuard:
     """Takes enqueue locks for one middleware and guards its brokers."""
 
-    def __init__(self, middleware: "UniqueMiddleware") -> None:
+    def __init__(self, middleware: "GuardContext") -> None:
         self.middleware = middleware
         #: The Redis broker's namespace, to record where each message
         #: goes for the reaper; None on other brokers.

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from dramatiq.broker import MessageProxy
 
     from .backend import LockBackend
-    from .middleware import UniqueMiddleware
+    from .context import GuardContext
 
 #: Why a copy of a message may not run, by the claim's verdict.
 SKIP_REASONS = {
@@ -50,7 +50,7 @@ SKIP_REASONS = {
 class ProcessGuard:
     """The worker side of one middleware."""
 
-    def __init__(self, middleware: "UniqueMiddleware") -> None:
+    def __init__(self, middleware: "GuardContext") -> None:
         self.middleware = middleware
         # Owner tokens must differ between executions of one message,
         # even in two processes forked from one parent.

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from dramatiq import Broker
 
     from .admin import Lock, LockAdmin
-    from .middleware import UniqueMiddleware
+    from .context import GuardContext
 
 #: How many enqueue locks one transaction on the broker checks.
 DEFAULT_BATCH = 100
@@ -320,7 +320,7 @@ class PeriodicReaper:
         return report
 
 
-def start_periodic_reaper(middleware: "UniqueMiddleware", broker: "Broker") -> Optional[PeriodicReaper]:
+def start_periodic_reaper(middleware: "GuardContext", broker: "Broker") -> Optional[PeriodicReaper]:
     """Start the middleware's periodic reaper in this worker process,
     when ``reap_interval`` asks for one and the broker is a Redis one.
     """

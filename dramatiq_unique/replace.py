@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from dramatiq.broker import MessageProxy
 
     from .enqueue import EnqueueGuard
-    from .middleware import UniqueMiddleware
+    from .context import GuardContext
 
 #: ``LockBackend.current`` says the message was superseded.
 SUPERSEDED = -2
@@ -143,7 +143,7 @@ def restore(guard: "EnqueueGuard", message: Any, taken: list[tuple[str, str]]) -
 
 
 def skip_if_superseded(
-    middleware: "UniqueMiddleware", broker: "Broker", message: "MessageProxy", state: Delivery
+    middleware: "GuardContext", broker: "Broker", message: "MessageProxy", state: Delivery
 ) -> None:
     """Skip this delivery when a newer send superseded its message; else
     mark the message as started, so that a send from now on leaves it
@@ -182,7 +182,7 @@ def skip_if_superseded(
     raise SkipMessage(f"superseded by message {by}")
 
 
-def _withdraw_waiter(middleware: "UniqueMiddleware", message: "MessageProxy", state: Delivery) -> None:
+def _withdraw_waiter(middleware: "GuardContext", message: "MessageProxy", state: Delivery) -> None:
     """A copy of a rescheduled, superseded message claims its attempt,
     which takes its waiter off the run lock, so that the key is never
     handed to it.

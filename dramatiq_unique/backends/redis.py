@@ -322,7 +322,8 @@ class RedisBackend(LockBackend):
         keys, args = _start_call(key, owner, ttl, limit, lock, copy, queue_key)
         if self.calls is None:
             return _start(self._call("start", keys, args), owner)
-        [reply] = self.calls.batch([("start", keys, args)], grouped=True)  # every job's call: shared with other threads'
+        # Every job makes this call: shared with other worker threads' of the moment.
+        [reply] = self.calls.batch([("start", keys, args)], grouped=True)
         if isinstance(reply, Exception):
             raise reply
         return _start(reply, owner)
