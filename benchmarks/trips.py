@@ -81,10 +81,10 @@ def label(packed: Any) -> str:
         if name == "EVALSHA" and len(head) > 1:
             name = _SCRIPT_NAMES.get(head[1].decode(), "EVALSHA ?")
         names.append(name)
-    if len(set(names)) == 1 and len(names) > 1:
-        return f"{names[0]} x{len(names)}"
     if "lock:start" in names and set(names) <= {"lock:start", "lock:release"}:
         return _start_label(names)
+    if len(set(names)) == 1 and len(names) > 1:
+        return f"{names[0]} x{len(names)}"
     return "+".join(names)
 
 

@@ -81,26 +81,36 @@ class GroupCommit:
         """Send ``commands`` in the next round trip and return their
         replies.
         """
-        caller = _Caller(commands)
         with self._mutex:
             if self._pid != pid():
                 self._queue, self._leading, self._pid = [], False, pid()  # the parent's round trip is not ours
-            self._queue.append(caller)
-            leads = caller.leads = not self._leading
+            leads = not self._leading
             self._leading = True
-        if not leads:
-            try:
-                if not caller.ready.acquire(timeout=self.timeout):
-                    raise TimeoutError(
-                        f"the lock backend did not answer within {self.timeout:.0f} s; the call may have applied"
-                    )
-            except BaseException:  # a time limit's exception too: never leave the lead with nobody
-                self._abandon(caller)
-                raise
-            if not caller.leads:
-                return caller.result()
-        self._lead()
+            if not leads:
+                caller = _Caller(commands)
+                self._queue.append(caller)
+        if leads:
+            return self._lead_alone(commands)
+        try:
+            if not caller.ready.acquire(timeout=self.timeout):
+                raise TimeoutError(
+                    f"the lock backend did not answer within {self.timeout:.0f} s; the call may have applied"
+                )
+        except BaseException:  # a time limit's exception too: never leave the lead with nobody
+            self._abandon(caller)
+            raise
+        if caller.leads:  # handed the lead: send what queued meanwhile, this caller's own included
+            self._lead()
         return caller.result()
+
+    def _lead_alone(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Lead with nobody queued (none can be: a caller only queues
+        behind a lead): send this caller's commands alone.
+        """
+        try:
+            return self.round_trip(commands)
+        finally:
+            self._hand_over([])
 
     def _abandon(self, caller: _Caller) -> None:
         """Take back a caller that stops waiting: out of the queue if it
