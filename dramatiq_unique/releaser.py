@@ -280,7 +280,9 @@ class Releaser:
                 return due, []
             if self._stopping and not self._pending:
                 return None, []
-            self._idle = not self._pending and _now_ms() - self._last_submitted > QUIET_AFTER
+            # Idle (woken by the next submission) when there is nothing to
+            # send and either nothing to linger for or nothing submitted lately.
+            self._idle = not self._pending and (self.linger <= 0 or _now_ms() - self._last_submitted > QUIET_AFTER)
             look_again = self._linger_left() if self._pending else self.linger
             self._wakeup.wait(timeout=1.0 if self._idle else look_again / 1000)
             self._idle = False

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import threading
+import time
 from typing import Any, Callable, Optional
 
 import pytest
@@ -272,4 +273,24 @@ def test_a_drain_sends_lingering_releases_at_once(counting, redis_client):
     releaser.submit(pending("t:{k}:run", "a/0", outcomes))
     assert releaser.drain(5_000)
     assert len(outcomes) == 1 and not redis_client.exists("t:{k}:run")
+    releaser.stop()
+
+
+def test_a_releaser_that_does_not_linger_sends_each_release_at_once_without_spinning(counting, redis_client):
+    # Given a releaser told not to wait for worker threads
+    keys = [f"t:{{{i}}}:run" for i in range(30)]
+    for key in keys:
+        counting.acquire(key, "a/0", ttl=60_000)
+    releaser = Releaser(counting, on_stalled=lambda batch: None, linger=0)
+    outcomes: list[Any] = []
+    counting.trips.clear()
+    # When a job ends every 10 ms for 0.3 s (the load, not a condition)
+    cpu = time.process_time()
+    for key in keys:
+        releaser.submit(pending(key, "a/0", outcomes))
+        time.sleep(0.01)
+    # Then each release went out on its own, and the releaser burned no CPU in between
+    assert releaser.drain(5_000) and len(outcomes) == 30
+    assert time.process_time() - cpu < 0.15
+    assert not any(redis_client.exists(key) for key in keys)
     releaser.stop()
