@@ -195,12 +195,13 @@ def _configurations(results: Results) -> str:
     if not rows:
         return ""
     return ("**Other configurations.** " + "; ".join(rows) + ". With prefetch 64 bare Dramatiq is CPU-bound: "
-            "every microsecond the lock costs the worker process shows, so the ratio follows CPU per job and the "
-            "one-`PING` floor is the bound of any design that makes a round trip on the worker thread. With a "
-            "sleeping job the round trip overlaps other threads' work; with a CPU job the GIL serialises it. Where "
-            "the one-`PING` floor itself is below a target, no lock that takes a round trip on the worker thread can "
-            "meet that target on this machine; where the lock is below the floor, the difference is the worker CPU "
-            "per job shown here.")
+            "every microsecond the lock costs the worker process shows, and the ratio follows CPU per job. A lock "
+            "that makes a round trip of its own per job is bounded by the one-`PING` floor; group commit lets a "
+            "loaded process share round trips, which brings `while_executing` to about the floor's CPU per job. What "
+            "remains between the lock and the floor is the middleware's own work per job (its hooks' Python, "
+            "reading and reporting the release, the releaser thread's round trips for the releases no start "
+            "carried) and, with a sleeping job, fewer overlapping starts to group. With a CPU job the GIL "
+            "serialises everything, the round trips included.")
 
 
 def _release(results: Results) -> str:
@@ -245,7 +246,8 @@ def _recipe(results: Results) -> str:
     cpu = {c: number(results.median("worker_cpu", c)) for c in (RECIPE, "while_executing")}
     return (f"**Against the `ConcurrentRateLimiter` recipe: {ratio:.2f} × its processing rate.** The recipe makes "
             "four round trips per job (`SET NX` to take the mutex; `WATCH`, `GET` and `MULTI/SET/EXEC` to release "
-            f"it) where `while_executing` makes two, and its worker spends {cpu[RECIPE]} µs of CPU per job against "
+            "it) where `while_executing` makes one at most, shared under load, and its worker spends "
+            f"{cpu[RECIPE]} µs of CPU per job against "
             f"{cpu['while_executing']}. It is not a correct mutex either: the release is a decrement that checks no "
             "owner, so a holder that outlived the 15-minute TTL frees the slot of the next one; a crashed holder "
             "blocks its key for those 15 minutes (a run lock of ours for one 60 s lease); every conflict is a "

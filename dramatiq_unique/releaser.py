@@ -143,10 +143,7 @@ class Releaser:
                 self._pid = pid()
             self._pending.append(pending)
             self._last_submitted = pending.submitted_at
-            if self._thread is None or not self._thread.is_alive():
-                self._stopping = False
-                self._thread = threading.Thread(target=self._run, name="dramatiq-unique-releaser", daemon=True)
-                self._thread.start()
+            self._ensure_thread()
             if self._idle:
                 self._wakeup.notify()  # only an idle releaser needs waking; a busy one looks again
             stalled = self._stalled()
@@ -197,8 +194,17 @@ class Releaser:
         with self._wakeup:
             self._riding -= len(riders) - len(handoffs)
             self._handoffs += handoffs
+            if handoffs:
+                self._ensure_thread()
             if handoffs or self._draining:
                 self._wakeup.notify_all()
+
+    def _ensure_thread(self) -> None:
+        """Start the releaser thread unless it runs; the lock is held."""
+        if self._thread is None or not self._thread.is_alive():
+            self._stopping = False
+            self._thread = threading.Thread(target=self._run, name="dramatiq-unique-releaser", daemon=True)
+            self._thread.start()
 
     def _stalled(self) -> list[PendingRelease]:
         """The batch in flight, once, when it has waited too long."""
