@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from dramatiq_unique.backend import Copy, Release
-from dramatiq_unique.backends.calls import ScriptCalls
+from dramatiq_unique.backends.calls import ScriptCalls, _pack, _pack_in_python
 from dramatiq_unique.backends.group import GroupCommit
 from dramatiq_unique.backends.redis import RedisBackend
 from dramatiq_unique.releaser import PendingRelease, Releaser
@@ -64,6 +64,15 @@ def in_thread(target: Callable[[], Any]) -> tuple[threading.Thread, dict[str, An
 
 def queued(group: GroupCommit, n: int) -> None:
     wait_for(lambda: len(group._queue) == n, what=f"{n} queued caller(s)")
+
+
+def test_commands_are_packed_as_redis_reads_them_with_or_without_hiredis():
+    # str in UTF-8, int in decimal, bytes as they are: the only kinds the scripts take
+    command = (b"EVALSHA", b"ab", 2, "k:{\u00e9}", "x", 60000, b"\x00raw")
+    expected = (b"*7\r\n$7\r\nEVALSHA\r\n$2\r\nab\r\n$1\r\n2\r\n$6\r\nk:{\xc3\xa9}\r\n$1\r\nx\r\n"
+                b"$5\r\n60000\r\n$4\r\n\x00raw\r\n")
+    assert _pack_in_python(command) == expected
+    assert _pack(command) == expected  # hiredis's packer where installed (the full CI leg), else the same function
 
 
 def test_callers_that_arrive_during_a_round_trip_share_the_next_one(redis_client):
