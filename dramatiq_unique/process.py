@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from typing import TYPE_CHECKING, Any, NoReturn, Optional
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional
 
 from dramatiq import Message
 from dramatiq.middleware import AgeLimit, SkipMessage
@@ -277,8 +277,8 @@ class ProcessGuard:
         if lease is not None:
             middleware.leases.drop(lease)
 
-        def done(outcome: Outcome) -> None:
-            self._released(broker, message, spec, key, owner, lease, outcome, confirmed)
+        def done(outcome: Outcome) -> Optional[Callable[[], None]]:
+            return self._released(broker, message, spec, key, owner, lease, outcome, confirmed)
 
         releaser = middleware.releaser
         if releaser is not None:
@@ -288,7 +288,9 @@ class ProcessGuard:
             outcome: Outcome = self.backend.release(key, owner)
         except Exception as e:
             outcome = e
-        done(outcome)
+        hand_over = done(outcome)
+        if hand_over is not None:
+            hand_over()
 
     def _released(
         self,
@@ -300,17 +302,22 @@ class ProcessGuard:
         lease: Optional[Lease],
         outcome: Outcome,
         confirmed: bool = True,
-    ) -> None:
+    ) -> Optional[Callable[[], None]]:
+        """Report a release; return the hand-off to do, if it handed the
+        key to a waiter: the caller does it where no job waits for it.
+        """
         middleware = self.middleware
         if isinstance(outcome, Exception):
             middleware.backend_error("release", key, spec, message, outcome)
-            return
+            return None
         if outcome.held:
             middleware.emit("released", spec, key, message)
         elif confirmed and (lease is None or not lease.lost):
             self.report_lost(spec.actor_name, key, owner)
-        if outcome.promoted is not None:
-            self._promote(broker, key, outcome.promoted)
+        promoted = outcome.promoted
+        if promoted is None:
+            return None
+        return lambda: self._promote(broker, key, promoted)
 
     def releases_stalled(self, batch: list[PendingRelease]) -> None:
         """Report releases still waiting for the backend."""

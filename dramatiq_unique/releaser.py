@@ -6,10 +6,10 @@ a worker thread takes its next run lock ride in front of that call, in
 the same round trip (:meth:`LockBackend.release_and_start`): under load
 a release costs no round trip of its own.  What no worker thread has
 carried within ``linger`` milliseconds, one daemon thread per process
-sends in one round trip (:meth:`LockBackend.release_many`).  A release
-that hands its key to a waiter is reported on that thread, which
-enqueues the promoted message; other outcomes are reported where they
-arrived.
+sends in one round trip (:meth:`LockBackend.release_many`).  Each
+outcome is reported where it arrived, in order with the call it rode
+with; the work a report leaves to do (enqueueing the waiter a release
+handed its key to) is done on the releaser thread.
 
 What stays true:
 
@@ -77,15 +77,21 @@ class PendingRelease:
       key(str): The lock key.
       owner(str): The owner token of the execution that held it.
       actor(str): The actor, for events.
-      done(callable): Called on the releaser thread with the
-        :class:`Release`, or the exception the release raised.
+      done(callable): Called on the thread that sent it with the
+        :class:`Release`, or the exception the release raised; it may
+        return work to do next (a hand-off), which the releaser thread
+        does, so that no worker thread waits for it.
     """
 
     key: str
     owner: str
     actor: str
-    done: Callable[[Outcome], None]
+    done: Callable[[Outcome], Optional[Callable[[], None]]]
     submitted_at: float = field(default_factory=_now_ms)
+
+
+#: A release and what its report left to do on the releaser thread.
+FollowUp = tuple[PendingRelease, Callable[[], None]]
 
 
 class Releaser:
@@ -125,7 +131,7 @@ class Releaser:
         self._riding = 0  # releases sent by worker threads, not yet reported
         self._draining = 0  # drains waiting: the releaser lingers for none
         self._last_submitted = 0.0
-        self._handoffs: list[tuple[PendingRelease, Outcome]] = []  # to report on the releaser thread
+        self._follow_ups: list[FollowUp] = []  # what reports left to do, on the releaser thread
         self._sending_since = 0.0
         self._stall_reported = False
         self._wakeup = threading.Condition()
@@ -139,7 +145,7 @@ class Releaser:
         with self._wakeup:
             if self._pid != pid():
                 # A forked child: the parent releases what it queued.
-                self._pending, self._sending, self._handoffs, self._riding = [], [], [], 0
+                self._pending, self._sending, self._follow_ups, self._riding = [], [], [], 0
                 self._pid = pid()
             self._pending.append(pending)
             self._last_submitted = pending.submitted_at
@@ -181,22 +187,17 @@ class Releaser:
         return riders
 
     def _arrived(self, riders: Sequence[PendingRelease], outcomes: Sequence[Outcome]) -> None:
-        """Report the releases a worker thread carried: a hand-off on
-        the releaser thread, which enqueues the promoted message; the
-        rest here.
+        """Report the releases a worker thread carried, here and in
+        order, and leave what the reports left to do (the hand-offs) to
+        the releaser thread.
         """
-        handoffs = []
-        for pending, outcome in zip(riders, outcomes):
-            if isinstance(outcome, Release) and outcome.promoted is not None:
-                handoffs.append((pending, outcome))
-            else:
-                self._report(pending, outcome)
+        follow_ups = [(p, f) for p, f in ((p, self._report(p, o)) for p, o in zip(riders, outcomes)) if f is not None]
         with self._wakeup:
-            self._riding -= len(riders) - len(handoffs)
-            self._handoffs += handoffs
-            if handoffs:
+            self._riding -= len(riders) - len(follow_ups)  # a hand-off counts until it is done
+            self._follow_ups += follow_ups
+            if follow_ups:
                 self._ensure_thread()
-            if handoffs or self._draining:
+            if follow_ups or self._draining:
                 self._wakeup.notify_all()
 
     def _ensure_thread(self) -> None:
@@ -259,28 +260,30 @@ class Releaser:
     def _run(self) -> None:
         while True:
             with self._wakeup:
-                batch, handoffs = self._next()
+                batch, follow_ups = self._next()
                 if batch is None:
                     return
                 self._sending, self._sending_since, self._stall_reported = batch, _now_ms(), False
-            for pending, outcome in handoffs:
-                self._report(pending, outcome)
+            for pending, follow_up in follow_ups:
+                self._follow(pending, follow_up)
             outcomes = self._release(batch)
             for pending, outcome in zip(batch, outcomes):
-                self._report(pending, outcome)
+                then = self._report(pending, outcome)
+                if then is not None:
+                    self._follow(pending, then)
             with self._wakeup:
                 self._sending = []
-                self._riding -= len(handoffs)
+                self._riding -= len(follow_ups)
                 self._wakeup.notify_all()
 
-    def _next(self) -> tuple[Optional[list[PendingRelease]], list[tuple[PendingRelease, Outcome]]]:
-        """Wait, holding the lock, for hand-offs to report or releases
-        that no worker thread carried within ``linger``; None to end.
+    def _next(self) -> tuple[Optional[list[PendingRelease]], list[FollowUp]]:
+        """Wait, holding the lock, for hand-offs to do or releases that
+        no worker thread carried within ``linger``; None to end.
         """
         while True:
-            if self._handoffs:
-                handoffs, self._handoffs = self._handoffs, []
-                return self._due(force=True), handoffs
+            if self._follow_ups:
+                follow_ups, self._follow_ups = self._follow_ups, []
+                return self._due(force=True), follow_ups
             due = self._due(force=self._stopping or self._draining > 0)
             if due:
                 return due, []
@@ -314,8 +317,15 @@ class Releaser:
                                 len(batch), _now_ms() - self._sending_since)
         return outcomes
 
-    def _report(self, pending: PendingRelease, outcome: Outcome) -> None:
+    def _report(self, pending: PendingRelease, outcome: Outcome) -> Optional[Callable[[], None]]:
         try:
-            pending.done(outcome)
+            return pending.done(outcome)
+        except Exception:
+            self.logger.exception("Could not report the release of %r.", pending.key)
+            return None
+
+    def _follow(self, pending: PendingRelease, follow_up: Callable[[], None]) -> None:
+        try:
+            follow_up()
         except Exception:
             self.logger.exception("Could not report the release of %r.", pending.key)

@@ -303,3 +303,35 @@ def test_a_releaser_that_does_not_linger_sends_each_release_at_once_without_spin
     assert time.process_time() - cpu < 0.15
     assert not any(redis_client.exists(key) for key in keys)
     releaser.stop()
+
+
+def test_a_carried_release_is_reported_before_the_start_returns_and_its_hand_off_runs_off_the_worker(
+    counting, redis_client
+):
+    # Given a held key with a waiter, and the holder's release pending
+    counting.acquire("t:{k}:run", "a/0", ttl=60_000)
+    counting.wait(Copy("t:{k}:run", "w", 1, "handoff"), b"body of w", order=1, ttl=60_000)
+    releaser = Releaser(counting, on_stalled=lambda batch: None, linger=10_000)
+    story: list[tuple[str, str]] = []
+    handed = threading.Event()
+
+    def done(outcome: Any) -> Callable[[], None]:
+        story.append(("released", threading.current_thread().name))
+
+        def hand_over() -> None:
+            story.append((f"handed {outcome.promoted.decode()}", threading.current_thread().name))
+            handed.set()
+
+        return hand_over
+
+    releaser.submit(PendingRelease("t:{k}:run", "a/0", "actor", done))
+    # When another job's start carries it
+    releaser.start("t:{o}:run", "b/0", **start_options("t:{o}:run", "b"))
+    story.append(("started", threading.current_thread().name))
+    # Then the release was reported first, on this thread, and the hand-off ran on the releaser thread
+    assert handed.wait(5)
+    me = threading.current_thread().name
+    assert story[:2] == [("released", me), ("started", me)]
+    assert story[2] == ("handed body of w", "dramatiq-unique-releaser")
+    assert releaser.drain(5_000)
+    releaser.stop()
