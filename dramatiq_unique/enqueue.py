@@ -203,18 +203,12 @@ class EnqueueGuard:
             return f"\t{message.queue_name}\t"
         return f"{self.namespace}\t{message.queue_name}\t{redis_id}"
 
-    def _take(
-        self, message: Any, delay: Optional[int], spec: ActorSpec, fresh: bool, *, provisional: bool = True
-    ) -> None:
-        """Take or re-enter the enqueue lock of ``message``.  Replacing
+    def _take(self, message: Any, delay: Optional[int], spec: ActorSpec, fresh: bool) -> None:
+        """Take or re-enter the enqueue lock of ``message``.  Inside a
+        guarded enqueue call a new lock holds for the provisional window
+        only, and is confirmed once the publish returns.  Replacing
         actors take theirs in :mod:`.replace`, at once for the full
         lifetime (no provisional window).
-
-        Parameters:
-          provisional(bool): Inside a guarded enqueue call, hold a new
-            lock for the provisional window only and confirm it once the
-            publish returns.  False takes the full lifetime at once, for
-            a path that publishes atomically with the lock.
         """
         if spec.client == "replace":
             return replace.take(self, message, delay, spec, fresh)
@@ -224,7 +218,7 @@ class EnqueueGuard:
         ttl = self._ttl(spec, delay)
         recorded = self._lock_args(message, spec, fresh)
         call = _taken.get()
-        window = middleware.settings.provisional_window if provisional and call is not None else 0
+        window = middleware.settings.provisional_window if call is not None else 0
         started = time.monotonic() * 1000
         # A re-enqueued copy of a message that a reschedule made twice
         # over may not run (see Copy): it must not take the lock back.
