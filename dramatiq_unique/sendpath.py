@@ -131,8 +131,9 @@ class SendPath:
 
     def __init__(self, guard: "EnqueueGuard") -> None:
         self.guard = guard
-        #: (backend, broker client, whether the fast path may use them).
-        self._same: Optional[tuple[Any, Any, bool]] = None
+        #: The last verdict of :meth:`applies`, and what it was drawn from:
+        #: (backend, broker client, middleware stack, its length, verdict).
+        self._verdict: Optional[tuple[Any, Any, Any, int, bool]] = None
 
     def install(self, broker: "Broker") -> None:
         """Route ``broker.do_enqueue`` through the fast path, once, when
@@ -157,11 +158,15 @@ class SendPath:
         """Whether a new send on ``broker`` may take the fast path now."""
         if getattr(broker.__dict__.get("do_enqueue"), "_unique_send_path", None) is not self:
             return False
-        backend, client = self.guard.middleware.backend, getattr(broker, "client", None)
-        same = self._same
-        if same is None or same[0] is not backend or same[1] is not client:
-            same = self._same = (backend, client, same_redis(backend, broker))
-        return same[2] and not _later_hooks(broker, self.guard.middleware)
+        # Drawn again only when the backend, the client or the stack changes,
+        # not per send: a middleware is added to the stack, never swapped in.
+        backend, client, stack = self.guard.middleware.backend, getattr(broker, "client", None), broker.middleware
+        last = self._verdict
+        if last is not None and all(a is b for a, b in zip(last, (backend, client, stack))) and last[3] == len(stack):
+            return bool(last[4])
+        verdict = same_redis(backend, broker) and not _later_hooks(broker, self.guard.middleware)
+        self._verdict = (backend, client, stack, len(stack), verdict)
+        return verdict
 
     def _send(
         self,

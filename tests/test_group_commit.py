@@ -242,7 +242,7 @@ def test_a_pending_release_rides_in_front_of_the_next_start_and_frees_its_key_fi
     releaser.stop()
 
 
-def test_a_release_that_no_start_carries_goes_out_within_the_linger(counting, redis_client):
+def test_a_release_that_no_start_carries_is_sent_by_the_releaser_thread(counting, redis_client):
     # Given a release submitted while no job starts
     counting.acquire("t:{k}:run", "a/0", ttl=60_000)
     releaser = Releaser(counting, on_stalled=lambda batch: None, linger=50)
