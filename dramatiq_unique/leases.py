@@ -29,6 +29,7 @@ from typing import Callable, Optional
 from dramatiq.logging import get_logger
 
 from .backend import LockBackend
+from .forks import pid
 
 #: How soon a failed renewal is tried again, in milliseconds.
 RETRY_INTERVAL = 1_000
@@ -107,6 +108,9 @@ class LeaseKeeper:
         self._leases: dict[int, Lease] = {}
         self._wakeup = threading.Condition()
         self._thread: Optional[threading.Thread] = None
+        # The process the thread runs in: a forked child has none.  A
+        # field read per job, where is_alive() costs two calls.
+        self._running_in: Optional[int] = None
         self._stopping = False
         self._renewal: Optional[_Renewal] = None
 
@@ -116,10 +120,10 @@ class LeaseKeeper:
         # One dict store, atomic on its own: worker threads register and
         # drop a lease per job without contending for the renewal lock.
         self._leases[id(lease)] = lease
-        if self._thread is None or not self._thread.is_alive():
+        if self._running_in != pid():
             with self._wakeup:
-                if self._thread is None or not self._thread.is_alive():
-                    self._stopping = False
+                if self._running_in != pid():
+                    self._stopping, self._running_in = False, pid()
                     self._thread = threading.Thread(target=self._run, name="dramatiq-unique-leases", daemon=True)
                     self._thread.start()
         return lease
@@ -145,9 +149,17 @@ class LeaseKeeper:
             self._thread.join(timeout=5)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException:
+            self._running_in = None  # the next lease starts a new thread
+            raise
+
+    def _serve(self) -> None:
         while True:
             with self._wakeup:
                 if self._stopping:
+                    self._running_in = None  # under the lock: a lease from now on starts a new thread
                     return
                 now = _now_ms()
                 held = self._held()

@@ -245,7 +245,7 @@ class UniqueMiddleware(Middleware):
 
     def emit(self, name: str, spec: ActorSpec, key: str, message: Any, holder: Optional[str] = None) -> None:
         message_id = getattr(message, "message_id", None)
-        self.events.emit(LockEvent(name, spec.actor_name, key, message_id, message_id_of(holder)))
+        self.events.emit(LockEvent(name, spec.actor_name, key, message_id, message_id_of(holder) if holder else None))
 
     def backend_error(self, action: str, key: str, spec: ActorSpec, message: Any, error: Exception) -> LockBackendError:
         """Log, count and wrap a backend failure."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, cast
 
 from dramatiq import Message
 from dramatiq.middleware import AgeLimit, SkipMessage
@@ -57,6 +57,10 @@ class ProcessGuard:
         self._tokens = itertools.count()
         self._token_prefix = f"{random.getrandbits(32):08x}"
         self.handoffs = HandoffPolls()
+        # The AgeLimit of the stack last seen, and that stack (held, so
+        # that no other list can take its identity) with its length:
+        # found once per stack, not searched for on every job.
+        self._age_limit: tuple[Optional[list[Any]], int, Optional[AgeLimit]] = (None, -1, None)
 
     @property
     def backend(self) -> "LockBackend":
@@ -66,31 +70,51 @@ class ProcessGuard:
 
     def start(self, broker: "Broker", message: "MessageProxy", spec: ActorSpec) -> None:
         """Take what the lock type takes before the actor runs."""
-        stamped = message.options.get("unique_digest")
-        digest = stamped or spec.digest(message.args, message.kwargs)
-        message.options["unique_digest"] = digest  # so a retry re-enters, even if the sender had no middleware
+        # The proxy forwards every read through __getattr__: read the message itself.
+        raw = cast(Message, getattr(message, "_message", message))
+        options = raw.options
+        stamped = options.get("unique_digest")
+        digest = stamped or spec.digest(raw.args, raw.kwargs)
+        options["unique_digest"] = digest  # so a retry re-enters, even if the sender had no middleware
         # An unstamped message took no enqueue lock (sent while disabled, or without the middleware).
         state = attach(message, Delivery(spec, digest, queue_released=not stamped))
         skip_if_superseded(self.middleware, broker, message, state)
         if not spec.lock.run_lock:
             if spec.lock.queue_release == "run_start":
                 self.release_queue_lock(message, state, strict=True)
-        elif _expired(broker, message):
+        elif self._expired(broker, raw):
             # AgeLimit, after us, dead-letters it; only one copy of it may be.
             self._settle(message, state, strict=True)
         else:
-            self._take_run_lock(broker, message, state)
+            self._take_run_lock(broker, message, raw, state)
 
-    def _owner(self, message: "MessageProxy") -> str:
+    def _expired(self, broker: "Broker", message: Any) -> bool:
+        """Whether AgeLimit, after us in the stack, will dead-letter
+        ``message`` as too old: then it must take no lock, and never be
+        rescheduled past its age.
+        """
+        stack = broker.middleware
+        seen, size, age_limit = self._age_limit
+        if seen is not stack or size != len(stack):
+            age_limit = _age_limit(stack)
+            self._age_limit = (stack, len(stack), age_limit)
+        if age_limit is None:
+            return False
+        actor = broker.get_actor(message.actor_name)
+        max_age = message.options.get("max_age") or actor.options.get("max_age", age_limit.max_age)
+        # Looked up at call time, like AgeLimit's own clock.
+        return bool(max_age) and age_limit_module.current_millis() - message.message_timestamp >= max_age
+
+    def _owner(self, message: Message) -> str:
         return f"{message.message_id}/{self._token_prefix}.{pid():x}.{next(self._tokens):x}"
 
-    def _take_run_lock(self, broker: "Broker", message: "MessageProxy", state: Delivery) -> None:
+    def _take_run_lock(self, broker: "Broker", message: "MessageProxy", raw: Message, state: Delivery) -> None:
         middleware, spec = self.middleware, state.spec
         key = middleware.key(spec, state.digest, "run")
         queue_key = None
         if spec.lock.queue_release == "run_start" and not state.queue_released:
             queue_key = middleware.key(spec, state.digest, "queue")
-        owner = self._owner(message)
+        owner = self._owner(raw)
         taken_at = time.monotonic() * 1000
         # Set before the call: one whose reply is lost may have taken it.
         state.run_key, state.run_owner = key, owner
@@ -103,7 +127,7 @@ class ProcessGuard:
                 ttl=middleware.settings.lease,
                 limit=spec.lock_limit,
                 lock=spec.lock.name,
-                copy=copy_of(message, key),
+                copy=copy_of(raw, key),
                 queue_key=queue_key,
             )
         except Exception as e:
@@ -126,7 +150,7 @@ class ProcessGuard:
             state.coroutine = watch()
         state.lease = middleware.leases.hold(key, owner, taken_at, actor=spec.actor_name)
         set_fence(got.fence)
-        middleware.emit("locked", spec, key, message)
+        middleware.emit("locked", spec, key, raw)
 
     def _settle(self, message: "MessageProxy", state: Delivery, strict: bool = False) -> None:
         """Claim a copy that will not start, so that no other copy of
@@ -358,15 +382,5 @@ class ProcessGuard:
         self.middleware.events.emit(LockEvent("lock_lost", actor, key, message_id_of(owner)))
 
 
-def _expired(broker: "Broker", message: Any) -> bool:
-    """Whether AgeLimit, after us in the stack, will dead-letter
-    ``message`` as too old: then it must take no lock, and never be
-    rescheduled past its age.
-    """
-    for middleware in broker.middleware:
-        if isinstance(middleware, AgeLimit):
-            actor = broker.get_actor(message.actor_name)
-            max_age = message.options.get("max_age") or actor.options.get("max_age", middleware.max_age)
-            # Looked up at call time, like AgeLimit's own clock.
-            return bool(max_age) and age_limit_module.current_millis() - message.message_timestamp >= max_age
-    return False
+def _age_limit(stack: list[Any]) -> Optional[AgeLimit]:
+    return next((middleware for middleware in stack if isinstance(middleware, AgeLimit)), None)

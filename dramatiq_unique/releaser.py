@@ -134,25 +134,29 @@ class Releaser:
         self._follow_ups: list[FollowUp] = []  # what reports left to do, on the releaser thread
         self._sending_since = 0.0
         self._stall_reported = False
-        self._wakeup = threading.Condition()
+        # A plain lock under the condition: the per-job paths take it
+        # directly, without the condition's Python-level __enter__.
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
         self._thread: Optional[threading.Thread] = None
+        self._running = False  # the thread runs: a flag, where is_alive() costs two calls per release
         self._pid = pid()
         self._stopping = False
         self._idle = False
 
     def submit(self, pending: PendingRelease) -> None:
         """Queue one release; never waits for the backend."""
-        with self._wakeup:
+        with self._lock:
             if self._pid != pid():
                 # A forked child: the parent releases what it queued.
                 self._pending, self._sending, self._follow_ups, self._riding = [], [], [], 0
-                self._pid = pid()
+                self._pid, self._running = pid(), False
             self._pending.append(pending)
             self._last_submitted = pending.submitted_at
             self._ensure_thread()
             if self._idle:
                 self._wakeup.notify()  # only an idle releaser needs waking; a busy one looks again
-            stalled = self._stalled()
+            stalled = self._stalled() if self._sending else None
         if stalled:
             self.on_stalled(stalled)
 
@@ -181,7 +185,7 @@ class Releaser:
     def _board(self) -> list[PendingRelease]:
         if not self._pending or self._pid != pid():
             return []  # read without the lock: a release missed here goes with the next call
-        with self._wakeup:
+        with self._lock:
             riders, self._pending = self._pending[: self.batch], self._pending[self.batch :]
             self._riding += len(riders)
         return riders
@@ -191,8 +195,12 @@ class Releaser:
         order, and leave what the reports left to do (the hand-offs) to
         the releaser thread.
         """
-        follow_ups = [(p, f) for p, f in ((p, self._report(p, o)) for p, o in zip(riders, outcomes)) if f is not None]
-        with self._wakeup:
+        follow_ups: list[FollowUp] = []
+        for pending, outcome in zip(riders, outcomes):
+            follow_up = self._report(pending, outcome)
+            if follow_up is not None:
+                follow_ups.append((pending, follow_up))
+        with self._lock:
             self._riding -= len(riders) - len(follow_ups)  # a hand-off counts until it is done
             self._follow_ups += follow_ups
             if follow_ups:
@@ -202,8 +210,8 @@ class Releaser:
 
     def _ensure_thread(self) -> None:
         """Start the releaser thread unless it runs; the lock is held."""
-        if self._thread is None or not self._thread.is_alive():
-            self._stopping = False
+        if not self._running:
+            self._stopping, self._running = False, True
             self._thread = threading.Thread(target=self._run, name="dramatiq-unique-releaser", daemon=True)
             self._thread.start()
 
@@ -235,7 +243,7 @@ class Releaser:
             self._wakeup.notify_all()  # a lingering releaser sends at once
             try:
                 while self._left():
-                    if (self._thread is None or not self._thread.is_alive()) and not self._riding:
+                    if not (self._running and self._pid == pid()) and not self._riding:
                         return False
                     left = deadline - _now_ms()
                     if left <= 0:
@@ -258,10 +266,20 @@ class Releaser:
             self.logger.warning("%d run lock(s) were not released before shutdown; their leases expire.", left)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException:
+            with self._wakeup:
+                self._running = False  # the next submission starts a new thread
+                self._wakeup.notify_all()
+            raise
+
+    def _serve(self) -> None:
         while True:
             with self._wakeup:
                 batch, follow_ups = self._next()
                 if batch is None:
+                    self._running = False  # under the lock: a submission from now on starts a new thread
                     return
                 self._sending, self._sending_since, self._stall_reported = batch, _now_ms(), False
             for pending, follow_up in follow_ups:

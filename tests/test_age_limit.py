@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 import dramatiq
+from dramatiq.middleware import AgeLimit
 
 from dramatiq_unique import StubBackend
 from tests.conftest import make_worker, unique, wait_for
@@ -39,3 +40,27 @@ def test_a_waiting_message_that_expires_is_dead_lettered_once(stub_broker):
     finally:
         release.set()
         worker.stop()
+
+
+def test_the_age_limit_is_looked_up_again_when_the_stack_changes(stub_broker):
+    # Given an old message of an actor with a max_age, and a guard that has already looked at the stack
+    middleware = unique(StubBackend())
+    stub_broker.add_middleware(middleware)
+
+    @dramatiq.actor(broker=stub_broker, lock="while_executing", max_age=1_000)
+    def sync() -> None:
+        pass
+
+    old = sync.message().copy(message_timestamp=1)
+    guard = middleware._process
+    assert guard._expired(stub_broker, old)
+    # When AgeLimit leaves the stack, and then comes back
+    age_limits = [m for m in stub_broker.middleware if isinstance(m, AgeLimit)]
+    for age_limit in age_limits:
+        stub_broker.middleware.remove(age_limit)
+    gone = guard._expired(stub_broker, old)
+    stub_broker.middleware.append(AgeLimit())
+    # Then each change is seen: no limit to expire by, then one again
+    assert not gone
+    assert guard._expired(stub_broker, old)
+    assert not guard._expired(stub_broker, sync.message())
