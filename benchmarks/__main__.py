@@ -127,6 +127,10 @@ def record(
     results.add(figure_name("process", name), contender, processing.rate)
     cpu = None if processing.worker_cpu is None else processing.worker_cpu / sent * 1e6
     results.add(figure_name("worker_cpu", name), contender, cpu)
+    if processing.worker_user_sys is not None:
+        user, system = (seconds / sent * 1e6 for seconds in processing.worker_user_sys)
+        results.add(figure_name("worker_user", name), contender, user)
+        results.add(figure_name("worker_sys", name), contender, system)
     results.latencies[(name or "default", contender)] += processing.release_latencies
     if not processing.exactly_once:
         where = f"{contender}{'' if name is None else ', ' + name}, round {round_ + 1}"

@@ -66,6 +66,10 @@ class Recorder(dramatiq.Middleware):
         self.acked = 0
         self.first_cpu: Optional[float] = None
         self.cpu: Optional[float] = None  # process CPU seconds from the first start to the expect-th end
+        # The same span split into user time (Python, mostly under the
+        # GIL) and system time (the kernel's, outside it), in seconds.
+        self.first_times: Optional[os.times_result] = None
+        self.user_sys: Optional[tuple[float, float]] = None
         self._mutex = threading.Lock()
         # Added release latency: from the job's end (our after-hook runs
         # before the middleware's) to the run lock's ``released`` event.
@@ -90,15 +94,16 @@ class Recorder(dramatiq.Middleware):
     def start(self) -> float:
         """Called as a job starts; returns the wall-clock time."""
         if self.first_cpu is None:  # two first jobs may both set it: a microsecond apart
-            self.first_cpu = time.process_time()
+            self.first_cpu, self.first_times = time.process_time(), os.times()
         return time.time()
 
     def ran(self, seq: int, started: float, ended: float) -> None:
         with self._mutex:
             self.runs.append((seq, started, ended))
             reached = len(self.runs) == self.expect
-        if reached and self.first_cpu is not None:
-            self.cpu = time.process_time() - self.first_cpu
+        if reached and self.first_cpu is not None and self.first_times is not None:
+            self.cpu, times = time.process_time() - self.first_cpu, os.times()
+            self.user_sys = (times.user - self.first_times.user, times.system - self.first_times.system)
         if reached and self.report is not None:
             write_json(self.report.with_name(self.report.name + ".progress"), {"runs": self.expect})
 
@@ -122,7 +127,7 @@ class Recorder(dramatiq.Middleware):
         with self._mutex:
             latencies = list(self.release_latencies)
         return {"runs": runs, "events": events, "trips": trips.counts(), "worker_trips": trips.worker_counts(),
-                "cpu": self.cpu, "release_latencies": latencies}
+                "cpu": self.cpu, "user_sys": self.user_sys, "release_latencies": latencies}
 
 
 class Floor(dramatiq.Middleware):

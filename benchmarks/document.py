@@ -194,14 +194,30 @@ def _configurations(results: Results) -> str:
                     f"(worker CPU per job {cpu[0]} µs bare, {cpu[1]} µs locked)")
     if not rows:
         return ""
-    return ("**Other configurations.** " + "; ".join(rows) + ". With prefetch 64 bare Dramatiq is CPU-bound: "
-            "every microsecond the lock costs the worker process shows, and the ratio follows CPU per job. A lock "
-            "that makes a round trip of its own per job is bounded by the one-`PING` floor; group commit lets a "
-            "loaded process share round trips, which brings `while_executing` to about the floor's CPU per job. What "
-            "remains between the lock and the floor is the middleware's own work per job (its hooks' Python, "
-            "reading and reporting the release, the releaser thread's round trips for the releases no start "
-            "carried) and, with a sleeping job, fewer overlapping starts to group. With a CPU job the GIL "
-            "serialises everything, the round trips included.")
+    mine, one = _ratio(results, "prefetch 64", "while_executing"), _ratio(results, "prefetch 64", FLOOR_ONE)
+    share = f" ({mine / one:.0%} of the floor)" if mine is not None and one else ""
+    return ("**Other configurations.** " + "; ".join(rows) + ". With prefetch 64 bare Dramatiq is CPU-bound, and "
+            "what bounds the rate is the CPU a job spends holding the GIL. A lock that makes a round trip of its "
+            "own per job is bounded by the one-`PING` floor; group commit lets a loaded process share round trips, "
+            "which brings `while_executing` below the floor's CPU per job. Its rate stays near the floor's"
+            f"{share} rather than above it by the CPU it saves, because the two spend their CPU differently"
+            + _user_sys(results, "prefetch 64") + ": a `PING` "
+            "costs mostly system time, in the kernel and outside the GIL, while the lock's cost is the "
+            "middleware's own Python (its hooks, building the calls and reading their replies, reporting the "
+            "release), which holds the GIL. With a sleeping job there are fewer overlapping starts to group; with "
+            "a CPU job the GIL serialises everything, the round trips included.")
+
+
+def _user_sys(results: Results, config: str) -> str:
+    """`` (user / system µs per job: ...)`` for bare, one PING and the lock, or nothing."""
+    parts = []
+    for contender, label in ((BARE, "bare"), (FLOOR_ONE, "one `PING`"), ("while_executing", "`while_executing`")):
+        user = results.median(figure_name("worker_user", config), contender)
+        system = results.median(figure_name("worker_sys", config), contender)
+        if user is None or system is None:
+            return ""
+        parts.append(f"{label} {user:.0f} / {system:.0f}")
+    return f" (user / system CPU µs per job: {', '.join(parts)})"
 
 
 def _release(results: Results) -> str:

@@ -73,6 +73,7 @@ class Processing:
     exactly_once: bool
     commands: Counter[str]
     worker_cpu: Optional[float]
+    worker_user_sys: Optional[tuple[float, float]]
     redis_cpu: float
     trips: dict[str, int] = field(default_factory=dict)
     worker_trips: dict[str, int] = field(default_factory=dict)
@@ -96,6 +97,7 @@ def process_run(
         exactly_once=runs.exactly_once,
         commands=delta(calls, command_calls(client)),
         worker_cpu=report["cpu"],
+        worker_user_sys=report.get("user_sys"),
         redis_cpu=redis_cpu(client) - cpu,
         trips=report["trips"],
         worker_trips=report.get("worker_trips", {}),

@@ -123,9 +123,10 @@ class LeaseKeeper:
         if self._running_in != pid():
             with self._wakeup:
                 if self._running_in != pid():
-                    self._stopping, self._running_in = False, pid()
+                    self._stopping = False
                     self._thread = threading.Thread(target=self._run, name="dramatiq-unique-leases", daemon=True)
                     self._thread.start()
+                    self._running_in = pid()  # after start(): a thread that failed to start is tried again
         return lease
 
     def drop(self, lease: Lease) -> None:

@@ -211,9 +211,10 @@ class Releaser:
     def _ensure_thread(self) -> None:
         """Start the releaser thread unless it runs; the lock is held."""
         if not self._running:
-            self._stopping, self._running = False, True
+            self._stopping = False
             self._thread = threading.Thread(target=self._run, name="dramatiq-unique-releaser", daemon=True)
             self._thread.start()
+            self._running = True  # after start(): a thread that failed to start is tried again
 
     def _stalled(self) -> list[PendingRelease]:
         """The batch in flight, once, when it has waited too long."""
