@@ -156,7 +156,7 @@ class Releaser:
             self._ensure_thread()
             if self._idle:
                 self._wakeup.notify()  # only an idle releaser needs waking; a busy one looks again
-            stalled = self._stalled() if self._sending else None
+            stalled = self._stalled()
         if stalled:
             self.on_stalled(stalled)
 

@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from dramatiq import Broker
     from dramatiq.broker import MessageProxy
 
-    from .enqueue import EnqueueGuard
     from .context import GuardContext
+    from .enqueue import EnqueueGuard
 
 #: ``LockBackend.current`` says the message was superseded.
 SUPERSEDED = -2

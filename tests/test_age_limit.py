@@ -42,25 +42,32 @@ def test_a_waiting_message_that_expires_is_dead_lettered_once(stub_broker):
         worker.stop()
 
 
-def test_the_age_limit_is_looked_up_again_when_the_stack_changes(stub_broker):
-    # Given an old message of an actor with a max_age, and a guard that has already looked at the stack
+
+def test_a_change_of_the_stack_is_seen_by_the_next_job(stub_broker):
+    # Given a worker whose stack has no AgeLimit, and an actor with a max_age
     middleware = unique(StubBackend())
     stub_broker.add_middleware(middleware)
+    ran: list[int] = []
 
     @dramatiq.actor(broker=stub_broker, lock="while_executing", max_age=1_000)
-    def sync() -> None:
-        pass
+    def sync(n: int) -> None:
+        ran.append(n)
 
-    old = sync.message().copy(message_timestamp=1)
-    guard = middleware._process
-    assert guard._expired(stub_broker, old)
-    # When AgeLimit leaves the stack, and then comes back
-    age_limits = [m for m in stub_broker.middleware if isinstance(m, AgeLimit)]
-    for age_limit in age_limits:
+    for age_limit in [m for m in stub_broker.middleware if isinstance(m, AgeLimit)]:
         stub_broker.middleware.remove(age_limit)
-    gone = guard._expired(stub_broker, old)
-    stub_broker.middleware.append(AgeLimit())
-    # Then each change is seen: no limit to expire by, then one again
-    assert not gone
-    assert guard._expired(stub_broker, old)
-    assert not guard._expired(stub_broker, sync.message())
+    worker = make_worker(stub_broker, threads=1)
+    try:
+        # When a message older than its max_age runs, AgeLimit is added, and another such message arrives
+        stub_broker.enqueue(sync.message(1).copy(message_timestamp=1))
+        stub_broker.join(sync.queue_name, fail_fast=False)
+        worker.join()
+        stub_broker.middleware.append(AgeLimit())
+        late = stub_broker.enqueue(sync.message(2).copy(message_timestamp=1))
+        stub_broker.join(sync.queue_name, fail_fast=False)
+        worker.join()
+        # Then the first ran, with no limit to expire by; the second took no lock and was dead-lettered
+        assert ran == [1]
+        assert middleware.events.count("locked") == 1
+        assert [m.message_id for m in stub_broker.dead_letters] == [late.message_id]
+    finally:
+        worker.stop()

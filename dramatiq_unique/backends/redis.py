@@ -80,7 +80,6 @@ _SCRIPTS["release"] = _as_function("release") + (
 )
 
 
-
 def send_script(dispatch: str) -> str:
     """send.lua behind acquire.lua and the Redis broker's ``dispatch``
     source, each as a local function of (KEYS, ARGV).
