@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -19,7 +19,7 @@ import redis
 
 from . import app, costs, document, footprint, replace_cost, serial, throughput
 from .report import CONFIG_CONTENDERS, Results, figure_name, tables
-from .runs import CPU_1MS, PREFETCH_64, SLEEP_1MS, Config
+from .runs import CPU_1MS, DEFAULT, PREFETCH_64, SLEEP_1MS, Config
 from .server import BenchmarkError, PrivateRedis, connect
 from .workers import ROOT, clean_environment
 
@@ -37,6 +37,9 @@ class Plan:
     calls: int  # calls of each kind timed for the cost of one call
     configs: tuple[Config, ...] = (PREFETCH_64, SLEEP_1MS, CPU_1MS)  # measured beside the default, per round
 
+
+#: The contender whose release latencies are measured.
+LATENCY_CONTENDER = "while_executing"
 
 #: Two waves of 8 jobs, each outliving two renewal intervals of the lease.
 RENEWAL_JOBS, RENEWAL_SECONDS, RENEWAL_LEASE = 16, 2.5, 3_000
@@ -103,11 +106,26 @@ def measure(client: redis.Redis, url: str, plan: Plan, results: Results) -> None
                     results.violations.append(
                         f"makespan of {jobs}: exactly once={run.exactly_once}, overlaps={run.overlaps}"
                     )
+    for config in (DEFAULT, *plan.configs):
+        progress(f"release latency, {config.name}")
+        results.latencies[(config.name, LATENCY_CONTENDER)] += latency_run(client, url, plan, config)
     progress("lease renewals of long jobs")
     results.renewals = serial.renewal_run(client, url, RENEWAL_JOBS, RENEWAL_SECONDS, RENEWAL_LEASE)
     for contender in contenders:
         progress(f"footprint: {contender}")
         results.footprints += footprint.footprints(client, url, contender, plan.locks)
+
+
+def latency_run(client: redis.Redis, url: str, plan: Plan, config: Config) -> list[float]:
+    """Release latencies of one ``while_executing`` run, apart from the
+    rate rounds: recording them subscribes a listener to every event.
+    """
+    [sender] = throughput.enqueue_round(client, url, [LATENCY_CONTENDER], plan.sent, plan.chunk)
+    try:
+        latency = replace(config, env={**config.env, app.LATENCY: "1"})
+        return throughput.process_run(client, url, sender, config=latency).release_latencies
+    finally:
+        throughput.close(client, [sender])
 
 
 def record(
@@ -131,7 +149,6 @@ def record(
         user, system = (seconds / sent * 1e6 for seconds in processing.worker_user_sys)
         results.add(figure_name("worker_user", name), contender, user)
         results.add(figure_name("worker_sys", name), contender, system)
-    results.latencies[(name or "default", contender)] += processing.release_latencies
     if not processing.exactly_once:
         where = f"{contender}{'' if name is None else ', ' + name}, round {round_ + 1}"
         results.violations.append(f"{where}: the jobs did not each run exactly once")

@@ -39,6 +39,9 @@ FLOOR = "floor"
 FLOOR_ONE = "floor1"
 CONTENDERS = (BARE, *LOCK_TYPES, RECIPE, FLOOR, FLOOR_ONE)
 
+#: Set to "1" in a worker's environment to record release latencies.
+LATENCY = "BENCH_LATENCY"
+
 #: The queue every contender uses, inside its own broker namespace.
 QUEUE = "bench"
 
@@ -58,7 +61,9 @@ class Recorder(dramatiq.Middleware):
     down.
     """
 
-    def __init__(self, *, report: Optional[str], expect: int, unique: Optional[UniqueMiddleware]) -> None:
+    def __init__(
+        self, *, report: Optional[str], expect: int, unique: Optional[UniqueMiddleware], latency: bool = False
+    ) -> None:
         self.report = Path(report) if report else None
         self.expect = expect
         self.unique = unique
@@ -73,14 +78,17 @@ class Recorder(dramatiq.Middleware):
         self._mutex = threading.Lock()
         # Added release latency: from the job's end (our after-hook runs
         # before the middleware's) to the run lock's ``released`` event.
+        # Only in runs of their own: a listener makes the middleware build
+        # every event, which the rate runs must not charge it for.
+        self.latency = latency and unique is not None
         self.ended: dict[str, float] = {}
         self.release_latencies: list[float] = []
-        if unique is not None:
+        if self.latency and unique is not None:
             unique.events.subscribe(self._on_event)
 
     def after_process_message(self, broker: dramatiq.Broker, message: Any, *, result: Any = None,
                               exception: Any = None) -> None:
-        if self.unique is not None:
+        if self.latency:
             self.ended[message.message_id] = time.monotonic()
 
     def _on_event(self, event: Any) -> None:
@@ -160,6 +168,7 @@ def build(
     cpu: float = 0.0,
     report: Optional[str] = None,
     expect: int = 0,
+    latency: bool = False,
 ) -> tuple[RedisBroker, dramatiq.Actor[Any, Any]]:
     """The broker and actor of one contender, isolated by ``namespace``.
 
@@ -179,7 +188,7 @@ def build(
         broker.add_middleware(Floor())
     if contender == FLOOR_ONE:
         broker.add_middleware(FloorOne())
-    recorder = Recorder(report=report, expect=expect, unique=unique)
+    recorder = Recorder(report=report, expect=expect, unique=unique, latency=latency)
     broker.add_middleware(recorder)
     body = _body(recorder, seconds, cpu)
     if contender == RECIPE:
@@ -227,4 +236,5 @@ def from_environment() -> tuple[RedisBroker, dramatiq.Actor[Any, Any]]:
         cpu=float(os.environ.get("BENCH_CPU", "0")),
         report=os.environ["BENCH_REPORT"],
         expect=int(os.environ["BENCH_EXPECT"]),
+        latency=os.environ.get(LATENCY) == "1",
     )

@@ -101,7 +101,9 @@ Besides Dramatiq's defaults (prefetch 16 for 8 threads, a no-op job), bare Drama
 `while_executing` and both floors are also run with `dramatiq_queue_prefetch=64` (where bare
 Dramatiq is CPU-bound), with a job that sleeps 1 ms, and with a job that spins for 1 ms of its
 thread's CPU, in every round.  The **release latency** is the time from the end of a job (a
-middleware after ours) to the run lock's `released` event.
+middleware after ours) to the run lock's `released` event.  It is measured in one more
+`while_executing` run per configuration, after the rounds: recording it subscribes a listener to
+the lock events, and the middleware builds an event only for a listener, so the rate runs have none.
 
 Every job has its own key except in the makespan runs.  In each round
 the driver first sends every contender's jobs from one thread, taking

@@ -4,17 +4,20 @@ A lock is a set of holders under one key.  Each holder is an owner
 string with its own deadline, so ``limit`` holders may share a key and
 a dead holder frees only its own slot.  Every verb checks the owner,
 and every deadline is enforced by the backend's own clock.
+
+The outcomes that every job makes (:class:`Acquisition`, :class:`Copy`,
+:class:`Start`, :class:`Release`) are named tuples: immutable like the
+frozen dataclasses here, at a third of their cost to build.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Iterator, NamedTuple, Optional, Sequence, Union
 
 
-@dataclass(frozen=True)
-class Acquisition:
+class Acquisition(NamedTuple):
     """The outcome of :meth:`LockBackend.acquire`.
 
     Attributes:
@@ -40,8 +43,7 @@ class Acquisition:
     refused: Optional[str] = None
 
 
-@dataclass(frozen=True)
-class Copy:
+class Copy(NamedTuple):
     """One copy of a message that may exist several times over: the
     original, or the delayed or handed-over copy of a reschedule, each
     also retried, redelivered and moved out of the delay queue under
@@ -63,8 +65,7 @@ class Copy:
     via: str = ""
 
 
-@dataclass(frozen=True)
-class Start:
+class Start(NamedTuple):
     """The outcome of :meth:`LockBackend.start`.
 
     Attributes:
@@ -78,8 +79,7 @@ class Start:
     queue_released: bool = False
 
 
-@dataclass(frozen=True)
-class Release:
+class Release(NamedTuple):
     """The outcome of :meth:`LockBackend.release`.
 
     Attributes:

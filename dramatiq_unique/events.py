@@ -341,9 +341,18 @@ class EventHub:
             return sum(n for (event, who), n in self.counts.items() if event == name and actor in (None, who))
 
     def emit(self, event: LockEvent) -> None:
+        self.tell(self.tally(event.name, event.actor), event)
+
+    def tally(self, name: str, actor: str) -> list[Listener]:
+        """Count one event; return the listeners to tell of it, so that
+        a caller builds the event only when someone listens.
+        """
         with self._mutex:
-            self.counts[event.name, event.actor] += 1
-            listeners = self._listeners
+            self.counts[name, actor] += 1
+            return self._listeners
+
+    def tell(self, listeners: list[Listener], event: LockEvent) -> None:
+        """Pass ``event`` to ``listeners``, as :meth:`tally` returned them."""
         for listener in listeners:
             try:
                 listener(event)

@@ -244,8 +244,11 @@ class UniqueMiddleware(Middleware):
         return f"{self.settings.prefix}:{spec.scope}:{{{digest}}}:{phase}"
 
     def emit(self, name: str, spec: ActorSpec, key: str, message: Any, holder: Optional[str] = None) -> None:
-        message_id = getattr(message, "message_id", None)
-        self.events.emit(LockEvent(name, spec.actor_name, key, message_id, message_id_of(holder) if holder else None))
+        listeners = self.events.tally(name, spec.actor_name)
+        if listeners:  # two events a job: built only for someone
+            message_id = getattr(message, "message_id", None)
+            event = LockEvent(name, spec.actor_name, key, message_id, message_id_of(holder) if holder else None)
+            self.events.tell(listeners, event)
 
     def backend_error(self, action: str, key: str, spec: ActorSpec, message: Any, error: Exception) -> LockBackendError:
         """Log, count and wrap a backend failure."""

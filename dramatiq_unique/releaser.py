@@ -153,10 +153,11 @@ class Releaser:
                 self._pid, self._running = pid(), False
             self._pending.append(pending)
             self._last_submitted = pending.submitted_at
-            self._ensure_thread()
+            if not self._running:
+                self._ensure_thread()
             if self._idle:
                 self._wakeup.notify()  # only an idle releaser needs waking; a busy one looks again
-            stalled = self._stalled()
+            stalled = self._stalled() if self._sending else None
         if stalled:
             self.on_stalled(stalled)
 

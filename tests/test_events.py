@@ -346,6 +346,29 @@ def test_listeners_subscribe_unsubscribe_and_never_break_locking(stub_broker, lo
     assert middleware.events.count("locked") == 2
 
 
+def test_events_are_counted_without_a_listener_and_told_whole_to_one_subscribed_later(stub_broker):
+    # Given a middleware with no listener (it builds no event then), and a duplicate send
+    middleware = UniqueMiddleware()
+    stub_broker.add_middleware(middleware)
+
+    def sync(account_id):
+        pass
+
+    actor = dramatiq.actor(sync, broker=stub_broker, actor_name=f"sync_{uuid.uuid4().hex[:6]}", lock="until_executed")
+    first = actor.send(1)
+    actor.send(1)
+    # Then both events are counted
+    assert (middleware.events.count("locked"), middleware.events.count("duplicate")) == (1, 1)
+    # And a listener subscribed later hears the next ones whole: message, key and holder
+    seen: list[LockEvent] = []
+    middleware.events.subscribe(seen.append)
+    duplicate = actor.send(1)
+    [event] = seen
+    key = middleware.key(middleware.specs[actor.actor_name], first.options["unique_digest"], "queue")
+    assert event == LockEvent("duplicate", actor.actor_name, key, duplicate.message_id, first.message_id)
+    assert middleware.events.count("duplicate") == 2
+
+
 # The table itself ---------------------------------------------------------------
 
 

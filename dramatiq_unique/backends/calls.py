@@ -162,15 +162,11 @@ class ScriptCalls:
         for conn in idle:
             conn.disconnect()
 
-    def _command(self, call: Call) -> tuple[Any, ...]:
-        name, keys, args = call
-        return (_EVALSHA, self.shas[name], len(keys), *keys, *args)
-
     def _exchange(self, conn: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
         """One round trip: send every command, read every reply; a
         Redis error reply is returned in its place, not raised.
         """
-        conn.send_packed_command([b"".join(_pack(command) for command in commands)])
+        conn.send_packed_command([b"".join([_pack(command) for command in commands])])
         replies: list[Any] = []
         for _ in commands:
             try:
@@ -232,18 +228,26 @@ class ScriptCalls:
         Returns:
           list: per call, its reply, or the ``ResponseError`` it got.
         """
-        commands = [self._command(call) for call in calls]
+        shas = self.shas
+        commands = [(_EVALSHA, shas[name], len(keys), *keys, *args) for name, keys, args in calls]
         replies = self._group.call(commands) if grouped and self._group is not None else self._round_trip(commands)
+        for reply in replies:
+            if isinstance(reply, NoScriptError):
+                return self._reload(calls, commands, replies)
+        return replies
+
+    def _reload(self, calls: Sequence[Call], commands: list[tuple[Any, ...]], replies: list[Any]) -> list[Any]:
+        """After a script flush or on a new server: none of the calls that
+        got ``NOSCRIPT`` ran.  Load what is missing and send those calls
+        again, in one round trip.
+        """
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-        if missing:
-            # A script flush or a new server: nothing in ``missing`` ran.
-            # Load what is missing and send those calls again, in one round trip.
-            loads = [(b"SCRIPT", b"LOAD", self.sources[name]) for name in {calls[i][0] for i in missing}]
-            again = self._round_trip(loads + [commands[i] for i in missing])
-            for error in again[: len(loads)]:
-                if isinstance(error, Exception):
-                    raise error
-            for i, reply in zip(missing, again[len(loads) :]):
-                replies[i] = reply
+        loads = [(b"SCRIPT", b"LOAD", self.sources[name]) for name in {calls[i][0] for i in missing}]
+        again = self._round_trip(loads + [commands[i] for i in missing])
+        for error in again[: len(loads)]:
+            if isinstance(error, Exception):
+                raise error
+        for i, reply in zip(missing, again[len(loads) :]):
+            replies[i] = reply
         return replies
 

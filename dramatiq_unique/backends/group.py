@@ -90,7 +90,12 @@ class GroupCommit:
                 caller = _Caller(commands)
                 self._queue.append(caller)
         if leads:
-            return self._lead_alone(commands)
+            # Nobody is queued (a caller only queues behind a lead): send
+            # this caller's commands alone.
+            try:
+                return self.round_trip(commands)
+            finally:
+                self._hand_over([])
         try:
             if not caller.ready.acquire(timeout=self.timeout):
                 raise TimeoutError(
@@ -102,15 +107,6 @@ class GroupCommit:
         if caller.leads:  # handed the lead: send what queued meanwhile, this caller's own included
             self._lead()
         return caller.result()
-
-    def _lead_alone(self, commands: list[tuple[Any, ...]]) -> list[Any]:
-        """Lead with nobody queued (none can be: a caller only queues
-        behind a lead): send this caller's commands alone.
-        """
-        try:
-            return self.round_trip(commands)
-        finally:
-            self._hand_over([])
 
     def _abandon(self, caller: _Caller) -> None:
         """Take back a caller that stops waiting: out of the queue if it

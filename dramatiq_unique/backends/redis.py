@@ -132,9 +132,13 @@ def _copy_args(copy: Copy) -> list[Any]:
 def _start_call(
     key: str, owner: str, ttl: int, limit: int, lock: str, copy: Copy, queue_key: Optional[str] = None
 ) -> tuple[list[str], list[Any]]:
-    """start.lua's keys and arguments."""
-    keys = [key, *_records(copy)] + ([queue_key] if queue_key else [])
-    return keys, [owner, ttl, limit, lock, *_copy_args(copy)]
+    """start.lua's keys and arguments: every job's, so spelled out
+    rather than built from :func:`_records` and :func:`_copy_args`.
+    """
+    keys = [key, f"{key}:m:{copy.message_id}", f"{key}:wait", f"{key}:bodies"]
+    if queue_key:
+        keys.append(queue_key)
+    return keys, [owner, ttl, limit, lock, copy.message_id, copy.attempt, copy.via]
 
 
 def _superseded(key: str) -> str:
@@ -185,7 +189,7 @@ def _release(reply: Any) -> Release:
 
 def _release_calls(locks: Sequence[tuple[str, str]]) -> list[Call]:
     """release.lua calls that hand each slot over."""
-    return [("release", [key, *_waiting(key)], [owner, 1]) for key, owner in locks]
+    return [("release", [key, f"{key}:wait", f"{key}:bodies"], [owner, 1]) for key, owner in locks]
 
 
 def _releases(replies: Sequence[Any]) -> list[Union[Release, Exception]]:
