@@ -135,7 +135,7 @@ def _start_call(
     """start.lua's keys and arguments: every job's, so spelled out
     rather than built from :func:`_records` and :func:`_copy_args`.
     """
-    keys = [key, f"{key}:m:{copy.message_id}", f"{key}:wait", f"{key}:bodies"]
+    keys = [key, f"{key}:m:{copy.message_id}", *_waiting(key)]
     if queue_key:
         keys.append(queue_key)
     return keys, [owner, ttl, limit, lock, copy.message_id, copy.attempt, copy.via]
@@ -189,7 +189,7 @@ def _release(reply: Any) -> Release:
 
 def _release_calls(locks: Sequence[tuple[str, str]]) -> list[Call]:
     """release.lua calls that hand each slot over."""
-    return [("release", [key, f"{key}:wait", f"{key}:bodies"], [owner, 1]) for key, owner in locks]
+    return [("release", [key, *_waiting(key)], [owner, 1]) for key, owner in locks]
 
 
 def _releases(replies: Sequence[Any]) -> list[Union[Release, Exception]]:
