@@ -155,6 +155,10 @@ def _cost(results: Results, name: str, field: str = "wall") -> float:
     return float("nan") if value is None else float(value)
 
 
+#: The share of one core above which bare Dramatiq counts as CPU-bound
+#: (the GIL lets a worker process use one).
+CPU_BOUND = 0.85
+
 #: How the redis-py client parses, when hiredis is missing.
 PURE_PYTHON = ", in pure Python (hiredis is not installed)"
 
@@ -179,10 +183,28 @@ def _processing(results: Results) -> str:
             f"run-lock acquire {_cost(results, 'run lock: acquire'):.0f} µs, `PING` through redis-py "
             f"{_cost(results, 'PING'):.0f} µs{'' if redis.utils.HIREDIS_AVAILABLE else PURE_PYTHON}. Worker CPU per "
             f"job: bare {cpu[BARE]} µs, one `PING` {cpu[FLOOR_ONE]} µs, `while_executing` {cpu['while_executing']} "
-            f"µs, of which the middleware's own Python is {_cost(results, HOOKS):.0f} µs. At default prefetch bare "
-            "Dramatiq waits on its prefetch window, its poll backoff and its consumer thread's one ack round trip "
-            "per message, which competes for the GIL with every other thread of the process: the ratio there moves "
-            "with the machine's load more than with the lock.")
+            f"µs, of which the middleware's own Python is {_cost(results, HOOKS):.0f} µs. {_default_bound(results)}")
+
+
+def _default_bound(results: Results) -> str:
+    """What bounds bare Dramatiq at default prefetch on this machine: its
+    prefetch window and poll backoff, or (a slow machine) the GIL.
+    """
+    busy = _busy(results, "default")
+    if busy is not None and busy >= CPU_BOUND:
+        return (f"On this machine bare Dramatiq is CPU-bound even at default prefetch (its worker keeps "
+                f"{busy:.0%} of a core busy, and the GIL lets it use one): the ratio follows the CPU a job spends "
+                "holding the GIL, as at prefetch 64 below.")
+    return ("At default prefetch bare Dramatiq waits on its prefetch window, its poll backoff and its consumer "
+            "thread's one ack round trip per message, which competes for the GIL with every other thread of the "
+            "process: the ratio there moves with the machine's load more than with the lock.")
+
+
+def _busy(results: Results, config: str) -> Optional[float]:
+    """The share of one core that bare Dramatiq's worker kept busy."""
+    rate = results.median(figure_name("process", config), BARE)
+    cpu = results.median(figure_name("worker_cpu", config), BARE)
+    return None if rate is None or cpu is None else rate * cpu / 1e6
 
 
 def _configurations(results: Results) -> str:
