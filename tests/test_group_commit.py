@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import sys
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -335,3 +336,32 @@ def test_a_carried_release_is_reported_before_the_start_returns_and_its_hand_off
     assert story[2] == ("handed body of w", "dramatiq-unique-releaser")
     assert releaser.drain(5_000)
     releaser.stop()
+
+
+def test_a_script_added_beside_concurrent_callers_is_callable_once_they_see_it():
+    # Given script calls (no connection is made) and a thread switch after
+    # nearly every bytecode, so that a reader runs between add()'s steps
+    calls = ScriptCalls(redis.Redis(port=1), {"first": "return 1"})
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    missed: list[str] = []
+    try:
+        for i in range(300):
+            name = f"script-{i}"
+
+            def reader(name: str = name) -> None:
+                # As RedisBackend.acquire_and_dispatch does: look for the
+                # name in the sources, then call the script by its SHA1.
+                while name not in calls.sources:
+                    pass
+                if name not in calls.shas:
+                    missed.append(name)
+
+            thread = threading.Thread(target=reader)
+            thread.start()
+            calls.add(name, f"return {i}" * 50)
+            thread.join()
+    finally:
+        sys.setswitchinterval(switch)
+    # Then no reader found a name it could not call
+    assert missed == []

@@ -152,9 +152,12 @@ class ScriptCalls:
             self._idle.append(conn)
 
     def add(self, name: str, source: str) -> None:
-        """Make one more script callable by ``name``."""
-        self.sources = {**self.sources, name: source}
+        """Make one more script callable by ``name``.  Safe beside
+        concurrent calls: callers look for ``name`` in ``sources``, which
+        gets it only once ``shas`` has it.
+        """
         self.shas = {**self.shas, name: hashlib.sha1(source.encode()).hexdigest().encode()}
+        self.sources = {**self.sources, name: source}
 
     def close(self) -> None:
         """Disconnect the idle connections."""
