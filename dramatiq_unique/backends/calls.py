@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import select
 import ssl
+import threading
 from typing import Any, Callable, Sequence, Union
 
 import redis
@@ -120,6 +121,7 @@ class ScriptCalls:
         self.sources = sources
         self.shas = {name: hashlib.sha1(source.encode()).hexdigest().encode() for name, source in sources.items()}
         self.direct = _mirrorable(client)
+        self._adding = threading.Lock()
         self._idle: list[Any] = []
         self._pid = pid()
         self._group = GroupCommit(self._round_trip, timeout=_group_timeout(client)) if self.direct else None
@@ -156,8 +158,9 @@ class ScriptCalls:
         concurrent calls: callers look for ``name`` in ``sources``, which
         gets it only once ``shas`` has it.
         """
-        self.shas = {**self.shas, name: hashlib.sha1(source.encode()).hexdigest().encode()}
-        self.sources = {**self.sources, name: source}
+        with self._adding:  # two names added at once: neither is lost
+            self.shas = {**self.shas, name: hashlib.sha1(source.encode()).hexdigest().encode()}
+            self.sources = {**self.sources, name: source}
 
     def close(self) -> None:
         """Disconnect the idle connections."""
