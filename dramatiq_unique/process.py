@@ -79,8 +79,7 @@ class ProcessGuard:
         options["unique_digest"] = digest  # so a retry re-enters, even if the sender had no middleware
         # An unstamped message took no enqueue lock (sent while disabled, or without the middleware).
         state = attach(message, Delivery(spec, digest, queue_released=not stamped))
-        if spec.client == "replace":
-            skip_if_superseded(self.middleware, broker, message, state)
+        skip_if_superseded(self.middleware, broker, message, state)
         if not spec.lock.run_lock:
             if spec.lock.queue_release == "run_start":
                 self.release_queue_lock(message, state, strict=True)

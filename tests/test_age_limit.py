@@ -42,7 +42,6 @@ def test_a_waiting_message_that_expires_is_dead_lettered_once(stub_broker):
         worker.stop()
 
 
-
 def test_a_change_of_the_stack_is_seen_by_the_next_job(stub_broker):
     # Given a worker whose stack has no AgeLimit, and an actor with a max_age
     middleware = unique(StubBackend())
