@@ -1,7 +1,8 @@
 """Counts the Redis round trips this process makes, by what they carry.
 
-A round trip is one ``send_packed_command`` of redis-py: one command,
-or one whole pipeline.  Scripts are named by their SHA1, so a lock
+A round trip is one ``send_packed_command`` of redis-py, or one
+exchange of the lock backend's own (``wire.exchange``, which sends
+without redis-py): one command, or one whole pipeline.  Scripts are named by their SHA1, so a lock
 script and the broker's ``dispatch.lua`` are told apart even though
 both are ``EVALSHA``.  Counting is off unless :func:`install` is called.
 """
@@ -21,6 +22,11 @@ from dramatiq.worker import WorkerThread
 from dramatiq_unique.backends.redis import _SCRIPTS
 
 try:
+    from dramatiq_unique.backends import wire
+except ImportError:  # a version that sends through redis-py only, measured for comparison
+    wire = None  # type: ignore[assignment]
+
+try:
     from dramatiq_unique.backends.redis import send_script
 except ImportError:  # a version without the send fast path, measured for comparison
     send_script = None  # type: ignore[assignment]
@@ -33,6 +39,8 @@ _counts: Counter[str] = Counter()
 _worker_counts: Counter[str] = Counter()
 _mutex = threading.Lock()
 _original: Optional[Callable[..., Any]] = None
+#: The lock backend's own exchange, where this version has one.
+_original_raw: Optional[Callable[..., Any]] = None if wire is None else wire.exchange
 
 
 def _sha(source: bytes) -> str:
@@ -110,6 +118,15 @@ def owner(name: str) -> str:
     return "other"
 
 
+def _count(packed: Any) -> None:
+    name = label(packed)
+    on_worker = isinstance(threading.current_thread(), WorkerThread)
+    with _mutex:
+        _counts[name] += 1
+        if on_worker:
+            _worker_counts[name] += 1
+
+
 def install() -> None:
     """Start counting every round trip of every connection."""
     global _original
@@ -118,16 +135,19 @@ def install() -> None:
     original = redis.connection.AbstractConnection.send_packed_command
 
     def send_packed_command(self: Any, command: Any, check_health: bool = True) -> None:
-        name = label(command)
-        on_worker = isinstance(threading.current_thread(), WorkerThread)
-        with _mutex:
-            _counts[name] += 1
-            if on_worker:
-                _worker_counts[name] += 1
+        _count(command)
         original(self, command, check_health)
 
     _original = original
     redis.connection.AbstractConnection.send_packed_command = send_packed_command  # type: ignore[method-assign]
+    raw = _original_raw
+    if raw is not None:
+
+        def exchange_raw(conn: Any, packed: bytes, count: int) -> list[Any]:
+            _count(packed)
+            return raw(conn, packed, count)
+
+        wire.exchange = exchange_raw
 
 
 def uninstall() -> None:
@@ -136,6 +156,8 @@ def uninstall() -> None:
     if _original is not None:
         redis.connection.AbstractConnection.send_packed_command = _original  # type: ignore[method-assign]
         _original = None
+        if _original_raw is not None:
+            wire.exchange = _original_raw
 
 
 def counts() -> dict[str, int]:

@@ -56,7 +56,9 @@ def message_id_of(owner: Optional[str]) -> Optional[str]:
 def copy_of(message: Any, key: str) -> Copy:
     """Which copy of its message ``message`` is, for the run lock ``key``."""
     options = message.options
-    return Copy(key, message.message_id, options.get("unique_reschedules", 0), options.get("unique_via", ""))
+    # Built in C (every job makes one): a named tuple's own constructor runs Python.
+    fields = (key, message.message_id, options.get("unique_reschedules", 0), options.get("unique_via", ""))
+    return tuple.__new__(Copy, fields)
 
 
 def delivery(message: "MessageProxy") -> Optional[Delivery]:

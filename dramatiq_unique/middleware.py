@@ -333,11 +333,13 @@ class UniqueMiddleware(Middleware):
     # Processing -----------------------------------------------------
 
     def before_process_message(self, broker: "Broker", message: "MessageProxy") -> None:
-        spec = self.specs.get(message.actor_name)
+        # The proxy forwards every read through a Python-level __getattr__: read the message itself.
+        raw: Any = getattr(message, "_message", message)
+        spec = self.specs.get(raw.actor_name)
         if spec is None or not self.enabled:
             return
         try:
-            self._process.start(broker, message, spec)
+            self._process.start(broker, message, raw, spec)
         except MiddlewareError:
             raise
         except Exception as e:

@@ -15,7 +15,7 @@ import itertools
 import random
 import time
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional, cast
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional
 
 from dramatiq import Message
 from dramatiq.middleware import AgeLimit, SkipMessage
@@ -58,10 +58,9 @@ class ProcessGuard:
         self._tokens = itertools.count()
         self._token_prefix = f"{random.getrandbits(32):08x}"
         self.handoffs = HandoffPolls()
-        # The AgeLimit of the stack last seen, and that stack (held, so
-        # that no other list can take its identity) with its length:
-        # found once per stack, not searched for on every job.
-        self._age_limit: tuple[Optional[list[Any]], int, Optional[AgeLimit]] = (None, -1, None)
+        # The stack last seen (held, so that no other list can take its
+        # identity), its length, and per actor what _age_limit_of found.
+        self._age_limits: tuple[Optional[list[Any]], int, dict[str, tuple[bool, Optional[int]]]] = (None, -1, {})
 
     @property
     def backend(self) -> "LockBackend":
@@ -69,10 +68,10 @@ class ProcessGuard:
         assert backend is not None
         return backend
 
-    def start(self, broker: "Broker", message: "MessageProxy", spec: ActorSpec) -> None:
-        """Take what the lock type takes before the actor runs."""
-        # The proxy forwards every read through __getattr__: read the message itself.
-        raw = cast(Message, getattr(message, "_message", message))
+    def start(self, broker: "Broker", message: "MessageProxy", raw: Message, spec: ActorSpec) -> None:
+        """Take what the lock type takes before the actor runs: for
+        ``message`` and ``raw``, the message it proxies.
+        """
         options = raw.options
         stamped = options.get("unique_digest")
         digest = stamped or spec.digest(raw.args, raw.kwargs)
@@ -94,17 +93,31 @@ class ProcessGuard:
         ``message`` as too old: then it must take no lock, and never be
         rescheduled past its age.
         """
-        stack = broker.middleware
-        seen, size, age_limit = self._age_limit
-        if seen is not stack or size != len(stack):
-            age_limit = _age_limit(stack)
-            self._age_limit = (stack, len(stack), age_limit)
-        if age_limit is None:
+        limited, default = self._age_limit_of(broker, message.actor_name)
+        if not limited:
             return False
-        actor = broker.get_actor(message.actor_name)
-        max_age = message.options.get("max_age") or actor.options.get("max_age", age_limit.max_age)
+        max_age = message.options.get("max_age") or default
         # Looked up at call time, like AgeLimit's own clock.
         return bool(max_age) and age_limit_module.current_millis() - message.message_timestamp >= max_age
+
+    def _age_limit_of(self, broker: "Broker", actor_name: str) -> tuple[bool, Optional[int]]:
+        """Whether the stack has an AgeLimit, and the actor's max_age
+        under it: found once per actor and stack, not on every job.
+        """
+        stack = broker.middleware
+        seen, size, found = self._age_limits
+        if seen is not stack or size != len(stack):
+            found = {}
+            self._age_limits = (stack, len(stack), found)
+        try:
+            return found[actor_name]
+        except KeyError:
+            age_limit = _age_limit(stack)
+            if age_limit is None:
+                found[actor_name] = (False, None)
+            else:
+                found[actor_name] = (True, broker.get_actor(actor_name).options.get("max_age", age_limit.max_age))
+            return found[actor_name]
 
     def _owner(self, message: Message) -> str:
         return f"{message.message_id}/{self._token_prefix}.{pid():x}.{next(self._tokens):x}"

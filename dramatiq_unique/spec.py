@@ -9,6 +9,7 @@ import inspect
 import json
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 from dramatiq.common import q_name
@@ -73,7 +74,7 @@ class ActorSpec:
     debounce: Optional[int] = None
     debounce_max: Optional[int] = None
 
-    @property
+    @cached_property  # read for every lock key: worked out once
     def scope(self) -> str:
         """The clear-text actor part of this actor's lock keys."""
         if self.across_actors:

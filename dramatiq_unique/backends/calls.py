@@ -5,11 +5,14 @@ redis-py's ``Script.__call__``, its connection pool and its command
 machinery cost more per lock call than the round trip itself on a
 loaded worker.  So each call here is one pre-encoded ``EVALSHA``,
 packed and sent on a connection of a small private pool that mirrors
-the client's own connection parameters, and read back with the
-connection's own parser.  What redis-py gives a command is kept: the
-connection's retry policy (a blip is retried on a fresh connection,
-exactly as ``execute_command`` retries it), its health checks and
-socket timeouts, and a reload of the script after ``NOSCRIPT``.
+the client's own connection parameters.  Its replies are read with a
+hiredis reader of our own, fed straight from the socket: redis-py's
+reading layers cost more than the read.  (Without hiredis, or on RESP3,
+the connection's own parser reads them.)  What redis-py gives a command
+is kept: the connection's handshake, its retry policy (a blip is
+retried on a fresh connection, exactly as ``execute_command`` retries
+it), its health checks, socket timeouts and error classes, and a
+reload of the script after ``NOSCRIPT``.
 
 Clients this module does not know how to mirror (Sentinel-managed
 pools, client-side caching, a single-connection client, anything that
@@ -20,8 +23,6 @@ pipelines instead: the same replies, at redis-py's usual cost.
 from __future__ import annotations
 
 import hashlib
-import select
-import ssl
 import threading
 from typing import Any, Callable, Sequence, Union
 
@@ -30,6 +31,7 @@ from redis.connection import Connection, SSLConnection, UnixDomainSocketConnecti
 from redis.exceptions import NoScriptError, ResponseError
 
 from ..forks import pid
+from . import wire
 from .group import DEFAULT_TIMEOUT, GroupCommit
 
 #: One script call: script name, keys, arguments.
@@ -88,25 +90,6 @@ def _mirrorable(client: Any) -> bool:
     )
 
 
-def _readable(conn: Any) -> bool:
-    """Whether an idle connection has anything to read: one ``poll``
-    system call on a plain socket, where redis-py's ``can_read`` makes
-    three; TLS sockets, which may hold records of their own, ask the
-    connection.
-    """
-    sock = conn._sock
-    if sock is None:
-        return False
-    if isinstance(sock, ssl.SSLSocket):
-        return bool(conn.can_read())
-    poller = getattr(conn, "_unique_poller", None)
-    if poller is None or poller[0] is not sock:
-        poller = (sock, select.poll())
-        poller[1].register(sock.fileno(), select.POLLIN)
-        conn._unique_poller = poller
-    return bool(poller[1].poll(0))
-
-
 class ScriptCalls:
     """Calls Lua scripts by SHA1 on ``client``.
 
@@ -121,6 +104,7 @@ class ScriptCalls:
         self.sources = sources
         self.shas = {name: hashlib.sha1(source.encode()).hexdigest().encode() for name, source in sources.items()}
         self.direct = _mirrorable(client)
+        self.raw = self.direct and wire.readable_by_us(client)
         self._adding = threading.Lock()
         self._idle: list[Any] = []
         self._pid = pid()
@@ -143,7 +127,7 @@ class ScriptCalls:
         # made from a URL does not retry: the check is what saves the
         # call.)  A connection is never given back dirty: see _round_trip.
         try:
-            if _readable(conn):
+            if wire.readable(conn):
                 conn.disconnect()
         except (redis.ConnectionError, redis.TimeoutError, OSError):
             conn.disconnect()
@@ -172,7 +156,10 @@ class ScriptCalls:
         """One round trip: send every command, read every reply; a
         Redis error reply is returned in its place, not raised.
         """
-        conn.send_packed_command([b"".join([_pack(command) for command in commands])])
+        packed = b"".join([_pack(command) for command in commands])
+        if self.raw:
+            return wire.exchange(conn, packed, len(commands))
+        conn.send_packed_command([packed])
         replies: list[Any] = []
         for _ in commands:
             try:

@@ -154,6 +154,15 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+#: A named tuple from a tuple of its fields, built in C: a named tuple's
+#: own constructor runs a Python-level ``__new__``, which costs more than
+#: the rest of reading a reply.  For the replies every job reads.
+_new = tuple.__new__
+
+#: release.lua's two short replies.
+_RELEASES = (Release(False), Release(True))
+
+
 def _acquisition(reply: Any, owner: str) -> Acquisition:
     """acquire.lua's reply: the fence alone (a fresh, confirmed slot), or
     {status, holder, fence, provisional}; status 3 names why a copy may
@@ -173,8 +182,8 @@ def _start(reply: Any, owner: str) -> Start:
     """start.lua's reply: fence * 2 + the queue flag (a fresh slot), or
     {status, holder, fence, queue}.
     """
-    if isinstance(reply, int):
-        return Start(Acquisition(True, holder=owner, fence=reply >> 1), queue_released=bool(reply & 1))
+    if isinstance(reply, int):  # Acquisition(True, holder=owner, fence=reply >> 1), and the queue flag
+        return _new(Start, (_new(Acquisition, (True, False, owner, reply >> 1, False, None)), bool(reply & 1)))
     status, holder, fence, queue = reply
     return Start(_acquisition([status, holder, fence, 0], owner), queue_released=bool(queue))
 
@@ -182,7 +191,7 @@ def _start(reply: Any, owner: str) -> Start:
 def _release(reply: Any) -> Release:
     """release.lua's reply: the held flag alone, or {held, message}."""
     if isinstance(reply, int):
-        return Release(bool(reply))
+        return _RELEASES[bool(reply)]
     held, promoted = reply
     return Release(bool(held), promoted or None)
 

@@ -1,0 +1,180 @@
+"""Lock calls read off the socket by hand (``backends/wire.py``), on a
+real Redis: the replies and errors redis-py would give, a socket that
+breaks or goes silent, replies longer than one read, and a connection
+that redis-py health-checks in between.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, ResponseError
+from redis.retry import Retry
+
+from dramatiq_unique.backends import wire
+from dramatiq_unique.backends.calls import ScriptCalls
+
+SCRIPTS = {
+    "echo": "return ARGV[1]",
+    "shapes": "return {1, 'two', false, {3, ARGV[1]}}",
+    "fail": "return redis.error_reply('BOOM at ' .. ARGV[1])",
+    "long": "return string.rep('x', tonumber(ARGV[1]))",
+}
+
+
+#: Keeps the server busy, answering nobody, for ARGV[1] milliseconds.
+BUSY = """
+local function now() local t = redis.call('TIME') return t[1] * 1000 + t[2] / 1000 end
+local until_ms = now() + tonumber(ARGV[1])
+while now() < until_ms do end
+"""
+
+
+def wait_until_silent(redis_client: redis.Redis) -> None:
+    probe = client_of(redis_client, socket_timeout=0.05, retry=Retry(NoBackoff(), 0))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            probe.ping()
+        except redis.TimeoutError:
+            return
+    raise AssertionError("the busy script never kept the server from answering")
+
+
+def calls_on(client: redis.Redis) -> ScriptCalls:
+    calls = ScriptCalls(client, SCRIPTS)
+    assert calls.raw, "hiredis is installed with the test extra: these calls must be read by hand"
+    return calls
+
+
+def client_of(redis_client: redis.Redis, **options: object) -> redis.Redis:
+    where = redis_client.connection_pool.connection_kwargs
+    return redis.Redis(host=where["host"], port=where["port"], db=where["db"], **options)  # type: ignore[arg-type]
+
+
+def own_connection(calls: ScriptCalls) -> redis.Connection:
+    [conn] = calls._idle
+    return conn
+
+
+def test_replies_come_back_as_redis_py_reads_them(redis_client):
+    # Given the same scripts called by hand and through redis-py
+    calls = calls_on(redis_client)
+    # When each shape of reply comes back in one round trip
+    replies = calls.batch([("echo", [], ["é"]), ("shapes", [], ["z"]), ("echo", [], [b"\x00\xff"])])
+    # Then each is what redis-py's own parser gives, in order
+    expected = [
+        redis_client.eval(SCRIPTS["echo"], 0, "é"),
+        redis_client.eval(SCRIPTS["shapes"], 0, "z"),
+        redis_client.eval(SCRIPTS["echo"], 0, b"\x00\xff"),
+    ]
+    assert replies == expected == ["é".encode(), [1, b"two", None, [3, b"z"]], b"\x00\xff"]
+
+
+def test_an_error_reply_is_returned_in_its_place_as_redis_py_s_class(redis_client):
+    # Given a script that fails between two that do not
+    calls = calls_on(redis_client)
+    # When all three go in one round trip
+    before, failed, after = calls.batch([("echo", [], ["a"]), ("fail", [], ["b"]), ("echo", [], ["c"])])
+    # Then the failure is redis-py's ResponseError, and the calls around it are answered
+    assert (before, after) == (b"a", b"c")
+    assert type(failed) is ResponseError and "BOOM at b" in str(failed)
+    # And a NOSCRIPT reply is redis-py's NoScriptError: what makes the scripts load again
+    [missing] = calls._round_trip([(b"EVALSHA", b"0" * 40, 0)])
+    assert isinstance(missing, NoScriptError)
+
+
+def test_a_reply_longer_than_one_read_is_read_whole(redis_client):
+    # Given replies far longer than one read off the socket, many of them
+    calls = calls_on(redis_client)
+    size = 3 * wire.READ_SIZE + 17
+    # When they come back in one round trip
+    replies = calls.batch([("long", [], [size])] * 5 + [("echo", [], ["last"])])
+    # Then each is whole, and the one after them too
+    assert [len(reply) for reply in replies[:5]] == [size] * 5
+    assert replies[5] == b"last"
+
+
+def test_many_replies_in_one_round_trip_are_each_their_own(redis_client):
+    calls = calls_on(redis_client)
+    replies = calls.batch([("echo", [], [str(i)]) for i in range(2000)])
+    assert replies == [str(i).encode() for i in range(2000)]
+
+
+def test_a_connection_the_server_closed_while_idle_is_replaced_before_the_call(redis_client):
+    # Given a client that never retries: only the idle check can save the call
+    calls = calls_on(client_of(redis_client, retry=Retry(NoBackoff(), 0)))
+    assert calls.call("echo", [], ["warm"]) == b"warm"
+    conn = own_connection(calls)
+    # When the server closes that idle connection
+    host, port = conn._sock.getsockname()[:2]
+    assert redis_client.client_kill_filter(addr=f"{host}:{port}") == 1
+    # Then the next call goes out on a fresh socket and is answered
+    old = conn._sock
+    assert calls.call("echo", [], ["again"]) == b"again"
+    assert conn._sock is not None and conn._sock is not old
+
+
+def test_a_connection_lost_mid_call_is_retried_on_a_fresh_socket(redis_client):
+    # Given a client that retries once, and a connection the server drops
+    # after the idle check (so that the send or the read finds it gone)
+    calls = calls_on(client_of(redis_client, retry=Retry(NoBackoff(), 1)))
+    assert calls.call("echo", [], ["warm"]) == b"warm"
+    conn = own_connection(calls)
+    conn._sock.shutdown(2)  # as a network failure leaves it: closed under the connection
+    calls._idle.append(calls._idle.pop())
+    original = wire.readable
+    wire.readable = lambda _conn: False  # type: ignore[assignment]
+    try:
+        # When the call is made
+        reply = calls.call("echo", [], ["through"])
+    finally:
+        wire.readable = original  # type: ignore[assignment]
+    # Then the retry answers it, on a new socket with a new, empty reader
+    assert reply == b"through"
+    assert conn._unique_socket.sock is conn._sock
+
+
+def test_a_silent_server_fails_the_call_with_a_timeout_and_the_next_call_is_answered(redis_client):
+    # Given a client with a short socket timeout and no retries
+    calls = calls_on(client_of(redis_client, socket_timeout=0.2, retry=Retry(NoBackoff(), 0)))
+    assert calls.call("echo", [], ["warm"]) == b"warm"
+    # When the server stops answering for longer than that
+    sleeper = threading.Thread(target=lambda: client_of(redis_client).eval(BUSY, 0, 1500))
+    sleeper.start()
+    wait_until_silent(redis_client)
+    try:
+        # Then the call fails as redis-py's TimeoutError, and leaves no socket behind
+        with pytest.raises(redis.TimeoutError):
+            calls.call("echo", [], ["late"])
+        assert own_connection(calls)._sock is None
+    finally:
+        sleeper.join()
+    # And once the server answers again, so do calls, with no stray reply read for theirs
+    assert calls.batch([("echo", [], ["one"]), ("echo", [], ["two"])]) == [b"one", b"two"]
+
+
+def test_a_health_checked_connection_reads_its_own_replies_between_ours(redis_client):
+    # Given a client that health-checks its connections before every use
+    calls = calls_on(client_of(redis_client, health_check_interval=1))
+    conn_replies = [calls.call("echo", [], [str(i)]) for i in range(3)]
+    conn = own_connection(calls)
+    # When the check is due, redis-py sends its PING and reads the PONG itself
+    conn.next_health_check = 0
+    # Then our call after it reads its own reply, not the PONG
+    assert calls.call("echo", [], ["after the check"]) == b"after the check"
+    assert conn_replies == [b"0", b"1", b"2"]
+    assert conn.next_health_check > 0
+
+
+def test_redis_py_reads_what_we_cannot(redis_client):
+    # Without hiredis, or on RESP3, the connection's own parser reads the replies
+    resp3 = client_of(redis_client, protocol=3)
+    assert not wire.readable_by_us(resp3)
+    calls = ScriptCalls(resp3, SCRIPTS)
+    assert not calls.raw
+    assert calls.call("echo", [], ["resp3"]) == b"resp3"
