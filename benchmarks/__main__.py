@@ -36,6 +36,13 @@ class Plan:
     locks: int  # locks held for the footprint
     calls: int  # calls of each kind timed for the cost of one call
     configs: tuple[Config, ...] = (PREFETCH_64, SLEEP_1MS, CPU_1MS)  # measured beside the default, per round
+    # Rounds of the configurations: their few contenders cost little a round, and their targets compare
+    # figures within a few percent of each other, on machines whose rate moves by more from round to round.
+    config_rounds: int = 0  # 0: as many as rounds
+
+    @property
+    def every_config_round(self) -> int:
+        return self.config_rounds or self.rounds
 
 
 #: The contender whose release latencies are measured.
@@ -44,7 +51,8 @@ LATENCY_CONTENDER = "while_executing"
 #: Two waves of 8 jobs, each outliving two renewal intervals of the lease.
 RENEWAL_JOBS, RENEWAL_SECONDS, RENEWAL_LEASE = 16, 2.5, 3_000
 
-FULL = Plan(sent=3000, rounds=5, chunk=100, audit=1000, makespans=((10, 5), (100, 2)), locks=2000, calls=2000)
+FULL = Plan(sent=3000, rounds=5, chunk=100, audit=1000, makespans=((10, 5), (100, 2)), locks=2000, calls=2000,
+            config_rounds=9)
 QUICK = Plan(sent=600, rounds=2, chunk=100, audit=300, makespans=((10, 2), (100, 1)), locks=300, calls=500)
 
 
@@ -76,26 +84,12 @@ def measure(client: redis.Redis, url: str, plan: Plan, results: Results) -> None
         progress(f"counting round trips: {contender}")
         sending, processing = throughput.audit(client, url, contender, plan.audit)
         results.add_audit(contender, plan.audit, sending, processing)
-    for round_ in range(plan.rounds):
-        order = rotated(contenders, round_)
-        progress(f"round {round_ + 1}/{plan.rounds}: {', '.join(order)}")
-        senders = throughput.enqueue_round(client, url, order, plan.sent, plan.chunk)
-        try:
-            for sender in senders:
-                processing = throughput.process_run(client, url, sender)
-                record(results, sender, processing, round_)
-        finally:
-            throughput.close(client, senders)
-        for config in plan.configs:
-            order = rotated(list(CONFIG_CONTENDERS), round_)
-            progress(f"round {round_ + 1}/{plan.rounds}, {config.name}: {', '.join(order)}")
-            senders = throughput.enqueue_round(client, url, order, plan.sent, plan.chunk)
-            try:
-                for sender in senders:
-                    processing = throughput.process_run(client, url, sender, config=config)
-                    record(results, sender, processing, round_, config)
-            finally:
-                throughput.close(client, senders)
+    for round_ in range(max(plan.rounds, plan.every_config_round)):
+        if round_ < plan.rounds:
+            rate_round(client, url, plan, results, round_)
+        if round_ < plan.every_config_round:
+            for config in plan.configs:
+                rate_round(client, url, plan, results, round_, config)
     for round_ in range(max(rounds for _, rounds in plan.makespans)):
         for jobs, rounds in plan.makespans:
             if round_ < rounds:
@@ -114,6 +108,25 @@ def measure(client: redis.Redis, url: str, plan: Plan, results: Results) -> None
     for contender in contenders:
         progress(f"footprint: {contender}")
         results.footprints += footprint.footprints(client, url, contender, plan.locks)
+
+
+def rate_round(
+    client: redis.Redis, url: str, plan: Plan, results: Results, round_: int, config: Optional[Config] = None
+) -> None:
+    """Send every contender's jobs in turns, then run each one's worker:
+    every contender at the defaults, or those of ``config``.
+    """
+    contenders = results.contenders if config is None else list(CONFIG_CONTENDERS)
+    order = rotated(contenders, round_)
+    rounds = plan.rounds if config is None else plan.every_config_round
+    progress(f"round {round_ + 1}/{rounds}{'' if config is None else ', ' + config.name}: {', '.join(order)}")
+    senders = throughput.enqueue_round(client, url, order, plan.sent, plan.chunk)
+    try:
+        for sender in senders:
+            record(results, sender, throughput.process_run(client, url, sender, config=config or DEFAULT), round_,
+                   config)
+    finally:
+        throughput.close(client, senders)
 
 
 def latency_run(client: redis.Redis, url: str, plan: Plan, config: Config) -> list[float]:

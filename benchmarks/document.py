@@ -61,7 +61,8 @@ def meta(
                      f"dramatiq-unique {metadata.version('dramatiq-unique')} at {_commit()}"),
         "redis": (f"{args.redis} (given with --redis; its other clients count in the commands)" if args.redis
                   else "a private redis-server the harness started"),
-        "plan": (f"{'--quick' if args.quick else 'full'}: {plan.rounds} rounds of {plan.sent} jobs per contender, "
+        "plan": (f"{'--quick' if args.quick else 'full'}: {plan.rounds} rounds of {plan.sent} jobs per contender "
+                 f"({plan.every_config_round} of each other configuration), "
                  f"sent in turns of {plan.chunk}; round trips counted over {plan.audit} jobs; "
                  f"makespans {', '.join(f'N={jobs} × {rounds}' for jobs, rounds in plan.makespans)}; "
                  f"footprint of {plan.locks} held locks; {plan.calls} single calls of each kind"),
@@ -100,7 +101,8 @@ Each contender is a `RedisBroker` app with the same no-op actor
 Besides Dramatiq's defaults (prefetch 16 for 8 threads, a no-op job), bare Dramatiq,
 `while_executing` and both floors are also run with `dramatiq_queue_prefetch=64` (where bare
 Dramatiq is CPU-bound), with a job that sleeps 1 ms, and with a job that spins for 1 ms of its
-thread's CPU, in every round.  The **release latency** is the time from the end of a job (a
+thread's CPU, in every round, and in more rounds than the other contenders (the plan above): their
+targets compare rates a few percent apart.  The **release latency** is the time from the end of a job (a
 middleware after ours) to the run lock's `released` event.  It is measured in one more
 `while_executing` run per configuration, after the rounds: recording it subscribes a listener to
 the lock events, and the middleware builds an event only for a listener, so the rate runs have none.
