@@ -312,9 +312,9 @@ def _round_trips(results: Results) -> str:
                  f"{r.extends} renewals, which went out in {r.round_trips} round trips: one thread per process "
                  "renews, with the first lease that falls due, every lease due within half an interval, in one "
                  "pipeline, so that the leases of a process align. ")
-    return text + ("`until_and_while_executing` makes two lock round trips per job: `start.lua` claims the copy, takes the run "
-                   "lock and, only when it got it, releases the enqueue lock (both keys share the digest's hash tag), "
-                   "and the background release frees the run lock.")
+    return text + ("`until_and_while_executing` makes two lock round trips per job: `start.lua` claims the copy, "
+                   "takes the run lock and, only when it got it, releases the enqueue lock (both keys share the "
+                   "digest's hash tag), and the background release frees the run lock.")
 
 
 def _footprint(results: Results) -> str:
