@@ -145,7 +145,8 @@ def install() -> None:
 
         def exchange_raw(conn: Any, packed: bytes, count: int) -> list[Any]:
             _count(packed)
-            return raw(conn, packed, count)
+            replies: list[Any] = raw(conn, packed, count)
+            return replies
 
         wire.exchange = exchange_raw
 
