@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Iterator, NamedTuple, Optional, Sequence, Union
+from typing import Iterator, NamedTuple, Optional, Sequence, Union
 
 
 class Acquisition(NamedTuple):
@@ -430,11 +430,20 @@ class LockBackend(abc.ABC):
         return outcomes
 
     def release_and_start(
-        self, releases: Sequence[tuple[str, str]], key: str, owner: str, **options: Any
+        self,
+        releases: Sequence[tuple[str, str]],
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        limit: int,
+        lock: str,
+        copy: Copy,
+        queue_key: Optional[str] = None,
     ) -> tuple[list[Union[Release, Exception]], Union[Start, Exception]]:
         """Release each of ``releases`` as :meth:`release_many` does,
-        then :meth:`start` ``key`` for ``owner`` with ``options``: in one
-        round trip where the backend batches releases.
+        then :meth:`start` ``key`` for ``owner``: in one round trip where
+        the backend batches releases.
 
         Returns:
           tuple: the outcome of each release, and the :class:`Start`, or
@@ -442,7 +451,7 @@ class LockBackend(abc.ABC):
         """
         released = self.release_many(releases)
         try:
-            return released, self.start(key, owner, **options)
+            return released, self.start(key, owner, ttl=ttl, limit=limit, lock=lock, copy=copy, queue_key=queue_key)
         except Exception as e:
             return released, e
 

@@ -35,11 +35,11 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 from dramatiq.logging import get_logger
 
-from .backend import LockBackend, Release, Start
+from .backend import Copy, LockBackend, Release, Start
 from .forks import pid
 
 #: The most releases sent in one round trip.
@@ -161,9 +161,12 @@ class Releaser:
         if stalled:
             self.on_stalled(stalled)
 
-    def start(self, key: str, owner: str, **options: Any) -> Start:
+    def start(
+        self, key: str, owner: str, *, ttl: int, limit: int, lock: str, copy: Copy, queue_key: Optional[str] = None
+    ) -> Start:
         """:meth:`LockBackend.start`, with the releases pending now sent
-        in front of it, in the same round trip.
+        in front of it, in the same round trip.  (Keywords spelled out:
+        passing ``**options`` on builds a dict per call, per job.)
 
         Raises:
           Exception: What the start raised; the releases that rode with
@@ -171,10 +174,17 @@ class Releaser:
         """
         riders = self._board()
         if not riders:
-            return self.backend.start(key, owner, **options)
+            return self.backend.start(key, owner, ttl=ttl, limit=limit, lock=lock, copy=copy, queue_key=queue_key)
         try:
             outcomes, started = self.backend.release_and_start(
-                [(pending.key, pending.owner) for pending in riders], key, owner, **options
+                [(pending.key, pending.owner) for pending in riders],
+                key,
+                owner,
+                ttl=ttl,
+                limit=limit,
+                lock=lock,
+                copy=copy,
+                queue_key=queue_key,
             )
         except Exception as e:
             outcomes, started = [e] * len(riders), e

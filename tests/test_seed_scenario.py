@@ -24,9 +24,12 @@ def scenario(monkeypatch, redis_url, redis_client, broker_kind, rabbitmq_url=Non
     from tests.apps import seed
 
     broker, actor = seed.build()
-    sent = [actor.send(account, time.time()).message_id for account in SENDS]
-    with WorkerGroup("tests.apps.seed:broker", processes=2, threads=4, env=env) as workers:
+    # Both processes take part: each prefetches 2 jobs at most, and the jobs are sent once both consume
+    # (a process that boots first would otherwise prefetch every one).
+    worker_env = {**env, "dramatiq_queue_prefetch": "2"}
+    with WorkerGroup("tests.apps.seed:broker", processes=2, threads=4, env=worker_env) as workers:
         workers.wait_booted(2)
+        sent = [actor.send(account, time.time()).message_id for account in SENDS]
         wait_for(lambda: redis_client.llen(f"{namespace}:runs") >= len(SENDS), timeout=60,
                  what=f"{len(SENDS)} runs")
         time.sleep(1.0)  # rescheduled copies still in flight must not run again: the behaviour under test

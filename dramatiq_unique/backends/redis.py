@@ -135,7 +135,7 @@ def _start_call(
     """start.lua's keys and arguments: every job's, so spelled out
     rather than built from :func:`_records` and :func:`_copy_args`.
     """
-    keys = [key, f"{key}:m:{copy.message_id}", *_waiting(key)]
+    keys = [key, f"{key}:m:{copy.message_id}", f"{key}:wait", f"{key}:bodies"]  # _records(copy), inline
     if queue_key:
         keys.append(queue_key)
     return keys, [owner, ttl, limit, lock, copy.message_id, copy.attempt, copy.via]
@@ -197,8 +197,10 @@ def _release(reply: Any) -> Release:
 
 
 def _release_calls(locks: Sequence[tuple[str, str]]) -> list[Call]:
-    """release.lua calls that hand each slot over."""
-    return [("release", [key, *_waiting(key)], [owner, 1]) for key, owner in locks]
+    """release.lua calls that hand each slot over (the keys of
+    :func:`_waiting` spelled out: every job makes one).
+    """
+    return [("release", [key, f"{key}:wait", f"{key}:bodies"], [owner, 1]) for key, owner in locks]
 
 
 def _releases(replies: Sequence[Any]) -> list[Union[Release, Exception]]:
@@ -341,13 +343,26 @@ class RedisBackend(LockBackend):
         return _start(reply, owner)
 
     def release_and_start(
-        self, releases: Sequence[tuple[str, str]], key: str, owner: str, **options: Any
+        self,
+        releases: Sequence[tuple[str, str]],
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        limit: int,
+        lock: str,
+        copy: Copy,
+        queue_key: Optional[str] = None,
     ) -> tuple[list[Union[Release, Exception]], Union[Start, Exception]]:
         if self.calls is None:
-            return super().release_and_start(releases, key, owner, **options)
-        start: Call = ("start", *_start_call(key, owner, **options))
-        *released, started = self.calls.batch([*_release_calls(releases), start], grouped=True)
-        return _releases(released), started if isinstance(started, Exception) else _start(started, owner)
+            return super().release_and_start(
+                releases, key, owner, ttl=ttl, limit=limit, lock=lock, copy=copy, queue_key=queue_key
+            )
+        calls = _release_calls(releases)
+        calls.append(("start", *_start_call(key, owner, ttl, limit, lock, copy, queue_key)))
+        replies = self.calls.batch(calls, grouped=True)
+        started = replies.pop()
+        return _releases(replies), started if isinstance(started, Exception) else _start(started, owner)
 
     def release(self, key: str, owner: str, *, hand_over: bool = True) -> Release:
         return _release(self._call("release", [key, *_waiting(key)], [owner, int(hand_over)]))
