@@ -322,7 +322,7 @@ class EventHub:
         self._mutex = threading.Lock()
         self._listeners: list[Listener] = []
         # One counter per (event, actor): ``next()`` on it is one C call,
-        # atomic under the GIL, so counting takes no lock on the hot path.
+        # atomic under the GIL, so counting takes no lock.
         self._counters: dict[tuple[str, str], itertools.count[int]] = {}
 
     def subscribe(self, listener: Listener) -> Listener:
@@ -339,8 +339,7 @@ class EventHub:
 
     def count(self, name: str, actor: Optional[str] = None) -> int:
         """How many ``name`` events happened, for one actor or all."""
-        with self._mutex:
-            counters = list(self._counters.items())
+        counters = list(self._counters.items())  # one C call: a snapshot, beside concurrent tallies
         return sum(_value(counter) for (event, who), counter in counters if event == name and actor in (None, who))
 
     def emit(self, event: LockEvent) -> None:
@@ -351,9 +350,8 @@ class EventHub:
         a caller builds the event only when someone listens.
         """
         counter = self._counters.get((name, actor))
-        if counter is None:
-            with self._mutex:
-                counter = self._counters.setdefault((name, actor), itertools.count())
+        if counter is None:  # setdefault is atomic: of two first tallies, both count on the one it keeps
+            counter = self._counters.setdefault((name, actor), itertools.count())
         next(counter)
         return self._listeners
 

@@ -119,24 +119,20 @@ def test_a_connection_the_server_closed_while_idle_is_replaced_before_the_call(r
     assert conn._sock is not None and conn._sock is not old
 
 
-def test_a_connection_lost_mid_call_is_retried_on_a_fresh_socket(redis_client):
+def test_a_connection_lost_mid_call_is_retried_on_a_fresh_socket(redis_client, monkeypatch):
     # Given a client that retries once, and a connection the server drops
     # after the idle check (so that the send or the read finds it gone)
     calls = calls_on(client_of(redis_client, retry=Retry(NoBackoff(), 1)))
     assert calls.call("echo", [], ["warm"]) == b"warm"
     conn = own_connection(calls)
-    conn._sock.shutdown(2)  # as a network failure leaves it: closed under the connection
-    calls._idle.append(calls._idle.pop())
-    original = wire.readable
-    wire.readable = lambda _conn: False  # type: ignore[assignment]
-    try:
-        # When the call is made
-        reply = calls.call("echo", [], ["through"])
-    finally:
-        wire.readable = original  # type: ignore[assignment]
+    old = conn._sock
+    old.shutdown(2)  # as a network failure leaves it: closed under the connection
+    monkeypatch.setattr(wire, "readable", lambda _conn: False)
+    # When the call is made
+    reply = calls.call("echo", [], ["through"])
     # Then the retry answers it, on a new socket with a new, empty reader
     assert reply == b"through"
-    assert conn._unique_socket.sock is conn._sock
+    assert conn._sock is not old and conn._unique_socket.sock is conn._sock
 
 
 def test_a_silent_server_fails_the_call_with_a_timeout_and_the_next_call_is_answered(redis_client):
