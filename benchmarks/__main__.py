@@ -162,6 +162,8 @@ def record(
         user, system = (seconds / sent * 1e6 for seconds in processing.worker_user_sys)
         results.add(figure_name("worker_user", name), contender, user)
         results.add(figure_name("worker_sys", name), contender, system)
+    if processing.switches is not None:
+        results.add(figure_name("switches", name), contender, sum(processing.switches) / sent)
     if not processing.exactly_once:
         where = f"{contender}{'' if name is None else ', ' + name}, round {round_ + 1}"
         results.violations.append(f"{where}: the jobs did not each run exactly once")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import threading
 import time
 from pathlib import Path
@@ -37,13 +38,25 @@ FLOOR = "floor"
 #: The floor of a lock that costs one round trip on the worker thread:
 #: one PING in ``before_process_message``, nothing else.
 FLOOR_ONE = "floor1"
-CONTENDERS = (BARE, *LOCK_TYPES, RECIPE, FLOOR, FLOOR_ONE)
+#: The same round trip with no client library: one PING in
+#: ``before_process_message`` written and read on a bare socket.  What
+#: no lock that waits for Redis on the worker thread can go below.
+FLOOR_RAW = "floor0"
+CONTENDERS = (BARE, *LOCK_TYPES, RECIPE, FLOOR, FLOOR_ONE, FLOOR_RAW)
 
 #: Set to "1" in a worker's environment to record release latencies.
 LATENCY = "BENCH_LATENCY"
 
 #: The queue every contender uses, inside its own broker namespace.
 QUEUE = "bench"
+
+
+def _switches() -> tuple[int, int]:
+    """The process's voluntary and involuntary context switches so far,
+    every thread's.
+    """
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_nvcsw, usage.ru_nivcsw
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -75,6 +88,8 @@ class Recorder(dramatiq.Middleware):
         # GIL) and system time (the kernel's, outside it), in seconds.
         self.first_times: Optional[os.times_result] = None
         self.user_sys: Optional[tuple[float, float]] = None
+        self.first_switches: tuple[int, ...] = (0, 0)
+        self.switches: Optional[tuple[int, ...]] = None  # voluntary and involuntary context switches, same span
         self._mutex = threading.Lock()
         # Added release latency: from the job's end (our after-hook runs
         # before the middleware's) to the run lock's ``released`` event.
@@ -103,6 +118,7 @@ class Recorder(dramatiq.Middleware):
         """Called as a job starts; returns the wall-clock time."""
         if self.first_cpu is None:  # two first jobs may both set it: a microsecond apart
             self.first_cpu, self.first_times = time.process_time(), os.times()
+            self.first_switches = _switches()
         return time.time()
 
     def ran(self, seq: int, started: float, ended: float) -> None:
@@ -112,6 +128,7 @@ class Recorder(dramatiq.Middleware):
         if reached and self.first_cpu is not None and self.first_times is not None:
             self.cpu, times = time.process_time() - self.first_cpu, os.times()
             self.user_sys = (times.user - self.first_times.user, times.system - self.first_times.system)
+            self.switches = tuple(now - then for now, then in zip(_switches(), self.first_switches))
         if reached and self.report is not None:
             write_json(self.report.with_name(self.report.name + ".progress"), {"runs": self.expect})
 
@@ -135,7 +152,7 @@ class Recorder(dramatiq.Middleware):
         with self._mutex:
             latencies = list(self.release_latencies)
         return {"runs": runs, "events": events, "trips": trips.counts(), "worker_trips": trips.worker_counts(),
-                "cpu": self.cpu, "user_sys": self.user_sys, "release_latencies": latencies}
+                "cpu": self.cpu, "user_sys": self.user_sys, "switches": self.switches, "release_latencies": latencies}
 
 
 class Floor(dramatiq.Middleware):
@@ -157,6 +174,29 @@ class FloorOne(dramatiq.Middleware):
 
     def before_process_message(self, broker: dramatiq.Broker, message: Any) -> None:
         broker.client.ping()  # type: ignore[attr-defined]
+
+
+class FloorRaw(dramatiq.Middleware):
+    """One PING per job, on the worker thread, on a socket of its own:
+    redis-py only connects it (handshake included), then steps aside.
+    """
+
+    PING = b"*1\r\n$4\r\nPING\r\n"
+
+    def __init__(self) -> None:
+        self.sockets = threading.local()
+
+    def before_process_message(self, broker: dramatiq.Broker, message: Any) -> None:
+        sock = getattr(self.sockets, "sock", None)
+        if sock is None:
+            conn = broker.client.connection_pool.make_connection()  # type: ignore[attr-defined]
+            conn.connect()
+            sock = self.sockets.sock = conn._sock
+            self.sockets.conn = conn  # keeps the socket open
+        sock.sendall(self.PING)
+        reply = sock.recv(64)
+        while not reply.endswith(b"\r\n"):
+            reply += sock.recv(64)
 
 
 def build(
@@ -188,6 +228,8 @@ def build(
         broker.add_middleware(Floor())
     if contender == FLOOR_ONE:
         broker.add_middleware(FloorOne())
+    if contender == FLOOR_RAW:
+        broker.add_middleware(FloorRaw())
     recorder = Recorder(report=report, expect=expect, unique=unique, latency=latency)
     broker.add_middleware(recorder)
     body = _body(recorder, seconds, cpu)

@@ -7,7 +7,9 @@ it is set, else a private ``redis-server``.
 
 from __future__ import annotations
 
+import math
 import os
+import random
 import uuid
 from typing import Any, Iterator
 
@@ -17,9 +19,11 @@ import redis
 from dramatiq_unique.backend import Copy
 from dramatiq_unique.backends.redis import RedisBackend
 
-from . import trips
+from . import app, trips
+from .app import BARE, FLOOR_ONE, FLOOR_RAW
+from .report import AT_FLOOR, MET, NOT_MET, Results, figure_name, median_interval, verdicts
 from .runs import Executions
-from .server import BenchmarkError, PrivateRedis, cleanup, connect
+from .server import BenchmarkError, PrivateRedis, cleanup, command_calls, connect
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +121,54 @@ def test_a_double_run_and_an_overlap_are_caught() -> None:
     assert serial.exactly_once and serial.overlaps == 0 and serial.seconds == 3.0
     assert not twice.exactly_once
     assert overlapping.exactly_once and overlapping.overlaps == 1
+
+
+def test_the_median_interval_is_the_order_statistics_that_cover_the_median() -> None:
+    # n = 9: the 2nd and 8th values cover the median with 96%, the 3rd and 7th with only 82%.
+    assert median_interval([float(v) for v in range(9, 0, -1)]) == (2.0, 8.0)
+    # n = 5: no narrower pair reaches 90%, so the whole range.
+    assert median_interval([3.0, 1.0, 2.0, 5.0, 4.0]) == (1.0, 5.0)
+    assert median_interval([]) is None
+    # Drawn from a skewed distribution, the interval holds the true median at least 90% of the time.
+    draws = random.Random(7)
+    true_median = math.log(2)  # of an exponential with rate 1
+    covered = 0
+    for _ in range(2000):
+        low, high = median_interval([draws.expovariate(1.0) for _ in range(9)])  # type: ignore[misc]
+        covered += low <= true_median <= high
+    assert covered / 2000 >= 0.9
+
+
+def _results(config: str, rounds: dict[str, list[float]]) -> Results:
+    results = Results(meta={}, contenders=[])
+    for contender, rates in rounds.items():
+        for rate in rates:
+            results.add(figure_name("process", config), contender, rate)
+    return results
+
+
+@pytest.mark.parametrize(
+    "mine, raw, verdict",
+    [
+        ([95, 96, 94, 97, 95], [90, 91, 89, 92, 90], MET),  # at the target
+        ([85, 86, 84, 86, 85], [84, 87, 83, 85, 86], AT_FLOOR),  # level with a floor that misses it
+        ([70, 71, 69, 72, 70], [85, 86, 84, 86, 85], NOT_MET),  # well under the floor
+        ([85, 86, 84, 86, 85], [96, 97, 95, 98, 96], NOT_MET),  # the floor meets it: only the lock misses
+    ],
+)
+def test_a_missed_fixed_target_is_at_the_floor_only_where_the_floor_misses_it_and_the_lock_is_level(
+    mine: list[float], raw: list[float], verdict: str
+) -> None:
+    results = _results("1 ms CPU job", {BARE: [100.0] * 5, "while_executing": mine, FLOOR_ONE: raw, FLOOR_RAW: raw})
+    [found] = [v for v in verdicts(results) if "1 ms CPU job" in v.target]
+    assert found.met == verdict
+
+
+def test_the_bare_socket_floor_makes_one_ping_per_job(redis_url: str, client: redis.Redis, namespace: str) -> None:
+    broker, _ = app.build(FLOOR_RAW, redis_url=redis_url, namespace=namespace)
+    floor = next(m for m in broker.middleware if isinstance(m, app.FloorRaw))
+    before = command_calls(client)["ping"]
+    for _ in range(5):
+        floor.before_process_message(broker, None)
+    assert command_calls(client)["ping"] - before == 5
+    broker.close()

@@ -75,6 +75,7 @@ class Processing:
     worker_cpu: Optional[float]
     worker_user_sys: Optional[tuple[float, float]]
     redis_cpu: float
+    switches: Optional[tuple[int, int]] = None  # the worker's voluntary and involuntary context switches
     trips: dict[str, int] = field(default_factory=dict)
     worker_trips: dict[str, int] = field(default_factory=dict)
     events: dict[str, int] = field(default_factory=dict)
@@ -99,6 +100,7 @@ def process_run(
         worker_cpu=report["cpu"],
         worker_user_sys=report.get("user_sys"),
         redis_cpu=redis_cpu(client) - cpu,
+        switches=report.get("switches"),
         trips=report["trips"],
         worker_trips=report.get("worker_trips", {}),
         events=report["events"],
