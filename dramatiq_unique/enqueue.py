@@ -319,19 +319,22 @@ class EnqueueGuard:
         """The fast path's call failed: fail closed as :meth:`take_failed`
         does, or go on unlocked.  The call was also the publish, so a
         timeout, which may have locked and enqueued, raises even when
-        told to go on, as the broker's own enqueue would, and its lock
-        is given back.
+        told to go on, as the broker's own enqueue would.  Its lock is
+        kept: one script took it and enqueued, or did neither, so what
+        it holds always matches the queue, and a send again is refused
+        as a duplicate exactly when the first one went out.
 
         Returns:
           bool: True when the message is to be enqueued without its lock.
         """
-        middleware = self.middleware
-        if middleware.settings.on_backend_error != "fail" and _maybe_applied(error):
-            middleware.backend_error("take the enqueue lock", key, spec, message, error)
-            self._record(key, message.message_id)
+        if not _maybe_applied(error):
+            self.take_failed(message, spec, key, True, error)
+            return True
+        wrapped = self.middleware.backend_error("take the enqueue lock", key, spec, message, error)
+        if self.middleware.settings.on_backend_error != "fail":
             raise error
-        self.take_failed(message, spec, key, True, error)
-        return True
+        message.options.pop("unique_digest", None)
+        raise wrapped from error
 
     def take_failed(self, message: Any, spec: ActorSpec, key: str, fresh: bool, error: Exception) -> None:
         """A call that takes the enqueue lock failed: a new send fails

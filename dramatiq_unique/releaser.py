@@ -15,9 +15,11 @@ What stays true:
 
 * Each release is submitted once, by the delivery that took the lock,
   and sent once, by whichever thread takes it off the pending list
-  first; the release script checks the owner, so a release can never
-  free another holder's slot.  A release sent in front of another
-  lock's call is applied before it.
+  first (once more if an interrupt meant for the worker thread that
+  carried it, a time limit or a shutdown notice, broke that call); the
+  release script checks the owner, so a release can never free another
+  holder's slot.  A release sent in front of another lock's call is
+  applied before it.
 * Nothing on a worker thread waits for Redis here: submitting appends
   to a list.  A batch that has waited longer than ``stall_after`` for
   its reply is reported (ERROR log and a ``backend_error`` per lock) by
@@ -88,6 +90,7 @@ class PendingRelease:
     actor: str
     done: Callable[[Outcome], Optional[Callable[[], None]]]
     submitted_at: float = field(default_factory=_now_ms)
+    resent: bool = False  # sent again after a call that may have applied it was broken
 
 
 #: A release and what its report left to do on the releaser thread.
@@ -188,6 +191,9 @@ class Releaser:
             )
         except Exception as e:
             outcomes, started = [e] * len(riders), e
+        except BaseException:
+            self._unboard(riders)
+            raise
         self._arrived(riders, outcomes)
         if isinstance(started, Exception):
             raise started
@@ -200,6 +206,22 @@ class Releaser:
             riders, self._pending = self._pending[: self.batch], self._pending[self.batch :]
             self._riding += len(riders)
         return riders
+
+    def _unboard(self, riders: list[PendingRelease]) -> None:
+        """Queue again, first, the releases of a call that an interrupt
+        meant for its worker thread broke (a time limit, a shutdown
+        notice): the releaser thread sends them, so their keys are freed
+        now rather than when their leases expire.  The broken call may
+        have applied them: a release found done already is not reported
+        as a lost lock.
+        """
+        for pending in riders:
+            pending.resent = True
+        with self._lock:
+            self._pending[:0] = riders
+            self._riding -= len(riders)
+            self._ensure_thread()
+            self._wakeup.notify_all()
 
     def _arrived(self, riders: Sequence[PendingRelease], outcomes: Sequence[Outcome]) -> None:
         """Report the releases a worker thread carried, here and in
@@ -333,7 +355,8 @@ class Releaser:
         return batch
 
     def _linger_left(self) -> float:
-        return self._pending[0].submitted_at + self.linger - _now_ms()
+        first = self._pending[0]
+        return 0.0 if first.resent else first.submitted_at + self.linger - _now_ms()
 
     def _release(self, batch: list[PendingRelease]) -> list[Outcome]:
         if not batch:
@@ -348,6 +371,8 @@ class Releaser:
         return outcomes
 
     def _report(self, pending: PendingRelease, outcome: Outcome) -> Optional[Callable[[], None]]:
+        if pending.resent and isinstance(outcome, Release) and not outcome.held and outcome.promoted is None:
+            return None  # the broken call released it: nothing was lost
         try:
             return pending.done(outcome)
         except Exception:

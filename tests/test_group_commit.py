@@ -179,6 +179,40 @@ def test_a_caller_interrupted_as_it_is_handed_the_lead_passes_it_on(redis_client
     assert not group._leading
 
 
+class Interrupt(BaseException):
+    """As Dramatiq's TimeLimitExceeded and Shutdown: not an Exception."""
+
+
+def test_an_interrupt_that_breaks_a_round_trip_is_raised_in_its_own_thread_only(redis_client):
+    # Given a round trip in flight and two callers queued behind it; the first of them leads the next one
+    trips = GatedRoundTrips(redis_client)
+    broken: list[list[Any]] = []
+
+    def round_trip(commands: list[tuple[Any, ...]]) -> list[Any]:
+        replies = trips(commands)
+        if len(trips.sent) == 2:  # the second round trip: its leader's time limit fires in the middle of it
+            broken.append(replies)
+            raise Interrupt()
+        return replies
+
+    group = GroupCommit(round_trip)
+    first, first_outcome = in_thread(lambda: group.call([echo("a")]))
+    assert trips.entered.wait(5)
+    leader, leader_outcome = in_thread(lambda: group.call([echo("b")]))
+    queued(group, 1)
+    follower, follower_outcome = in_thread(lambda: group.call([echo("c")]))
+    queued(group, 2)
+    # When the interrupt breaks the round trip that carries both
+    trips.gate.set()
+    for thread in (first, leader, follower):
+        thread.join(5)
+    # Then the thread it was meant for raises it, and the other caller gets a lost reply, not a stranger's interrupt
+    assert first_outcome["value"] == [b"a"] and trips.sent[1] == ["b", "c"] and broken
+    assert isinstance(leader_outcome["error"], Interrupt)
+    assert type(follower_outcome["error"]) is TimeoutError and "may have applied" in str(follower_outcome["error"])
+    assert group.call([echo("d")]) == [b"d"] and not group._leading
+
+
 # Releases carried by the next run lock call ---------------------------
 
 
@@ -273,6 +307,38 @@ def test_releases_carried_by_a_failing_start_are_reported_failed_not_lost(counti
     assert [type(o) for o in outcomes] == [redis.ConnectionError] * 2
     assert releaser.pending() == 0 and counting.trips == ["release+start"]
     assert redis_client.exists("t:{a}:run", "t:{b}:run") == 2
+    releaser.stop()
+
+
+def test_releases_carried_by_a_start_that_an_interrupt_breaks_are_sent_again_and_not_reported_lost(
+    counting, redis_client
+):
+    # Given two pending releases, one of them of a key a waiter waits for
+    for key in ("t:{a}:run", "t:{b}:run"):
+        counting.acquire(key, "x/0", ttl=60_000)
+    waiter = Copy("t:{b}:run", "w", 1, "handoff")
+    counting.wait(waiter, b"handed over", order=1, ttl=60_000)
+    releaser = Releaser(counting, on_stalled=lambda batch: None, linger=10_000)
+    outcomes: list[Any] = []
+    for key in ("t:{a}:run", "t:{b}:run"):
+        releaser.submit(pending(key, "x/0", outcomes))
+    counting.trips.clear()
+    # When the start that carries them is broken by its worker thread's interrupt after Redis applied it
+    original = counting.release_and_start
+
+    def applied_then_interrupted(*args: Any, **kwargs: Any) -> Any:
+        original(*args, **kwargs)
+        raise Interrupt()
+
+    counting.release_and_start = applied_then_interrupted  # type: ignore[method-assign]
+    with pytest.raises(Interrupt):
+        releaser.start("t:{k}:run", "b/0", **start_options("t:{k}:run", "b"))
+    # Then the releaser thread sends both again at once, though releases linger 10 s here
+    wait_for(lambda: releaser.pending() == 0, timeout=5, what="the releases sent again")
+    assert counting.trips == ["release+start", "release"]
+    # And, found released already, neither is reported, as lost or otherwise
+    assert outcomes == [] and not redis_client.exists("t:{a}:run", "t:{b}:run")
+    assert releaser.pending() == 0
     releaser.stop()
 
 

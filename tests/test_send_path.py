@@ -394,7 +394,7 @@ def test_a_lock_that_cannot_be_taken_fails_closed_or_goes_on_unlocked(
 
 
 @pytest.mark.parametrize("on_backend_error", ["fail", "run_unlocked"])
-def test_a_lost_reply_raises_and_gives_the_lock_back(
+def test_a_lost_reply_raises_and_keeps_the_lock_of_the_message_that_went_out(
     redis_url, redis_client, namespace, brokers, monkeypatch, on_backend_error
 ):
     # Given a Redis whose reply to the send script is lost, and stays unreachable after
@@ -403,7 +403,7 @@ def test_a_lost_reply_raises_and_gives_the_lock_back(
     broker = new_broker(redis_url, namespace, on_backend_error=on_backend_error)
     brokers.append(broker)
     events = events_of(broker)
-    job = job_of(broker)
+    job = job_of(broker, on_conflict="raise")
     job.send("warm-up")
     redis_client.delete(*enqueue_locks(redis_client, namespace))
     exchange, answered = calls.ScriptCalls._exchange, []
@@ -422,10 +422,16 @@ def test_a_lost_reply_raises_and_gives_the_lock_back(
     expected = LockBackendError if on_backend_error == "fail" else redis.TimeoutError
     with pytest.raises(expected):
         job.send("k")
-    # Then the send fails, and the lock it took is given back, as when a publish fails
-    assert answered and not enqueue_locks(redis_client, namespace)
-    assert [e[0] for e in events] == ["backend_error", "released"]
-    # (The message itself went out: its call ran, only the reply was lost.)
+    # Then the send fails, but the message went out (its call ran, only the reply was
+    # lost) and keeps the lock the same script took for it
+    assert answered and [e[0] for e in events] == ["backend_error"]
+    [went_out] = [m for m in stored(redis_client, namespace, "default") if m["args"] == ["k"]]
+    assert lock_of(redis_client, namespace, went_out["message_id"]).holders.keys() == {went_out["message_id"]}
+    # And a send again, once Redis answers, is refused as the duplicate it is
+    monkeypatch.setattr(calls.ScriptCalls, "_exchange", exchange)
+    with pytest.raises(DuplicateMessage) as refused:
+        job.send("k")
+    assert refused.value.holder == went_out["message_id"]
     assert len(stored(redis_client, namespace, "default")) == 2
 
 

@@ -22,6 +22,10 @@ What stays true:
   survive (the owner token re-enters, the release checks the owner); if
   they were still queued they are withdrawn.  A caller that stops
   waiting for any reason passes on the lead it was handed.
+* An interrupt meant for one thread (a time limit, a shutdown notice)
+  that breaks a round trip it leads is raised in that thread only; the
+  other callers of that round trip get a :class:`TimeoutError`, as for
+  a lost reply.
 * A forked child starts with no round trip in flight.
 """
 
@@ -57,6 +61,17 @@ class _Caller:
             raise self.error
         assert self.replies is not None
         return self.replies
+
+
+def _interrupted(interrupt: BaseException) -> TimeoutError:
+    """What the other callers of a round trip get when an interrupt (a
+    time limit, a shutdown notice) meant for the leading thread broke it:
+    a lost reply, theirs to retry, not that thread's interrupt.
+    """
+    return TimeoutError(
+        f"the round trip carrying this call was interrupted in another thread ({interrupt!r}); "
+        "the call may have applied"
+    )
 
 
 class GroupCommit:
@@ -105,7 +120,7 @@ class GroupCommit:
             self._abandon(caller)
             raise
         if caller.leads:  # handed the lead: send what queued meanwhile, this caller's own included
-            self._lead()
+            self._lead(caller)
         return caller.result()
 
     def _abandon(self, caller: _Caller) -> None:
@@ -125,7 +140,7 @@ class GroupCommit:
         if following is not None:
             following.ready.release()
 
-    def _lead(self) -> None:
+    def _lead(self, leader: _Caller) -> None:
         """Send everything queued in one round trip, hand out the
         replies, and pass the lead to the first caller queued since.
         """
@@ -135,7 +150,7 @@ class GroupCommit:
             replies = self.round_trip([command for caller in batch for command in caller.commands])
         except BaseException as e:  # a time limit's exception too: every caller must hear of it
             for caller in batch:
-                caller.error = e
+                caller.error = e if caller is leader or isinstance(e, Exception) else _interrupted(e)
         else:
             at = 0
             for caller in batch:
