@@ -67,6 +67,19 @@ def queued(group: GroupCommit, n: int) -> None:
     wait_for(lambda: len(group._queue) == n, what=f"{n} queued caller(s)")
 
 
+def two_queued_behind_one(group: GroupCommit, trips: GatedRoundTrips, second: str, third: str) -> list[Any]:
+    """A caller of "a" whose round trip is in flight (held by ``trips``),
+    then callers of ``second`` and ``third`` queued behind it, in that
+    order: each as ``(thread, outcome)``.
+    """
+    callers = [in_thread(lambda: group.call([echo("a")]))]
+    assert trips.entered.wait(5)
+    for value in (second, third):
+        callers.append(in_thread(lambda value=value: group.call([echo(value)])))
+        queued(group, len(callers) - 1)
+    return callers
+
+
 def test_commands_are_packed_as_redis_reads_them_with_or_without_hiredis():
     # str in UTF-8, int in decimal, bytes as they are: the only kinds the scripts take
     command = (b"EVALSHA", b"ab", 2, "k:{\u00e9}", "x", 60000, b"\x00raw")
@@ -161,12 +174,9 @@ def test_a_caller_interrupted_as_it_is_handed_the_lead_passes_it_on(redis_client
     # Given a round trip in flight and two callers queued behind it, the first to be handed the lead
     trips = GatedRoundTrips(redis_client)
     group = GroupCommit(trips)
-    first, _ = in_thread(lambda: group.call([echo("a")]))
-    assert trips.entered.wait(5)
-    doomed, doomed_outcome = in_thread(lambda: group.call([echo("doomed")]))
-    queued(group, 1)
-    following, following_outcome = in_thread(lambda: group.call([echo("following")]))
-    queued(group, 2)
+    (first, _), (doomed, doomed_outcome), (following, following_outcome) = two_queued_behind_one(
+        group, trips, "doomed", "following"
+    )
     # When the first is interrupted (a time limit) just as it wakes to lead
     async_raise(doomed, Interrupted)
     trips.gate.set()
@@ -196,12 +206,9 @@ def test_an_interrupt_that_breaks_a_round_trip_is_raised_in_its_own_thread_only(
         return replies
 
     group = GroupCommit(round_trip)
-    first, first_outcome = in_thread(lambda: group.call([echo("a")]))
-    assert trips.entered.wait(5)
-    leader, leader_outcome = in_thread(lambda: group.call([echo("b")]))
-    queued(group, 1)
-    follower, follower_outcome = in_thread(lambda: group.call([echo("c")]))
-    queued(group, 2)
+    (first, first_outcome), (leader, leader_outcome), (follower, follower_outcome) = two_queued_behind_one(
+        group, trips, "b", "c"
+    )
     # When the interrupt breaks the round trip that carries both
     trips.gate.set()
     for thread in (first, leader, follower):
