@@ -327,24 +327,26 @@ class EnqueueGuard:
         Returns:
           bool: True when the message is to be enqueued without its lock.
         """
-        if not _maybe_applied(error):
-            self.take_failed(message, spec, key, True, error)
-            return True
-        wrapped = self.middleware.backend_error("take the enqueue lock", key, spec, message, error)
-        if self.middleware.settings.on_backend_error != "fail":
+        middleware = self.middleware
+        if middleware.settings.on_backend_error != "fail" and _maybe_applied(error):
+            middleware.backend_error("take the enqueue lock", key, spec, message, error)
             raise error
-        message.options.pop("unique_digest", None)
-        raise wrapped from error
+        self.take_failed(message, spec, key, True, error, give_back=False)
+        return True
 
-    def take_failed(self, message: Any, spec: ActorSpec, key: str, fresh: bool, error: Exception) -> None:
+    def take_failed(
+        self, message: Any, spec: ActorSpec, key: str, fresh: bool, error: Exception, *, give_back: bool = True
+    ) -> None:
         """A call that takes the enqueue lock failed: a new send fails
         closed (unless told to go on unlocked); a re-enqueue goes on.
+        ``give_back`` gives back a lock the call may have taken, when it
+        fails closed: unless the same call also published the message.
         """
         middleware = self.middleware
         wrapped = middleware.backend_error("take the enqueue lock", key, spec, message, error)
         if fresh and middleware.settings.on_backend_error == "fail":
             message.options.pop("unique_digest", None)
-            if _maybe_applied(error):
+            if give_back and _maybe_applied(error):
                 # Only the reply may be lost: the guard gives back whatever
                 # this new message holds (and what a replace superseded).
                 self._record(key, message.message_id)
