@@ -9,6 +9,7 @@ seconds of its thread's CPU, when those are not 0).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import resource
@@ -22,7 +23,8 @@ from dramatiq.brokers.redis import RedisBroker
 from dramatiq.rate_limits import ConcurrentRateLimiter
 from dramatiq.rate_limits.backends import RedisBackend as RateLimiterBackend
 
-from dramatiq_unique import EVENTS, LOCK_TYPES, UniqueMiddleware
+from dramatiq_unique import DEFAULT_LEASE, EVENTS, LOCK_TYPES, UniqueMiddleware
+from dramatiq_unique.backends.redis import RedisBackend
 
 from . import trips
 
@@ -42,7 +44,13 @@ FLOOR_ONE = "floor1"
 #: ``before_process_message`` written and read on a bare socket.  What
 #: no lock that waits for Redis on the worker thread can go below.
 FLOOR_RAW = "floor0"
-CONTENDERS = (BARE, *LOCK_TYPES, RECIPE, FLOOR, FLOOR_ONE, FLOOR_RAW)
+#: The floor of this lock's own scripts: ``start.lua`` in
+#: ``before_process_message`` on a bare socket, with the thread's last
+#: ``release.lua`` riding in front of it, and no other client work: no
+#: group commit, lease, event or state.  What no client of these
+#: scripts can go below.
+FLOOR_LOCK = "floorL"
+CONTENDERS = (BARE, *LOCK_TYPES, RECIPE, FLOOR, FLOOR_ONE, FLOOR_RAW, FLOOR_LOCK)
 
 #: Set to "1" in a worker's environment to record release latencies.
 LATENCY = "BENCH_LATENCY"
@@ -176,6 +184,16 @@ class FloorOne(dramatiq.Middleware):
         broker.client.ping()  # type: ignore[attr-defined]
 
 
+def _bare_socket(broker: dramatiq.Broker) -> tuple[Any, Any]:
+    """A connection of the broker's client, connected (handshake
+    included), and its socket, for a caller that writes and reads it by
+    hand.
+    """
+    conn = broker.client.connection_pool.make_connection()  # type: ignore[attr-defined]
+    conn.connect()
+    return conn, conn._sock
+
+
 class FloorRaw(dramatiq.Middleware):
     """One PING per job, on the worker thread, on a socket of its own:
     redis-py only connects it (handshake included), then steps aside.
@@ -189,14 +207,70 @@ class FloorRaw(dramatiq.Middleware):
     def before_process_message(self, broker: dramatiq.Broker, message: Any) -> None:
         sock = getattr(self.sockets, "sock", None)
         if sock is None:
-            conn = broker.client.connection_pool.make_connection()  # type: ignore[attr-defined]
-            conn.connect()
-            sock = self.sockets.sock = conn._sock
-            self.sockets.conn = conn  # keeps the socket open
+            self.sockets.conn, sock = _bare_socket(broker)  # the connection keeps the socket open
+            self.sockets.sock = sock
         sock.sendall(self.PING)
         reply = sock.recv(64)
         while not reply.endswith(b"\r\n"):
             reply += sock.recv(64)
+
+
+class FloorLock(dramatiq.Middleware):
+    """This lock's own round trip and nothing else: ``start.lua`` for the
+    job's key before it runs, packed by hiredis and read by a hiredis
+    reader on a bare socket of the worker thread, with the thread's last
+    ``release.lua`` in front of it in the same write.
+    """
+
+    def __init__(self, *, prefix: str) -> None:
+        from hiredis import Reader, pack_command
+
+        self.prefix = prefix
+        # Typed for one argument's tuple; it packs any number of them.
+        self.pack: Callable[[tuple[Any, ...]], bytes] = pack_command  # type: ignore[assignment]
+        self.reader_class = Reader
+        self.tokens = itertools.count()
+        self.threads = threading.local()
+        self.shas: dict[str, bytes] = {}
+        self.mutex = threading.Lock()
+
+    def _thread(self, broker: dramatiq.Broker) -> Any:
+        mine = self.threads
+        if getattr(mine, "sock", None) is None:
+            with self.mutex:
+                if not self.shas:
+                    calls = RedisBackend(client=broker.client).calls  # type: ignore[attr-defined]
+                    assert calls is not None  # a standalone client: the broker's own
+                    for name in ("start", "release"):
+                        broker.client.script_load(calls.sources[name])  # type: ignore[attr-defined]
+                        self.shas[name] = calls.shas[name]
+            mine.conn, mine.sock = _bare_socket(broker)
+            mine.reader, mine.release = self.reader_class(), None
+        return mine
+
+    def before_process_message(self, broker: dramatiq.Broker, message: Any) -> None:
+        mine = self._thread(broker)
+        raw = getattr(message, "_message", message)  # past the proxy's Python-level __getattr__
+        message_id = raw.message_id
+        key = f"{self.prefix}:floor:{{{raw.args[0]}}}:run"
+        owner = f"{message_id}/{next(self.tokens)}"
+        packed = self.pack((b"EVALSHA", self.shas["start"], 4, key, f"{key}:m:{message_id}", f"{key}:wait",
+                            f"{key}:bodies", owner, DEFAULT_LEASE, 1, "while_executing", message_id, 0, ""))
+        replies = 1
+        if mine.release is not None:
+            packed, replies, mine.release = mine.release + packed, 2, None
+        mine.sock.sendall(packed)
+        while replies:
+            mine.reader.feed(mine.sock.recv(65536))
+            while replies and mine.reader.gets() is not False:
+                replies -= 1
+        mine.key, mine.owner = key, owner
+
+    def after_process_message(self, broker: dramatiq.Broker, message: Any, *, result: Any = None,
+                              exception: Any = None) -> None:
+        mine, key = self.threads, self.threads.key
+        mine.release = self.pack((b"EVALSHA", self.shas["release"], 3, key, f"{key}:wait", f"{key}:bodies",
+                                  mine.owner, 1))
 
 
 def build(
@@ -230,6 +304,8 @@ def build(
         broker.add_middleware(FloorOne())
     if contender == FLOOR_RAW:
         broker.add_middleware(FloorRaw())
+    if contender == FLOOR_LOCK:
+        broker.add_middleware(FloorLock(prefix=namespace))
     recorder = Recorder(report=report, expect=expect, unique=unique, latency=latency)
     broker.add_middleware(recorder)
     body = _body(recorder, seconds, cpu)

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import redis
 import redis.utils
 
-from .app import BARE, FLOOR, FLOOR_ONE, FLOOR_RAW, RECIPE
+from .app import BARE, FLOOR, FLOOR_LOCK, FLOOR_ONE, FLOOR_RAW, RECIPE
 from .report import Results, figure_name, number, paired, percentile, tables
 from .costs import ENQUEUE_HOOK, HOOKS, LOCKED_SEND, SEND
 from .server import version
@@ -226,12 +226,15 @@ def _busy(results: Results, config: str) -> Optional[float]:
 def _configurations(results: Results) -> str:
     rows = []
     for config in ("prefetch 64", "1 ms sleep job", "1 ms CPU job"):
-        mine, one, raw = (_ratio(results, config, c) for c in ("while_executing", FLOOR_ONE, FLOOR_RAW))
-        if mine is None or one is None or raw is None:
+        mine, one, raw, lock = (_ratio(results, config, c) for c in ("while_executing", FLOOR_ONE, FLOOR_RAW,
+                                                                       FLOOR_LOCK))
+        if mine is None or one is None or raw is None or lock is None:
             continue
-        cpu = [number(results.median(figure_name("worker_cpu", config), c)) for c in (BARE, "while_executing")]
-        rows.append(f"{config}: {mine:.2f} × bare against floors of {one:.2f} (one `PING`) and {raw:.2f} (on a "
-                    f"bare socket); worker CPU per job {cpu[0]} µs bare, {cpu[1]} µs locked")
+        cpu = [number(results.median(figure_name("worker_cpu", config), c)) for c in (BARE, "while_executing",
+                                                                                      FLOOR_LOCK)]
+        rows.append(f"{config}: {mine:.2f} × bare against floors of {one:.2f} (one `PING`), {raw:.2f} (on a "
+                    f"bare socket) and {lock:.2f} (the lock floor); worker CPU per job {cpu[0]} µs bare, {cpu[1]} "
+                    f"µs locked, {cpu[2]} µs at the lock floor")
     if not rows:
         return ""
     return ("**Other configurations.** " + "; ".join(rows) + ". With prefetch 64 bare Dramatiq is CPU-bound, and "
@@ -262,36 +265,72 @@ FIXED_TARGETS = (("default", 0.95), ("1 ms sleep job", 0.95), ("1 ms CPU job", 0
 
 def _floors_below_targets(results: Results) -> str:
     """Where a floor of this run is itself below a fixed target: the
-    bare-socket floor (no lock kept in Redis can pass it), or only the
-    redis-py one (only a lock with less client work than a PING can).
+    bare-socket floor (no lock kept in Redis can pass it), the lock floor
+    (no client of this lock's scripts can), or only the redis-py one
+    (only a lock with less client work than a PING can).
     """
-    unreachable, client_bound = [], []
+    unreachable, script_bound, client_bound = [], [], []
     for config, target in FIXED_TARGETS:
-        one, raw = (_ratio(results, config, floor) for floor in (FLOOR_ONE, FLOOR_RAW))
-        if raw is None or one is None:
+        one, raw, lock = (_ratio(results, config, floor) for floor in (FLOOR_ONE, FLOOR_RAW, FLOOR_LOCK))
+        if raw is None or one is None or lock is None:
             continue
         if raw < target:
             unreachable.append(f"{config}: {raw:.2f} against a target of {target:.2f}; `while_executing` ÷ that "
                                f"floor {paired(results, config, FLOOR_RAW)}")
+        elif lock < target:
+            script_bound.append(f"{config}: the lock floor {lock:.2f}, the bare-socket one {raw:.2f}, against a "
+                                f"target of {target:.2f}; `while_executing` ÷ the lock floor "
+                                f"{paired(results, config, FLOOR_LOCK)}")
         elif one < target:
             client_bound.append(f"{config}: one `PING` through redis-py {one:.2f}, on a bare socket {raw:.2f}, "
                                 f"against a target of {target:.2f}; `while_executing` ÷ the redis-py floor "
                                 f"{paired(results, config, FLOOR_ONE)}")
-    text = ""
-    if unreachable:
-        text += (" In this run the bare-socket floor itself is below a target (" + "; ".join(unreachable) + "). "
-                 "A run lock must be held before its job starts, so every job waits on its worker thread for at "
-                 "least one round trip to Redis, and the bare-socket floor is that wait with no client work at "
-                 "all: no lock kept in Redis runs these jobs faster, whatever its client, and sharing round trips "
-                 "between threads (group commit) shares their CPU, not the wait. Only a lock taken before the "
-                 "job is due to start, while the message waits in the worker's queue, would pass it, and that "
-                 "lock would be held while the job is not executing, which `while_executing` promises it is "
-                 "not.")
-    if client_bound:
-        text += (" Where only the redis-py floor is below a target (" + "; ".join(client_bound) + "), the target "
-                 "is within reach of a lock whose work on the worker, its round trip aside, costs less than a "
-                 "redis-py `PING`'s.")
-    return text
+    return (_unreachable(unreachable) + _script_bound(script_bound) + _client_bound(client_bound)
+            + _lock_floor_at_prefetch(results))
+
+
+def _unreachable(rows: list[str]) -> str:
+    if not rows:
+        return ""
+    return (" In this run the bare-socket floor itself is below a target (" + "; ".join(rows) + "). A run lock "
+            "must be held before its job starts, so every job waits on its worker thread for at least one round "
+            "trip to Redis, and the bare-socket floor is that wait with no client work at all: no lock kept in "
+            "Redis runs these jobs faster, whatever its client, and sharing round trips between threads (group "
+            "commit) shares their CPU, not the wait. Only a lock taken before the job is due to start, while the "
+            "message waits in the worker's queue, would pass it, and that lock would be held while the job is not "
+            "executing, which `while_executing` promises it is not.")
+
+
+def _script_bound(rows: list[str]) -> str:
+    if not rows:
+        return ""
+    return (" Where the lock floor is below a target (" + "; ".join(rows) + "), no client of this lock's scripts "
+            "passes it: the lock floor is the one round trip a run lock cannot do without, `start.lua` (claim the "
+            "delivered copy, take the slot, fence) with the thread's last `release.lua` in the same write, packed "
+            "and read in C on a bare socket, and no other work at all (no group commit, lease, event or state). "
+            "The bare-socket `PING` above it differs only in what Redis runs before it answers: a cheaper script "
+            "would need to drop the claim, which keeps a rescheduled message's two copies from both running, or "
+            "the fence.")
+
+
+def _client_bound(rows: list[str]) -> str:
+    if not rows:
+        return ""
+    return (" Where only the redis-py floor is below a target (" + "; ".join(rows) + "), the target is within reach "
+            "of a lock whose work on the worker, its round trip aside, costs less than a redis-py `PING`'s.")
+
+
+def _lock_floor_at_prefetch(results: Results, config: str = "prefetch 64") -> str:
+    """How far the lock floor is from the one-PING floor where that floor
+    is the target, and ``while_executing`` from the lock floor.
+    """
+    lock, one = _ratio(results, config, FLOOR_LOCK), _ratio(results, config, FLOOR_ONE)
+    if lock is None or one is None:
+        return ""
+    return (f" At {config}, where the target is the one-`PING` floor, the lock floor ran at "
+            f"{paired(results, config, FLOOR_ONE, FLOOR_LOCK)} of that floor's rate within each round and "
+            f"`while_executing` at {paired(results, config, FLOOR_LOCK)} of the lock floor's: what stands between "
+            "the lock and the target is its client work beyond that one round trip.")
 
 
 def _user_sys(results: Results, config: str) -> str:
@@ -432,13 +471,15 @@ def _closing(results: Results) -> str:
     spans = {jobs: [run.makespan for run in runs] for jobs, runs in results.makespans.items() if runs}
     makespan = " / ".join(f"{median(spans[jobs]):.2f} s" if jobs in spans else "n/a" for jobs in (10, 100))
     def floors(config: str) -> str:
-        return f"1 PING: {ratio(config, FLOOR_ONE)}, bare socket: {ratio(config, FLOOR_RAW)}"
+        return (f"1 PING: {ratio(config, FLOOR_ONE)}, bare socket: {ratio(config, FLOOR_RAW)}, "
+                f"lock floor: {ratio(config, FLOOR_LOCK)}")
 
     rows = [
         ["processing, `while_executing`, default prefetch", _BEFORE["default"], "≥ 0.95",
          f"{ratio('default')} ({floors('default')})"],
         ["processing, `while_executing`, prefetch 64", _BEFORE["prefetch 64"], "≥ the one-PING floor",
-         f"{ratio('prefetch 64')} (1 PING: {ratio('prefetch 64', FLOOR_ONE)}; ÷ that floor within each round "
+         f"{ratio('prefetch 64')} (1 PING: {ratio('prefetch 64', FLOOR_ONE)}, lock floor: "
+         f"{ratio('prefetch 64', FLOOR_LOCK)}; ÷ the 1-PING floor within each round "
          f"{paired(results, 'prefetch 64', FLOOR_ONE)})"],
         ["processing, 1 ms sleep job / 1 ms CPU job", _BEFORE["sleep/cpu"], "≥ 0.95 / ≥ 0.90",
          f"{ratio('1 ms sleep job')} ({floors('1 ms sleep job')}) / {ratio('1 ms CPU job')} "

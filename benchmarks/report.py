@@ -13,7 +13,7 @@ from statistics import median
 from typing import Optional
 
 from . import trips
-from .app import BARE, FLOOR, FLOOR_ONE, FLOOR_RAW, RECIPE
+from .app import BARE, FLOOR, FLOOR_LOCK, FLOOR_ONE, FLOOR_RAW, RECIPE
 from .workers import THREADS
 from .costs import CallCost
 from .footprint import Footprint
@@ -27,11 +27,11 @@ FIGURES = ("enqueue", "process", "enqueue_commands", "process_commands", "worker
 MAKESPAN_LIMITS = {10: 1.2, 100: 11.0}
 
 #: The contenders measured in the configurations beside the default.
-CONFIG_CONTENDERS = (BARE, "while_executing", FLOOR_ONE, FLOOR_RAW)
+CONFIG_CONTENDERS = (BARE, "while_executing", FLOOR_ONE, FLOOR_RAW, FLOOR_LOCK)
 
-#: The floors a lock is held to, most to least client work: one PING
-#: through redis-py, one on a bare socket.
-FLOORS = (FLOOR_ONE, FLOOR_RAW)
+#: The floors a lock is held to: one PING through redis-py, one on a
+#: bare socket, and this lock's own scripts on a bare socket.
+FLOORS = (FLOOR_ONE, FLOOR_RAW, FLOOR_LOCK)
 
 #: How sure the interval around a median of per-round ratios is.
 CONFIDENCE = 0.9
@@ -193,7 +193,8 @@ def floors_table(results: Results) -> str:
         rows.append([config, *(paired(results, config, floor) for floor in FLOORS),
                      *(f"{number(ratio, 2)} ({_spread(ratios)})" for ratio, ratios in to_bare)])
     return _table(["configuration", "`while_executing` ÷ 1-PING floor", "`while_executing` ÷ bare-socket floor",
-                   "1-PING floor × bare (min–max)", "bare-socket floor × bare (min–max)"], rows)
+                   "`while_executing` ÷ lock floor", "1-PING floor × bare (min–max)",
+                   "bare-socket floor × bare (min–max)", "lock floor × bare (min–max)"], rows)
 
 
 def redis_table(results: Results) -> str:
@@ -256,11 +257,21 @@ def cost_table(results: Results) -> str:
     return _table(["call", "µs per call, one thread (median of turns)", "server µs per call"], rows)
 
 
-#: A verdict: the target was met; missed where the bare-socket floor
-#: misses it too, with the lock level with that floor or not; or missed.
+#: A verdict: the target was met; missed where a floor of the same
+#: rounds misses it too (the bare-socket floor, else the lock floor),
+#: with the lock level with that floor or not; or missed.
 MET, NOT_MET = "met", "**not met**"
 AT_FLOOR = "not met: level with the bare-socket floor, which misses it too"
 FLOOR_MISSES = "**not met**; the bare-socket floor misses it too"
+AT_LOCK_FLOOR = "not met: level with the lock floor, which misses it too"
+LOCK_FLOOR_MISSES = "**not met**; the lock floor misses it too"
+
+#: Per floor that may miss a target: its name in the measured column,
+#: and the verdicts when it does (lock level with it, or not).
+MISSED_BY = {
+    FLOOR_RAW: ("bare-socket floor", AT_FLOOR, FLOOR_MISSES),
+    FLOOR_LOCK: ("lock floor", AT_LOCK_FLOOR, LOCK_FLOOR_MISSES),
+}
 
 #: How close to a floor, as a median of per-round ratios, a lock must be
 #: (its interval reaching 1 as well) to count as level with it.
@@ -298,19 +309,44 @@ def _level(values: list[float]) -> bool:
 
 
 def _fixed_target(results: Results, config: str, target: float) -> Verdict:
-    """A target of a fixed ratio to bare: met; or missed where the
-    bare-socket floor of the same rounds misses it too, the lock level
-    with that floor or not; or missed.
+    """A target of a fixed ratio to bare: met; or missed where a floor
+    of the same rounds misses it too, the bare-socket floor first (it
+    has the least work), the lock level with that floor or not; or
+    missed.
     """
     process = figure_name("process", config)
-    mine, one, raw = (results.ratio(process, contender, BARE) for contender in ("while_executing", *FLOORS))
-    measured = (f"{number(mine, 2)} × bare (1 PING: {number(one, 2)} ×, bare socket: {number(raw, 2)} ×); "
-                f"÷ bare-socket floor within each round {paired(results, config, FLOOR_RAW)}")
+    mine, one, raw, lock = (results.ratio(process, contender, BARE) for contender in ("while_executing", *FLOORS))
+    measured = (f"{number(mine, 2)} × bare (1 PING: {number(one, 2)} ×, bare socket: {number(raw, 2)} ×, "
+                f"lock floor: {number(lock, 2)} ×); ÷ bare-socket floor within each round "
+                f"{paired(results, config, FLOOR_RAW)}, ÷ lock floor {paired(results, config, FLOOR_LOCK)}")
     met = _state(_at_least(mine, target))
-    if met == NOT_MET and raw is not None and raw < target:
-        met = AT_FLOOR if _level(results.against(config, "while_executing", FLOOR_RAW)) else FLOOR_MISSES
+    for floor, ratio in ((FLOOR_RAW, raw), (FLOOR_LOCK, lock)):
+        if met == NOT_MET and ratio is not None and ratio < target:
+            _, level, misses = MISSED_BY[floor]
+            met = level if _level(results.against(config, "while_executing", floor)) else misses
     label = "default prefetch" if config == "default" else config
     return Verdict(f"processing, `while_executing`, {label} ≥ {target:.2f} × bare", measured, met)
+
+
+def _floor_target(results: Results, config: str = "prefetch 64") -> Verdict:
+    """The target of the one-PING floor: met when the lock's median
+    per-round ratio to that floor is at least 1; missed where the lock
+    floor is below it too, the lock level with the lock floor or not;
+    or missed.
+    """
+    mine, one, lock = (results.ratio(figure_name("process", config), contender, BARE)
+                       for contender in ("while_executing", FLOOR_ONE, FLOOR_LOCK))
+    over_floor = results.against(config, "while_executing", FLOOR_ONE)
+    lock_over_floor = results.against(config, FLOOR_LOCK, FLOOR_ONE)
+    measured = (f"{number(mine, 2)} × bare (1 PING: {number(one, 2)} ×, lock floor: {number(lock, 2)} ×); "
+                f"÷ floor within each round {paired(results, config, FLOOR_ONE)}, ÷ lock floor "
+                f"{paired(results, config, FLOOR_LOCK)}; lock floor ÷ floor "
+                f"{paired(results, config, FLOOR_ONE, FLOOR_LOCK)}")
+    met = _state(None if not over_floor else median(over_floor) >= 1.0)
+    if met == NOT_MET and lock_over_floor and median(lock_over_floor) < 1.0:
+        _, level, misses = MISSED_BY[FLOOR_LOCK]
+        met = level if _level(results.against(config, "while_executing", FLOOR_LOCK)) else misses
+    return Verdict(f"processing, `while_executing`, {config} ≥ the one-PING floor of the same run", measured, met)
 
 
 def verdicts(results: Results) -> list[Verdict]:
@@ -324,13 +360,9 @@ def verdicts(results: Results) -> list[Verdict]:
     keys = [f.keys for f in results.footprints if f.contender != RECIPE]
     renewals = results.renewals
     batched = None if renewals is None or not renewals.round_trips else renewals.extends / renewals.round_trips
-    over_floor = results.against("prefetch 64", "while_executing", FLOOR_ONE)
     verdicts = [
         _fixed_target(results, "default", 0.95),
-        Verdict("processing, `while_executing`, prefetch 64 ≥ the one-PING floor of the same run",
-                f"{number(ratio('prefetch 64'), 2)} × bare (1 PING: {number(ratio('prefetch 64', FLOOR_ONE), 2)} ×); "
-                f"÷ floor within each round {paired(results, 'prefetch 64', FLOOR_ONE)}",
-                _state(None if not over_floor else median(over_floor) >= 1.0)),
+        _floor_target(results),
         _fixed_target(results, "1 ms sleep job", 0.95),
         _fixed_target(results, "1 ms CPU job", 0.90),
         Verdict("enqueue, `until_executed`, lock in the broker's Redis ≥ 0.70 × bare",
@@ -371,7 +403,8 @@ def verdict_table(results: Results) -> str:
 
 def _name(contender: str) -> str:
     names = {BARE: "bare Dramatiq", RECIPE: "ConcurrentRateLimiter recipe", FLOOR: "floor (bare + PINGs)",
-             FLOOR_ONE: "floor (bare + 1 PING per job)", FLOOR_RAW: "floor (bare + 1 PING per job, bare socket)"}
+             FLOOR_ONE: "floor (bare + 1 PING per job)", FLOOR_RAW: "floor (bare + 1 PING per job, bare socket)",
+             FLOOR_LOCK: "lock floor (bare + `start.lua` per job, release riding, bare socket)"}
     return names.get(contender, f"UniqueMiddleware `{contender}`")
 
 

@@ -20,8 +20,9 @@ from dramatiq_unique.backend import Copy
 from dramatiq_unique.backends.redis import RedisBackend
 
 from . import app, trips
-from .app import BARE, FLOOR_ONE, FLOOR_RAW
-from .report import AT_FLOOR, FLOOR_MISSES, MET, NOT_MET, Results, figure_name, median_interval, verdicts
+from .app import BARE, FLOOR_LOCK, FLOOR_ONE, FLOOR_RAW
+from .report import (AT_FLOOR, AT_LOCK_FLOOR, FLOOR_MISSES, LOCK_FLOOR_MISSES, MET, NOT_MET, Results, figure_name,
+                     median_interval, verdicts)
 from .runs import Executions
 from .server import BenchmarkError, PrivateRedis, cleanup, command_calls, connect
 
@@ -147,21 +148,44 @@ def _results(config: str, rounds: dict[str, list[float]]) -> Results:
     return results
 
 
+LEVEL_WITH = [85, 86, 84, 86, 85]
+
+
 @pytest.mark.parametrize(
-    "mine, raw, verdict",
+    "mine, raw, lock, verdict",
     [
-        ([95, 96, 94, 97, 95], [90, 91, 89, 92, 90], MET),  # at the target
-        ([85, 86, 84, 86, 85], [84, 87, 83, 85, 86], AT_FLOOR),  # level with a floor that misses it
-        ([70, 71, 69, 72, 70], [85, 86, 84, 86, 85], FLOOR_MISSES),  # well under a floor that misses it
-        ([80, 88, 79, 81, 80], [85, 86, 84, 86, 85], FLOOR_MISSES),  # one round level, the median 6% under
-        ([85, 86, 84, 86, 85], [96, 97, 95, 98, 96], NOT_MET),  # the floor meets it: only the lock misses
+        ([95, 96, 94, 97, 95], [90, 91, 89, 92, 90], [90] * 5, MET),  # at the target
+        ([85, 86, 84, 86, 85], [84, 87, 83, 85, 86], [80] * 5, AT_FLOOR),  # level with a floor that misses it
+        ([70, 71, 69, 72, 70], LEVEL_WITH, [80] * 5, FLOOR_MISSES),  # well under a floor that misses it
+        ([80, 88, 79, 81, 80], LEVEL_WITH, [80] * 5, FLOOR_MISSES),  # one round level, the median 6% under
+        ([85, 86, 84, 86, 85], [96, 97, 95, 98, 96], [96] * 5, NOT_MET),  # the floors meet it: only the lock misses
+        (LEVEL_WITH, [96, 97, 95, 98, 96], [84, 87, 83, 85, 86], AT_LOCK_FLOOR),  # the lock floor misses it
+        ([70, 71, 69, 72, 70], [96, 97, 95, 98, 96], LEVEL_WITH, LOCK_FLOOR_MISSES),  # and the lock is well under
     ],
 )
-def test_a_missed_fixed_target_is_at_the_floor_only_where_the_floor_misses_it_and_the_lock_is_level(
-    mine: list[float], raw: list[float], verdict: str
+def test_a_missed_fixed_target_is_at_a_floor_only_where_that_floor_misses_it_and_the_lock_is_level(
+    mine: list[float], raw: list[float], lock: list[float], verdict: str
 ) -> None:
-    results = _results("1 ms CPU job", {BARE: [100.0] * 5, "while_executing": mine, FLOOR_ONE: raw, FLOOR_RAW: raw})
+    results = _results("1 ms CPU job", {BARE: [100.0] * 5, "while_executing": mine, FLOOR_ONE: raw, FLOOR_RAW: raw,
+                                        FLOOR_LOCK: lock})
     [found] = [v for v in verdicts(results) if "1 ms CPU job" in v.target]
+    assert found.met == verdict
+
+
+@pytest.mark.parametrize(
+    "mine, one, lock, verdict",
+    [
+        ([70, 72, 69, 71, 70], [70, 71, 70, 70, 69], [80] * 5, MET),  # level with the 1-PING floor
+        ([66, 67, 65, 66, 66], [70, 71, 70, 70, 69], [80] * 5, NOT_MET),  # the lock floor passes it
+        ([66, 67, 65, 66, 66], [70, 71, 70, 70, 69], [66, 68, 65, 67, 66], AT_LOCK_FLOOR),  # the lock floor misses
+        ([50, 51, 49, 50, 50], [70, 71, 70, 70, 69], [66, 68, 65, 67, 66], LOCK_FLOOR_MISSES),
+    ],
+)
+def test_the_one_ping_target_is_blamed_on_the_lock_floor_only_where_that_floor_misses_it(
+    mine: list[float], one: list[float], lock: list[float], verdict: str
+) -> None:
+    results = _results("prefetch 64", {BARE: [100.0] * 5, "while_executing": mine, FLOOR_ONE: one, FLOOR_LOCK: lock})
+    [found] = [v for v in verdicts(results) if "prefetch 64" in v.target]
     assert found.met == verdict
 
 
@@ -172,4 +196,24 @@ def test_the_bare_socket_floor_makes_one_ping_per_job(redis_url: str, client: re
     for _ in range(5):
         floor.before_process_message(broker, None)
     assert command_calls(client)["ping"] - before == 5
+    broker.close()
+
+
+def test_the_lock_floor_takes_and_releases_the_lock_in_one_round_trip_a_job(
+    redis_url: str, client: redis.Redis, namespace: str
+) -> None:
+    broker, actor = app.build(FLOOR_LOCK, redis_url=redis_url, namespace=namespace)
+    floor = next(m for m in broker.middleware if isinstance(m, app.FloorLock))
+    first, second = actor.message(7, 0), actor.message(7, 1)
+    owners = [f"{first.message_id}/0".encode(), f"{second.message_id}/1".encode()]
+    key = f"{namespace}:floor:{{7}}:run"
+    floor.before_process_message(broker, first)
+    assert owners[0] in client.hkeys(key)
+    floor.after_process_message(broker, first)
+    assert owners[0] in client.hkeys(key), "the release waits to ride with the thread's next start"
+    calls = command_calls(client)
+    floor.before_process_message(broker, second)
+    assert command_calls(client)["evalsha"] - calls["evalsha"] == 2  # the release, then the start
+    held = client.hkeys(key)
+    assert owners[0] not in held and owners[1] in held
     broker.close()
