@@ -269,55 +269,54 @@ def _floors_below_targets(results: Results) -> str:
     (no client of this lock's scripts can), or only the redis-py one
     (only a lock with less client work than a PING can).
     """
-    unreachable, script_bound, client_bound = [], [], []
+    below: dict[str, list[str]] = {kind: [] for kind in _BELOW}
     for config, target in FIXED_TARGETS:
         one, raw, lock = (_ratio(results, config, floor) for floor in (FLOOR_ONE, FLOOR_RAW, FLOOR_LOCK))
         if raw is None or one is None or lock is None:
             continue
         if raw < target:
-            unreachable.append(f"{config}: {raw:.2f} against a target of {target:.2f}; `while_executing` ÷ that "
-                               f"floor {paired(results, config, FLOOR_RAW)}")
+            below["bare socket"].append(f"{config}: {raw:.2f} against a target of {target:.2f}; `while_executing` "
+                                        f"÷ that floor {paired(results, config, FLOOR_RAW)}")
         elif lock < target:
-            script_bound.append(f"{config}: the lock floor {lock:.2f}, the bare-socket one {raw:.2f}, against a "
-                                f"target of {target:.2f}; `while_executing` ÷ the lock floor "
-                                f"{paired(results, config, FLOOR_LOCK)}")
+            below["lock"].append(f"{config}: the lock floor {lock:.2f}, the bare-socket one {raw:.2f}, against a "
+                                 f"target of {target:.2f}; `while_executing` ÷ the lock floor "
+                                 f"{paired(results, config, FLOOR_LOCK)}")
         elif one < target:
-            client_bound.append(f"{config}: one `PING` through redis-py {one:.2f}, on a bare socket {raw:.2f}, "
-                                f"against a target of {target:.2f}; `while_executing` ÷ the redis-py floor "
-                                f"{paired(results, config, FLOOR_ONE)}")
-    return (_unreachable(unreachable) + _script_bound(script_bound) + _client_bound(client_bound)
-            + _lock_floor_at_prefetch(results))
+            below["redis-py"].append(f"{config}: one `PING` through redis-py {one:.2f}, on a bare socket {raw:.2f}, "
+                                     f"against a target of {target:.2f}; `while_executing` ÷ the redis-py floor "
+                                     f"{paired(results, config, FLOOR_ONE)}")
+    text = "".join(opening + "; ".join(below[kind]) + closing
+                   for kind, (opening, closing) in _BELOW.items() if below[kind])
+    return text + _lock_floor_at_prefetch(results)
 
 
-def _unreachable(rows: list[str]) -> str:
-    if not rows:
-        return ""
-    return (" In this run the bare-socket floor itself is below a target (" + "; ".join(rows) + "). A run lock "
-            "must be held before its job starts, so every job waits on its worker thread for at least one round "
-            "trip to Redis, and the bare-socket floor is that wait with no client work at all: no lock kept in "
-            "Redis runs these jobs faster, whatever its client, and sharing round trips between threads (group "
-            "commit) shares their CPU, not the wait. Only a lock taken before the job is due to start, while the "
-            "message waits in the worker's queue, would pass it, and that lock would be held while the job is not "
-            "executing, which `while_executing` promises it is not.")
-
-
-def _script_bound(rows: list[str]) -> str:
-    if not rows:
-        return ""
-    return (" Where the lock floor is below a target (" + "; ".join(rows) + "), no client of this lock's scripts "
-            "passes it: the lock floor is the one round trip a run lock cannot do without, `start.lua` (claim the "
-            "delivered copy, take the slot, fence) with the thread's last `release.lua` in the same write, packed "
-            "and read in C on a bare socket, and no other work at all (no group commit, lease, event or state). "
-            "The bare-socket `PING` above it differs only in what Redis runs before it answers: a cheaper script "
-            "would need to drop the claim, which keeps a rescheduled message's two copies from both running, or "
-            "the fence.")
-
-
-def _client_bound(rows: list[str]) -> str:
-    if not rows:
-        return ""
-    return (" Where only the redis-py floor is below a target (" + "; ".join(rows) + "), the target is within reach "
-            "of a lock whose work on the worker, its round trip aside, costs less than a redis-py `PING`'s.")
+#: What a floor below a target says, by floor: the words before the
+#: configurations it is below in, and the words after them.
+_BELOW = {
+    "bare socket": (
+        " In this run the bare-socket floor itself is below a target (",
+        "). A run lock must be held before its job starts, so every job waits on its worker thread for at least one "
+        "round trip to Redis, and the bare-socket floor is that wait with no client work at all: no lock kept in "
+        "Redis runs these jobs faster, whatever its client, and sharing round trips between threads (group commit) "
+        "shares their CPU, not the wait. Only a lock taken before the job is due to start, while the message waits "
+        "in the worker's queue, would pass it, and that lock would be held while the job is not executing, which "
+        "`while_executing` promises it is not.",
+    ),
+    "lock": (
+        " Where the lock floor is below a target (",
+        "), no client of this lock's scripts passes it: the lock floor is the one round trip a run lock cannot do "
+        "without, `start.lua` (claim the delivered copy, take the slot, fence) with the thread's last `release.lua` "
+        "in the same write, packed and read in C on a bare socket, and no other work at all (no group commit, "
+        "lease, event or state). The bare-socket `PING` above it differs only in what Redis runs before it "
+        "answers: a cheaper script would need to drop the claim, which keeps a rescheduled message's two copies "
+        "from both running, or the fence.",
+    ),
+    "redis-py": (
+        " Where only the redis-py floor is below a target (",
+        "), the target is within reach of a lock whose work on the worker, its round trip aside, costs less than a "
+        "redis-py `PING`'s.",
+    ),
+}
 
 
 def _lock_floor_at_prefetch(results: Results, config: str = "prefetch 64") -> str:
