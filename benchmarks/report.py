@@ -281,12 +281,9 @@ FLOOR_MISSES = "**not met**; the bare-socket floor misses it too"
 AT_LOCK_FLOOR = "not met: level with the lock floor, which misses it too"
 LOCK_FLOOR_MISSES = "**not met**; the lock floor misses it too"
 
-#: Per floor that may miss a target: its name in the measured column,
-#: and the verdicts when it does (lock level with it, or not).
-MISSED_BY = {
-    FLOOR_RAW: ("bare-socket floor", AT_FLOOR, FLOOR_MISSES),
-    FLOOR_LOCK: ("lock floor", AT_LOCK_FLOOR, LOCK_FLOOR_MISSES),
-}
+#: Per floor that may miss a target, the verdicts when it does: the lock
+#: level with it, or not.
+MISSED_BY = {FLOOR_RAW: (AT_FLOOR, FLOOR_MISSES), FLOOR_LOCK: (AT_LOCK_FLOOR, LOCK_FLOOR_MISSES)}
 
 #: How close to a floor, as a median of per-round ratios, a lock must be
 #: (its interval reaching 1 as well) to count as level with it.
@@ -337,7 +334,7 @@ def _fixed_target(results: Results, config: str, target: float) -> Verdict:
     met = _state(_at_least(mine, target))
     for floor, ratio in ((FLOOR_RAW, raw), (FLOOR_LOCK, lock)):
         if met == NOT_MET and ratio is not None and ratio < target:
-            _, level, misses = MISSED_BY[floor]
+            level, misses = MISSED_BY[floor]
             met = level if _level(results.against(config, "while_executing", floor)) else misses
     label = "default prefetch" if config == "default" else config
     return Verdict(f"processing, `while_executing`, {label} ≥ {target:.2f} × bare", measured, met)
@@ -359,7 +356,7 @@ def _floor_target(results: Results, config: str = "prefetch 64") -> Verdict:
                 f"{paired(results, config, FLOOR_ONE, FLOOR_LOCK)}")
     met = _state(None if not over_floor else median(over_floor) >= 1.0)
     if met == NOT_MET and lock_over_floor and median(lock_over_floor) < 1.0:
-        _, level, misses = MISSED_BY[FLOOR_LOCK]
+        level, misses = MISSED_BY[FLOOR_LOCK]
         met = level if _level(results.against(config, "while_executing", FLOOR_LOCK)) else misses
     return Verdict(f"processing, `while_executing`, {config} ≥ the one-PING floor of the same run", measured, met)
 
