@@ -121,7 +121,7 @@ def start_cluster(servers: Servers) -> list[int]:
     if create.returncode != 0:
         pytest.fail(f"redis-cli --cluster create failed:\n{create.stdout}\n{create.stderr}")
     for port in ports:
-        wait_for(lambda: _cluster_ok(port), timeout=30, what=f"cluster_state:ok on port {port}")
+        wait_for(lambda port=port: _cluster_ok(port), timeout=30, what=f"cluster_state:ok on port {port}")
     return ports
 
 

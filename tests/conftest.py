@@ -84,7 +84,8 @@ def start_redis_server(port: int, *extra: str) -> subprocess.Popen[bytes]:
         pytest.fail("redis-server is not installed: run `apt-get install redis-server`, or set REDIS_URL.")
     workdir = tempfile.mkdtemp(prefix="dramatiq-unique-redis-")
     process = subprocess.Popen(
-        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir, *extra],
+        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir,
+         *extra],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

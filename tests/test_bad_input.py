@@ -566,7 +566,7 @@ def redis_accepts(url: str) -> bool:
     if not url.startswith(SCHEMES):
         return False
     try:
-        urlsplit(url).port
+        _ = urlsplit(url).port  # raises ValueError on a bad port
         redis.Redis.from_url("redis://" + url.split("://", 1)[1] if url.startswith("redis+cluster://") else url)
     except ValueError:
         return False

@@ -14,7 +14,7 @@ import pytest
 from dramatiq.brokers.stub import StubBroker
 from dramatiq.middleware import AsyncIO, MiddlewareError
 
-from dramatiq_unique import DuplicateMessage, UniqueMiddleware, fence_token
+from dramatiq_unique import DuplicateMessage, fence_token
 from dramatiq_unique.errors import LockBackendError
 from dramatiq_unique.testing import wait_for_releases
 from tests.conftest import make_worker, unique, wait_for
@@ -231,7 +231,8 @@ def test_lock_args_bind_by_name_and_position(rig):
 
 
 def test_lock_args_method(rig):
-    actor = sleeper(rig, lock="until_executed", lock_args_method=lambda account_id, requested_at=None: [account_id % 10])
+    actor = sleeper(rig, lock="until_executed",
+                    lock_args_method=lambda account_id, requested_at=None: [account_id % 10])
     first = actor.send(12, 1.0)
     assert actor.send(22, 2.0).options["unique_duplicate_of"] == first.message_id
 
@@ -303,7 +304,8 @@ def test_until_and_while_executing_queues_once_and_runs_serialized(rig):
 
 @pytest.mark.parametrize("strategy", ["log", "reject", "raise"])
 def test_server_strategies(rig, strategy):
-    actor = sleeper(rig, seconds=0.4, lock="while_executing", on_conflict=strategy, max_retries=3, min_backoff=500, max_backoff=500)
+    actor = sleeper(rig, seconds=0.4, lock="while_executing", on_conflict=strategy, max_retries=3, min_backoff=500,
+                    max_backoff=500)
     actor.send(1)
     rig.start()
     wait_for(lambda: rig.runs.running == 1, what="the first run")

@@ -78,7 +78,8 @@ class Orphans:
 
     def lock(self, key: str) -> Optional[Lock]:
         """The enqueue lock of ``key`` (on actor job_run), if held."""
-        found = [lock for lock in self.admin.locks(actor="job_run", phase="queue") if f'"{key}"' in (lock.lock_args or "")]
+        found = [lock for lock in self.admin.locks(actor="job_run", phase="queue")
+                 if f'"{key}"' in (lock.lock_args or "")]
         return found[0] if found else None
 
     def locked_keys(self) -> dict[str, str]:

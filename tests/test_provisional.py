@@ -185,8 +185,9 @@ def test_operators_see_the_age_deadline_and_state_of_enqueue_locks(redis_backend
 
     def run(*args: str) -> str:
         env = {k: v for k, v in os.environ.items() if not k.lower().startswith("dramatiq_unique_")}
-        done = subprocess.run([sys.executable, "-m", "dramatiq_unique", *args, "--redis", redis_url, "--prefix", prefix],
-                              env={**env, "PYTHONPATH": str(ROOT)}, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        command = [sys.executable, "-m", "dramatiq_unique", *args, "--redis", redis_url, "--prefix", prefix]
+        done = subprocess.run(command, env={**env, "PYTHONPATH": str(ROOT)}, cwd=ROOT, capture_output=True,
+                              text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         return done.stdout
 

@@ -11,7 +11,6 @@ import time
 from typing import Any, Sequence, Union
 
 import dramatiq
-import pytest
 from dramatiq import Worker
 from dramatiq.brokers.redis import RedisBroker
 

@@ -250,7 +250,9 @@ def unwanted(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name.startswith("dramatiq_unique") and r.levelno > logging.INFO]
 
 
-def test_a_superseded_message_does_not_run_and_its_caller_learns_why(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_superseded_message_does_not_run_and_its_caller_learns_why(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
     @dramatiq.actor(lock="until_executed", on_conflict="replace", lock_args=["doc"], store_results=True)
     def reindex(doc: int, n: int) -> int:
         rig.record("reindex", n, 0)
@@ -272,7 +274,9 @@ def test_a_superseded_message_does_not_run_and_its_caller_learns_why(rig: Rig, c
     assert list(rig.middleware.backend.scan("*")) == []  # type: ignore[union-attr]
 
 
-def test_until_executed_a_send_during_a_run_is_enqueued_and_runs_too(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+def test_until_executed_a_send_during_a_run_is_enqueued_and_runs_too(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
     @dramatiq.actor(lock="until_executed", on_conflict="replace", lock_args=["doc"])
     def reindex(doc: int, n: int) -> None:
         rig.record("reindex", n, 0.3)
@@ -321,7 +325,9 @@ def test_until_expired_refuses_a_send_once_the_holder_started(rig: Rig) -> None:
     assert rig.ran("reindex") == [2]
 
 
-def test_a_superseded_message_waiting_for_its_retry_never_runs_again(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_superseded_message_waiting_for_its_retry_never_runs_again(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
     @dramatiq.actor(lock="until_executed", on_conflict="replace", lock_args=["doc"], max_retries=3,
                     min_backoff=200, max_backoff=200)
     def flaky(doc: int, n: int, fail: bool) -> None:

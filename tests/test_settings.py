@@ -31,7 +31,8 @@ def test_every_variable_is_read():
             "dramatiq_unique_record_lock_args": "yes",
         }
     )
-    assert (settings.redis_url, settings.prefix, settings.lock_ttl, settings.lease) == ("redis://example:1/2", "p", 1000, 2000)
+    expected = ("redis://example:1/2", "p", 1000, 2000)
+    assert (settings.redis_url, settings.prefix, settings.lock_ttl, settings.lease) == expected
     assert (settings.reschedule_delay, settings.enabled, settings.on_backend_error) == (0, False, "run_unlocked")
     assert settings.record_lock_args is True
 
@@ -61,7 +62,8 @@ def test_every_setting_is_in_the_readme_table():
 @pytest.mark.parametrize(
     "name, value, says",
     [
-        ("dramatiq_unique_lease", "60s", "dramatiq_unique_lease='60s' is invalid: expected a whole number of milliseconds"),
+        ("dramatiq_unique_lease", "60s",
+         "dramatiq_unique_lease='60s' is invalid: expected a whole number of milliseconds"),
         ("DRAMATIQ_UNIQUE_LOCK_TTL", "-5", "DRAMATIQ_UNIQUE_LOCK_TTL=-5 is invalid"),
         ("dramatiq_unique_enabled", "maybe", "dramatiq_unique_enabled='maybe' is invalid: expected 1/0 or true/false"),
         ("dramatiq_unique_on_backend_error", "ignore", "expected one of fail, run_unlocked"),
