@@ -194,6 +194,16 @@ def _bare_socket(broker: dramatiq.Broker) -> tuple[Any, Any]:
     return conn, conn._sock
 
 
+def _received(sock: Any, size: int) -> bytes:
+    """What one ``recv`` read; a closed connection raises instead of
+    reading nothing for ever.
+    """
+    chunk: bytes = sock.recv(size)
+    if not chunk:
+        raise ConnectionError("Redis closed the floor's connection.")
+    return chunk
+
+
 class FloorRaw(dramatiq.Middleware):
     """One PING per job, on the worker thread, on a socket of its own:
     redis-py only connects it (handshake included), then steps aside.
@@ -210,9 +220,9 @@ class FloorRaw(dramatiq.Middleware):
             self.sockets.conn, sock = _bare_socket(broker)  # the connection keeps the socket open
             self.sockets.sock = sock
         sock.sendall(self.PING)
-        reply = sock.recv(64)
+        reply = b""
         while not reply.endswith(b"\r\n"):
-            reply += sock.recv(64)
+            reply += _received(sock, 64)
 
 
 class FloorLock(dramatiq.Middleware):
@@ -261,9 +271,13 @@ class FloorLock(dramatiq.Middleware):
             packed, replies, mine.release = mine.release + packed, 2, None
         mine.sock.sendall(packed)
         while replies:
-            mine.reader.feed(mine.sock.recv(65536))
-            while replies and mine.reader.gets() is not False:
+            mine.reader.feed(_received(mine.sock, 65536))
+            reply = mine.reader.gets()
+            while reply is not False:
+                if isinstance(reply, Exception):  # NOSCRIPT, say: a floor that ran no script is no floor
+                    raise reply
                 replies -= 1
+                reply = mine.reader.gets() if replies else False
         mine.key, mine.owner = key, owner
 
     def after_process_message(self, broker: dramatiq.Broker, message: Any, *, result: Any = None,

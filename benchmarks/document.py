@@ -321,15 +321,18 @@ _BELOW = {
 
 def _lock_floor_at_prefetch(results: Results, config: str = "prefetch 64") -> str:
     """How far the lock floor is from the one-PING floor where that floor
-    is the target, and ``while_executing`` from the lock floor.
+    is the target, ``while_executing`` from the lock floor, and which of
+    the two stands between the lock and the target.
     """
-    lock, one = _ratio(results, config, FLOOR_LOCK), _ratio(results, config, FLOOR_ONE)
-    if lock is None or one is None:
+    lock_over_one = results.against(config, FLOOR_LOCK, FLOOR_ONE)
+    if not lock_over_one or _ratio(results, config, "while_executing") is None:
         return ""
+    between = ("its client work beyond that one round trip" if median(lock_over_one) >= 1.0 else
+               "the lock floor itself, below the target: no client of these scripts reaches it")
     return (f" At {config}, where the target is the one-`PING` floor, the lock floor ran at "
             f"{paired(results, config, FLOOR_ONE, FLOOR_LOCK)} of that floor's rate within each round and "
             f"`while_executing` at {paired(results, config, FLOOR_LOCK)} of the lock floor's: what stands between "
-            "the lock and the target is its client work beyond that one round trip.")
+            f"the lock and the target is {between}.")
 
 
 def _user_sys(results: Results, config: str) -> str:

@@ -19,7 +19,7 @@ import redis
 from dramatiq_unique.backend import Copy
 from dramatiq_unique.backends.redis import RedisBackend
 
-from . import app, trips
+from . import app, document, trips
 from .app import BARE, FLOOR_LOCK, FLOOR_ONE, FLOOR_RAW
 from .report import (AT_FLOOR, AT_LOCK_FLOOR, FLOOR_MISSES, LOCK_FLOOR_MISSES, MET, NOT_MET, Results, figure_name,
                      median_interval, verdicts)
@@ -216,4 +216,17 @@ def test_the_lock_floor_takes_and_releases_the_lock_in_one_round_trip_a_job(
     assert command_calls(client)["evalsha"] - calls["evalsha"] == 2  # the release, then the start
     held = client.hkeys(key)
     assert owners[0] not in held and owners[1] in held
+    # And a floor that could not run its script says so, rather than timing an error reply
+    client.script_flush()
+    with pytest.raises(Exception, match="NOSCRIPT"):
+        floor.before_process_message(broker, actor.message(8, 2))
     broker.close()
+
+
+@pytest.mark.parametrize("lock, blamed", [([70] * 5, "its client work"), ([64] * 5, "the lock floor itself")])
+def test_what_stands_between_the_lock_and_the_one_ping_target_is_read_off_the_lock_floor(
+    lock: list[float], blamed: str
+) -> None:
+    results = _results("prefetch 64", {BARE: [100.0] * 5, "while_executing": [63.0] * 5, FLOOR_ONE: [66.0] * 5,
+                                       FLOOR_LOCK: lock})
+    assert f"what stands between the lock and the target is {blamed}" in document._lock_floor_at_prefetch(results)
