@@ -6,6 +6,8 @@ that redis-py health-checks in between.
 
 from __future__ import annotations
 
+import socket
+import struct
 import threading
 import time
 
@@ -152,6 +154,20 @@ def test_a_silent_server_fails_the_call_with_a_timeout_and_the_next_call_is_answ
         sleeper.join()
     # And once the server answers again, so do calls, with no stray reply read for theirs
     assert calls.batch([("echo", [], ["one"]), ("echo", [], ["two"])]) == [b"one", b"two"]
+
+
+def test_a_plain_socket_keeps_the_connection_s_timeout_in_the_kernel(redis_client):
+    # Given a client with a socket timeout of 1.25 s
+    calls = calls_on(client_of(redis_client, socket_timeout=1.25))
+    assert calls.call("echo", [], ["warm"]) == b"warm"
+    sock = own_connection(calls)._sock
+    # Then its socket blocks, with no Python-level wait before each read and write,
+    # and the kernel times a silent server out after those 1.25 s both ways (in its
+    # own ticks: Linux rounds up to one of them, at most 10 ms)
+    assert sock.gettimeout() is None
+    for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+        seconds, micros = struct.unpack("ll", sock.getsockopt(socket.SOL_SOCKET, option, struct.calcsize("ll")))
+        assert 1.25 <= seconds + micros / 1_000_000 <= 1.26
 
 
 def test_a_health_checked_connection_reads_its_own_replies_between_ours(redis_client):

@@ -156,7 +156,7 @@ class ScriptCalls:
         """One round trip: send every command, read every reply; a
         Redis error reply is returned in its place, not raised.
         """
-        packed = b"".join([_pack(command) for command in commands])
+        packed = b"".join(map(_pack, commands))
         if self.raw:
             return wire.exchange(conn, packed, len(commands))
         conn.send_packed_command([packed])

@@ -16,9 +16,12 @@ connection's own parser reads every other (see :func:`readable_by_us`).
 
 from __future__ import annotations
 
+import _socket
 import select
 import socket
 import ssl
+import struct
+import sys
 import time
 from typing import Any
 
@@ -39,6 +42,9 @@ _Reader = _reader_class()
 
 #: The most bytes one read takes off the socket.
 READ_SIZE = 65536
+
+#: Where a socket's timeout can live in the kernel as a ``timeval``.
+_KERNEL_TIMEOUTS = sys.platform.startswith(("linux", "darwin", "freebsd"))
 
 
 def readable_by_us(client: Any) -> bool:
@@ -63,6 +69,23 @@ class _Socket:
         )
         self.poller = select.poll()
         self.poller.register(self.sock.fileno(), select.POLLIN)
+        _timeout_in_kernel(self.sock)
+
+
+def _timeout_in_kernel(sock: Any) -> None:
+    """Move a plain socket's timeout into the kernel (see the module's
+    docstring).  TLS sockets, which read records of their own, keep it,
+    and so do gevent's and eventlet's, which are no ``_socket.socket``:
+    they wait in their hub, where only their own timeout counts.
+    """
+    timeout = sock.gettimeout()
+    if not (timeout and _KERNEL_TIMEOUTS and isinstance(sock, _socket.socket)) or isinstance(sock, ssl.SSLSocket):
+        return
+    seconds = int(timeout)
+    timeval = struct.pack("ll", seconds, int((timeout - seconds) * 1_000_000))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+    sock.settimeout(None)
 
 
 def _socket_of(conn: Any) -> _Socket:
@@ -99,7 +122,7 @@ def exchange(conn: Any, packed: bytes, count: int) -> list[Any]:
     try:
         ours.sock.sendall(packed)
         replies = _read(ours, count)
-    except socket.timeout:
+    except (socket.timeout, BlockingIOError):  # BlockingIOError: a kernel timeout ran out
         conn.disconnect()
         raise redis.TimeoutError(f"Timeout on the lock backend at {_where(conn)}") from None
     except OSError as e:
