@@ -185,8 +185,11 @@ def test_a_health_checked_connection_reads_its_own_replies_between_ours(redis_cl
 
 def test_redis_py_reads_what_we_cannot(redis_client):
     # Without hiredis, or on RESP3, the connection's own parser reads the replies
-    resp3 = client_of(redis_client, protocol=3)
+    resp3 = client_of(redis_client, protocol=3, socket_timeout=2)
     assert not wire.readable_by_us(resp3)
     calls = ScriptCalls(resp3, SCRIPTS)
     assert not calls.raw
     assert calls.call("echo", [], ["resp3"]) == b"resp3"
+    assert calls.call("echo", [], ["again"]) == b"again"
+    # and its socket keeps the timeout that redis-py's reads expect
+    assert own_connection(calls)._sock.gettimeout() == 2

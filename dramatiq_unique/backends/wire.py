@@ -60,7 +60,7 @@ class _Socket:
     reconnection) gets a new, empty reader.
     """
 
-    __slots__ = ("sock", "reader", "poller")
+    __slots__ = ("sock", "reader", "poller", "blocks")
 
     def __init__(self, conn: Any) -> None:
         self.sock = conn._sock
@@ -69,7 +69,9 @@ class _Socket:
         )
         self.poller = select.poll()
         self.poller.register(self.sock.fileno(), select.POLLIN)
-        _timeout_in_kernel(self.sock)
+        # Set by the first exchange: a socket that redis-py reads (RESP3,
+        # no hiredis) keeps its own timeout, and its own errors.
+        self.blocks = False
 
 
 def _timeout_in_kernel(sock: Any) -> None:
@@ -119,6 +121,9 @@ def exchange(conn: Any, packed: bytes, count: int) -> list[Any]:
     if conn.health_check_interval:
         conn.check_health()
     ours = _socket_of(conn)
+    if not ours.blocks:
+        _timeout_in_kernel(ours.sock)
+        ours.blocks = True
     try:
         ours.sock.sendall(packed)
         replies = _read(ours, count)
