@@ -170,6 +170,18 @@ def test_a_plain_socket_keeps_the_connection_s_timeout_in_the_kernel(redis_clien
         assert 1.25 <= seconds + micros / 1_000_000 <= 1.26
 
 
+def test_a_timeout_under_a_microsecond_is_still_a_timeout_in_the_kernel():
+    # Given a socket whose timeout is too short for a timeval's microseconds
+    with socket.socket() as sock:
+        sock.settimeout(1e-7)
+        # When the timeout moves into the kernel
+        wire._timeout_in_kernel(sock)
+        # Then the kernel holds a timeout both ways, not the zero that means none
+        assert sock.gettimeout() is None
+        for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+            assert struct.unpack("ll", sock.getsockopt(socket.SOL_SOCKET, option, struct.calcsize("ll"))) != (0, 0)
+
+
 def test_a_health_checked_connection_reads_its_own_replies_between_ours(redis_client):
     # Given a client that health-checks its connections before every use
     calls = calls_on(client_of(redis_client, health_check_interval=1))

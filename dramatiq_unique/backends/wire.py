@@ -60,7 +60,7 @@ class _Socket:
     reconnection) gets a new, empty reader.
     """
 
-    __slots__ = ("sock", "reader", "poller", "blocks")
+    __slots__ = ("sock", "reader", "poller", "timeout_placed")
 
     def __init__(self, conn: Any) -> None:
         self.sock = conn._sock
@@ -69,9 +69,10 @@ class _Socket:
         )
         self.poller = select.poll()
         self.poller.register(self.sock.fileno(), select.POLLIN)
-        # Set by the first exchange: a socket that redis-py reads (RESP3,
-        # no hiredis) keeps its own timeout, and its own errors.
-        self.blocks = False
+        # Whether the first exchange has placed the timeout: a socket
+        # that redis-py reads (RESP3, no hiredis) keeps its own, and
+        # its own errors.
+        self.timeout_placed = False
 
 
 def _timeout_in_kernel(sock: Any) -> None:
@@ -84,7 +85,9 @@ def _timeout_in_kernel(sock: Any) -> None:
     if not (timeout and _KERNEL_TIMEOUTS and isinstance(sock, _socket.socket)) or isinstance(sock, ssl.SSLSocket):
         return
     seconds = int(timeout)
-    timeval = struct.pack("ll", seconds, int((timeout - seconds) * 1_000_000))
+    # A zero timeval is no timeout at all: a timeout under a microsecond takes one.
+    micros = max(int((timeout - seconds) * 1_000_000), 0 if seconds else 1)
+    timeval = struct.pack("ll", seconds, micros)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
     sock.settimeout(None)
@@ -121,9 +124,9 @@ def exchange(conn: Any, packed: bytes, count: int) -> list[Any]:
     if conn.health_check_interval:
         conn.check_health()
     ours = _socket_of(conn)
-    if not ours.blocks:
+    if not ours.timeout_placed:
         _timeout_in_kernel(ours.sock)
-        ours.blocks = True
+        ours.timeout_placed = True
     try:
         ours.sock.sendall(packed)
         replies = _read(ours, count)
