@@ -316,17 +316,23 @@ class Releaser:
                     self._running = False  # under the lock: a submission from now on starts a new thread
                     return
                 self._sending, self._sending_since, self._stall_reported = batch, _now_ms(), False
-            for pending, follow_up in follow_ups:
-                self._follow(pending, follow_up)
-            outcomes = self._release(batch)
-            for pending, outcome in zip(batch, outcomes):
-                then = self._report(pending, outcome)
-                if then is not None:
-                    self._follow(pending, then)
-            with self._wakeup:
-                self._sending = []
-                self._riding -= len(follow_ups)
-                self._wakeup.notify_all()
+            self._send(batch, follow_ups)
+
+    def _send(self, batch: list[PendingRelease], follow_ups: list[FollowUp]) -> None:
+        """Do the hand-offs left to do, then send ``batch`` in one round
+        trip and report each outcome.
+        """
+        for pending, follow_up in follow_ups:
+            self._follow(pending, follow_up)
+        outcomes = self._release(batch)
+        for pending, outcome in zip(batch, outcomes):
+            then = self._report(pending, outcome)
+            if then is not None:
+                self._follow(pending, then)
+        with self._wakeup:
+            self._sending = []
+            self._riding -= len(follow_ups)
+            self._wakeup.notify_all()
 
     def _next(self) -> tuple[Optional[list[PendingRelease]], list[FollowUp]]:
         """Wait, holding the lock, for hand-offs to do or releases that

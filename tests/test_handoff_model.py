@@ -7,13 +7,22 @@ out of the delay queue.  This state machine drives the real middleware
 hooks, in the order Dramatiq's worker fires them, on a ``StubBroker``
 with ``AgeLimit``, ``Retries`` and ``Results``, over a ``StubBackend``
 whose calls can time out before they are applied or after (a lost
-reply).  The rules deliver any queued copy in any order, and the
-invariants of ``docs/reliability.md`` ("The hand-off model") are
-checked after every step and once everything has drained.
+reply), and whose run lock calls can be broken by a time limit that
+strikes the worker thread mid-call.  The rules deliver any queued copy
+in any order, and the invariants of ``docs/reliability.md`` ("The
+hand-off model") are checked after every step and once everything has
+drained.
+
+It runs twice: releasing each run lock in its own call, and releasing
+in the background as on Redis, where a release waits in the releaser
+until it rides in front of the next start, in the same call, or the
+releaser thread sends it; here that thread is a rule, so that any
+interleaving of sends, starts, lost replies and interrupts is explored.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from typing import Any, Callable, Iterator, Optional
 
@@ -22,7 +31,7 @@ import pytest
 from dramatiq import Message
 from dramatiq.broker import MessageProxy
 from dramatiq.brokers.stub import StubBroker
-from dramatiq.middleware import AgeLimit, Callbacks, Pipelines, Retries, SkipMessage
+from dramatiq.middleware import AgeLimit, Callbacks, Pipelines, Retries, SkipMessage, TimeLimitExceeded
 from dramatiq.middleware import age_limit as age_limit_module
 from dramatiq.results import Results
 from dramatiq.results.backends import StubBackend as ResultsStub
@@ -39,6 +48,9 @@ from hypothesis.stateful import (
 
 from dramatiq_unique import LockBackendError, StubBackend, UniqueMiddleware
 from dramatiq_unique.backend import LockBackend
+from dramatiq_unique.delivery import message_id_of
+from dramatiq_unique.events import LockEvent
+from dramatiq_unique.releaser import Releaser
 
 MAX_RETRIES = 1
 KEYS = (1,)  # one key per actor: every send contends, which is where the bugs live
@@ -52,34 +64,82 @@ ACTORS = {
 
 #: Calls that a fault may hit (renewals run on their own thread).
 FAULTY_CALLS = sorted(name for name in LockBackend.__abstractmethods__ if name not in ("extend", "inspect", "scan"))
+#: The calls of a worker thread that a time limit can break: taking the
+#: run lock, with the releases riding in front of it.
+INTERRUPTIBLE_CALLS = {"start", "release_and_start"}
+#: What can happen to the next call: it times out before it is applied,
+#: or after (its reply lost, as with a stalled or partitioned Redis); or
+#: a time limit breaks it, before or after it was applied.
+FAULTS = ("before", "after", "interrupted before", "interrupted after")
 
 
 class FaultyBackend(StubBackend):
-    """A ``StubBackend`` whose next call can time out: ``"before"`` it
-    is applied, or ``"after"``, which loses the reply of a call that
-    took effect, as a stalled or partitioned Redis does.
+    """A ``StubBackend`` whose next call from the model's own thread can
+    fail as ``FAULTS`` say.  Calls from background threads (confirmations,
+    say) are never hit: the clock decides when they come, and an example
+    must replay alike.
     """
 
     fault: Optional[str] = None
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.model_thread = threading.get_ident()
 
-def _faulty(name: str) -> Callable[..., Any]:
-    applied = getattr(StubBackend, name)
 
+class BatchingBackend(FaultyBackend):
+    """The same, releasing in the background as the Redis backend does:
+    a release and the start it rides with are one call, which a fault
+    hits whole, and so is a batch of the releaser thread.
+    """
+
+    batches_releases = True
+
+
+class SteppedReleaser(Releaser):
+    """The releaser, with its thread's work done by a rule of the model."""
+
+    def _ensure_thread(self) -> None:
+        self._running = True
+
+    def busy(self) -> bool:
+        return bool(self._pending or self._follow_ups)
+
+    def step(self) -> None:
+        """What the releaser thread does when it wakes: the hand-offs
+        left to do, then what no start carried, in one call.
+        """
+        with self._wakeup:
+            batch, follow_ups, self._follow_ups = self._due(force=True), self._follow_ups, []
+            self._sending = batch
+        self._send(batch, follow_ups)
+
+
+def _faulty(name: str, applied: Callable[..., Any]) -> Callable[..., Any]:
     def call(self: FaultyBackend, *args: Any, **kwargs: Any) -> Any:
-        fault, self.fault = self.fault, None
+        if threading.get_ident() != self.model_thread:
+            return applied(self, *args, **kwargs)
+        if (self.fault or "").startswith("interrupted") and name not in INTERRUPTIBLE_CALLS:
+            return applied(self, *args, **kwargs)  # a time limit strikes the worker thread's start only
+        fault, self.fault = self.fault, None  # the calls this one makes inside are not hit again
         if fault == "before":
             raise TimeoutError(f"{name} timed out before it reached the backend")
+        if fault == "interrupted before":
+            raise TimeLimitExceeded(f"a time limit broke {name} before it was sent")
         result = applied(self, *args, **kwargs)
         if fault == "after":
             raise TimeoutError(f"the reply to {name} was lost")
+        if fault == "interrupted after":
+            raise TimeLimitExceeded(f"a time limit broke {name} after it was applied")
         return result
 
     return call
 
 
 for _name in FAULTY_CALLS:
-    setattr(FaultyBackend, _name, _faulty(_name))
+    setattr(FaultyBackend, _name, _faulty(_name, getattr(StubBackend, _name)))
+for _name in ("release_many", "release_and_start"):
+    setattr(BatchingBackend, _name, _faulty(_name, getattr(StubBackend, _name)))
 
 
 class RecordingResults(ResultsStub):
@@ -110,13 +170,20 @@ class Flight:
 
 
 class HandoffModel(RuleBasedStateMachine):
+    #: Release run locks in the background, as on Redis.
+    batching = False
+
     def __init__(self) -> None:
         super().__init__()
         self.broker = StubBroker(middleware=[AgeLimit(), Callbacks(), Pipelines(), Retries(max_retries=MAX_RETRIES)])
         self.results = RecordingResults()
         self.broker.add_middleware(Results(backend=self.results))
-        self.locks = FaultyBackend()
+        self.locks = BatchingBackend() if self.batching else FaultyBackend()
         self.unique = UniqueMiddleware(backend=self.locks, reschedule_delay=1000)
+        self.releaser: Optional[SteppedReleaser] = None
+        if self.batching:
+            self.releaser = SteppedReleaser(self.locks, on_stalled=self.unique._process.releases_stalled)
+            self.unique._releaser = self.releaser
         self.broker.add_middleware(self.unique)
         self.actors = {
             name: dramatiq.actor(
@@ -141,6 +208,18 @@ class HandoffModel(RuleBasedStateMachine):
         self.dead_of_backend_errors: Counter[str] = Counter()
         self.succeeded: set[str] = set()
         self.aged = False
+        self.failed_releases: set[tuple[str, Optional[str]]] = set()  # (key, message id): reported, left to the lease
+        self.dead_owners: set[Optional[str]] = set()  # run lock owners whose worker died
+        self.expired: set[tuple[str, Optional[str]]] = set()  # (key, message id): freed by its lease running out
+        self.false_losses: list[tuple[str, Optional[str]]] = []
+        self.unique.events.subscribe(self.heard)
+
+    def heard(self, event: LockEvent) -> None:
+        if event.name == "backend_error":
+            self.failed_releases.add((event.key, event.message_id))
+        elif event.name == "lock_lost" and event.key.endswith(":run"):
+            if (event.key, event.message_id) not in self.expired:
+                self.false_losses.append((event.key, event.message_id))
 
     # The network ---------------------------------------------------------------------
 
@@ -162,8 +241,9 @@ class HandoffModel(RuleBasedStateMachine):
         self.broker.emit_before(verb, proxy)
         if proxy.failed:
             self.dead[proxy.message_id] += 1
-            if isinstance(proxy._exception, LockBackendError):
-                # Retries gave up on a copy that the lock backend failed on every time
+            if isinstance(proxy._exception, (LockBackendError, TimeLimitExceeded)):
+                # Retries gave up on a copy whose lock call failed every time: the backend
+                # failed, or a time limit broke the call (here only faults raise TimeLimitExceeded)
                 self.dead_of_backend_errors[proxy.message_id] += 1
         self.broker.emit_after(verb, proxy)
 
@@ -253,8 +333,9 @@ class HandoffModel(RuleBasedStateMachine):
     @precondition(lambda self: self.flights)
     @rule(index=st.integers(0, 50))
     def crash(self, index: int) -> None:
-        """The worker running a started actor dies: no hooks run, its
-        lease runs out, and the broker redelivers the message as it was.
+        """The worker running a started actor dies: no hooks run, the
+        broker redelivers the message as it was, and its run lock stays
+        held until its lease runs out (``leases_run_out``).
         """
         if not self.flights:
             return
@@ -262,8 +343,7 @@ class HandoffModel(RuleBasedStateMachine):
         state = flight.proxy._unique_delivery
         if state.lease is not None:
             self.unique.leases.drop(state.lease)
-        if state.run_key is not None:
-            StubBackend.release(self.locks, state.run_key, state.run_owner, hand_over=False)  # its expiry
+        self.dead_owners.add(state.run_owner)
         self.crashes[flight.proxy.message_id] += 1
         self.pool.append((flight.proxy.queue_name, flight.encoded))
 
@@ -273,15 +353,40 @@ class HandoffModel(RuleBasedStateMachine):
         (its release failed, or its worker died) reaches its deadline.
         """
         renewed = {f.proxy._unique_delivery.run_owner for f in self.flights}
+        on_the_way = {(p.key, p.owner) for p in self.releaser._pending} if self.releaser is not None else set()
         for key, entry in list(self.locks._entries.items()):
             for owner in set(entry.holders) - renewed:
                 if key.endswith(":run"):
+                    # Only a lock whose release failed, and said so, or is on its way, outlives its holder.
+                    known = (key, owner) in on_the_way or (key, message_id_of(owner)) in self.failed_releases
+                    known = known or owner in self.dead_owners
+                    assert known, f"{key} of {owner} was never released, and no error said so"
                     StubBackend.release(self.locks, key, owner, hand_over=False)
+                    self.expired.add((key, message_id_of(owner)))
 
-    @rule(when=st.sampled_from(["before", "after"]))
-    def time_out_next_call(self, when: str) -> None:
-        """The next lock call times out, before it is applied or after."""
-        self.locks.fault = when
+    @rule(fault=st.sampled_from(FAULTS))
+    def fail_next_call(self, fault: str) -> None:
+        """The next lock call times out, or a time limit breaks it."""
+        self.locks.fault = fault
+
+    @precondition(lambda self: self.releaser is not None and self.releaser.busy() and self.queued(delayed=False))
+    @rule(fault=st.sampled_from(FAULTS), index=st.integers(0, 50))
+    def a_start_carrying_releases_fails(self, fault: str, index: int) -> None:
+        """The seam of background releases, aimed at: a copy is delivered
+        while releases wait to ride with its start, and that call fails.
+        """
+        self.fail_next_call(fault)
+        self.deliver(index)
+
+    @precondition(lambda self: self.releaser is not None and self.releaser.busy())
+    @rule()
+    def releaser_sends(self) -> None:
+        """The releaser thread wakes: it hands over the keys that reports
+        left to it, and sends the releases that no start carried.
+        """
+        assert self.releaser is not None
+        self.releaser.step()
+        self.collect()
 
     @precondition(lambda self: not self.aged)
     @rule()
@@ -303,8 +408,12 @@ class HandoffModel(RuleBasedStateMachine):
 
     @invariant()
     def no_message_is_dead_lettered_twice(self) -> None:
-        # ...unless the lock backend failed on every attempt of a copy (see the docs)
+        # ...unless its lock call failed on every attempt of a copy (see the docs)
         assert all(count <= 1 + self.dead_of_backend_errors[m] for m, count in self.dead.items()), self.dead
+
+    @invariant()
+    def a_run_lock_is_reported_lost_only_when_its_lease_ran_out(self) -> None:
+        assert not self.false_losses, self.false_losses
 
     @invariant()
     def a_result_is_only_ever_a_real_one(self) -> None:
@@ -321,6 +430,8 @@ class HandoffModel(RuleBasedStateMachine):
                 self.leases_run_out()
             if self.flights:
                 self.finish(0, False)
+            elif self.releaser is not None and self.releaser.busy():
+                self.releaser_sends()
             elif self.queued(delayed=True):
                 self.move(0)
             elif self.pool:
@@ -335,6 +446,7 @@ class HandoffModel(RuleBasedStateMachine):
         self.no_message_starts_more_than_its_retries_allow()
         self.no_message_is_dead_lettered_twice()
         self.a_result_is_only_ever_a_real_one()
+        self.a_run_lock_is_reported_lost_only_when_its_lease_ran_out()
 
     def teardown(self) -> None:
         try:
@@ -342,9 +454,14 @@ class HandoffModel(RuleBasedStateMachine):
             # Nothing is lost: each accepted message ran to success or was dead-lettered.
             lost = [m for m in self.sent if m not in self.succeeded and not self.dead[m]]
             assert not lost, f"never ran and never dead-lettered: {lost}"
+            # Every run lock still held is one whose release failed, and said so: only its lease frees it.
+            held = {(key, message_id_of(owner)) for key, entry in self.locks._entries.items()
+                    if key.endswith(":run") for owner in entry.holders if owner not in self.dead_owners}
+            assert held <= self.failed_releases, f"never released, and no error said so: {held - self.failed_releases}"
             # No lock, waiter or hand-off body outlives the messages, once
             # the run locks whose release failed have reached their lease.
             self.leases_run_out()
+            assert self.releaser is None or self.releaser.pending() == 0
             assert not list(self.locks.scan("*")), list(self.locks.scan("*"))
             assert not any(waiters.order for waiters in self.locks._waiters.values())
             # A new send of every key is accepted.
@@ -369,9 +486,10 @@ def aged_clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[HandoffModel]]:
     yield running
 
 
-def explore(running: list[HandoffModel], examples: int, steps: int) -> None:
+def explore(running: list[HandoffModel], examples: int, steps: int, *, batching: bool = False) -> None:
     class Model(HandoffModel):
         def __init__(self) -> None:
+            self.batching = batching
             super().__init__()
             running.append(self)
 
@@ -387,13 +505,15 @@ def explore(running: list[HandoffModel], examples: int, steps: int) -> None:
     )
 
 
-def test_every_interleaving_of_copies_keeps_the_invariants(aged_clock: list[HandoffModel]) -> None:
-    explore(aged_clock, examples=300, steps=40)
+@pytest.mark.parametrize("batching", [False, True], ids=["release per call", "release in the background"])
+def test_every_interleaving_of_copies_keeps_the_invariants(aged_clock: list[HandoffModel], batching: bool) -> None:
+    explore(aged_clock, examples=300, steps=40, batching=batching)
 
 
 @pytest.mark.soak
-def test_every_interleaving_of_copies_keeps_the_invariants_long(aged_clock: list[HandoffModel]) -> None:
-    explore(aged_clock, examples=5_000, steps=80)
+@pytest.mark.parametrize("batching", [False, True], ids=["release per call", "release in the background"])
+def test_every_interleaving_of_copies_keeps_the_invariants_long(aged_clock: list[HandoffModel], batching: bool) -> None:
+    explore(aged_clock, examples=5_000, steps=80, batching=batching)
 
 
 def test_the_model_checks_what_it_claims() -> None:
