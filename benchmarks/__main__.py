@@ -87,6 +87,10 @@ def measure(client: redis.Redis, url: str, plan: Plan, results: Results) -> None
     for round_ in range(max(plan.rounds, plan.every_config_round)):
         if round_ < plan.rounds:
             rate_round(client, url, plan, results, round_)
+        elif round_ < plan.every_config_round:
+            # The default's target compares rates a few percent apart too: its
+            # contenders of the configurations get as many rounds.
+            rate_round(client, url, plan, results, round_, DEFAULT)
         if round_ < plan.every_config_round:
             for config in plan.configs:
                 rate_round(client, url, plan, results, round_, config)

@@ -62,7 +62,8 @@ def meta(
         "redis": (f"{args.redis} (given with --redis; its other clients count in the commands)" if args.redis
                   else "a private redis-server the harness started"),
         "plan": (f"{'--quick' if args.quick else 'full'}: {plan.rounds} rounds of {plan.sent} jobs per contender "
-                 f"({plan.every_config_round} of each other configuration), "
+                 f"(bare Dramatiq, `while_executing` and the three floors: {plan.every_config_round} in every "
+                 "configuration, the default included), "
                  f"sent in turns of {plan.chunk}; round trips counted over {plan.audit} jobs; "
                  f"makespans {', '.join(f'N={jobs} × {rounds}' for jobs, rounds in plan.makespans)}; "
                  f"footprint of {plan.locks} held locks; {plan.calls} single calls of each kind"),
@@ -102,11 +103,12 @@ Each contender is a `RedisBroker` app with the same no-op actor
   trip on the worker thread costs with no client work at all.
 
 Besides Dramatiq's defaults (prefetch 16 for 8 threads, a no-op job), bare Dramatiq,
-`while_executing` and the two one-`PING` floors are also run with `dramatiq_queue_prefetch=64` (where bare
+`while_executing` and the three floors are also run with `dramatiq_queue_prefetch=64` (where bare
 Dramatiq is CPU-bound), with a job that sleeps 1 ms, and with a job that spins for 1 ms of its
-thread's CPU, in every round, and in more rounds than the other contenders (the plan above): their
-targets compare rates a few percent apart.  The **release latency** is the time from the end of a job (a
-middleware after ours) to the run lock's `released` event.  It is measured in one more
+thread's CPU, in every round.  These five run in more rounds than the other contenders (the plan
+above), at the defaults too: their targets compare rates a few percent apart.  The **release
+latency** is the time from the end of a job (a middleware after ours) to the run lock's `released`
+event.  It is measured in one more
 `while_executing` run per configuration, after the rounds: recording it subscribes a listener to
 the lock events, and the middleware builds an event only for a listener, so the rate runs have none.
 
