@@ -17,8 +17,10 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, ResponseError
 from redis.retry import Retry
 
+from dramatiq_unique.backend import Release
 from dramatiq_unique.backends import wire
 from dramatiq_unique.backends.calls import ScriptCalls
+from dramatiq_unique.backends.redis import RedisBackend
 
 SCRIPTS = {
     "echo": "return ARGV[1]",
@@ -205,3 +207,61 @@ def test_redis_py_reads_what_we_cannot(redis_client):
     assert calls.call("echo", [], ["again"]) == b"again"
     # and its socket keeps the timeout that redis-py's reads expect
     assert own_connection(calls)._sock.gettimeout() == 2
+
+
+def backend_made_from(made_from: str, redis_url: str, redis_client: redis.Redis, **options: object) -> RedisBackend:
+    """A RedisBackend that makes its own client, from a URL or from parameters."""
+    if made_from == "url":
+        return RedisBackend(url=redis_url, **options)
+    where = redis_client.connection_pool.connection_kwargs
+    return RedisBackend(host=where["host"], port=where["port"], db=where["db"], **options)
+
+
+@pytest.mark.parametrize("made_from", ["url", "parameters"])
+def test_a_backend_s_own_client_sends_a_call_again_when_its_connection_was_dropped(
+    made_from, redis_url, redis_client, monkeypatch
+):
+    # Given a backend that made its own client (redis-py retries nothing on one made from a URL)
+    backend = backend_made_from(made_from, redis_url, redis_client)
+    assert backend.calls is not None
+    assert backend.release("retried:{k}:run", "nobody") == Release(False)
+    conn = own_connection(backend.calls)
+    old = conn._sock
+    # When its connection is dropped after the idle check, as a reset in flight would be
+    old.shutdown(socket.SHUT_RDWR)
+    monkeypatch.setattr(wire, "readable", lambda _conn: False)
+    # Then the call goes out again on a fresh connection and is answered
+    assert backend.release("retried:{k}:run", "nobody") == Release(False)
+    assert conn._sock is not None and conn._sock is not old
+
+
+def test_a_retry_policy_given_to_the_backend_wins(redis_url, redis_client, monkeypatch):
+    # Given a backend told never to retry
+    backend = RedisBackend(url=redis_url, retry=Retry(NoBackoff(), 0))
+    assert backend.calls is not None
+    backend.release("retried:{k}:run", "nobody")
+    own_connection(backend.calls)._sock.shutdown(socket.SHUT_RDWR)
+    monkeypatch.setattr(wire, "readable", lambda _conn: False)
+    # Then a dropped connection fails the call
+    with pytest.raises(redis.ConnectionError):
+        backend.release("retried:{k}:run", "nobody")
+
+
+@pytest.mark.parametrize("made_from", ["url", "parameters"])
+def test_a_backend_s_own_client_does_not_multiply_its_socket_timeout(made_from, redis_url, redis_client):
+    # Given a backend of its own client, with a socket timeout of 0.2 s
+    backend = backend_made_from(made_from, redis_url, redis_client, socket_timeout=0.2)
+    backend.release("retried:{k}:run", "nobody")
+    # When the server stops answering for 1.5 s
+    sleeper = threading.Thread(target=lambda: client_of(redis_client).eval(BUSY, 0, 1500))
+    sleeper.start()
+    wait_until_silent(redis_client)
+    try:
+        # Then the call times out once, not once per retry (redis-py's own default
+        # for a client made from parameters would take 11 of them: 2.2 s)
+        started = time.monotonic()
+        with pytest.raises(redis.TimeoutError):
+            backend.release("retried:{k}:run", "nobody")
+        assert time.monotonic() - started < 0.6
+    finally:
+        sleeper.join()

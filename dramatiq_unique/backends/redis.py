@@ -23,6 +23,8 @@ except ModuleNotFoundError as e:  # tested in a subprocess: tests/test_install.p
         "run `pip install 'dramatiq-unique[redis]'`.",
         name=e.name,
     ) from None
+from redis.backoff import FullJitterBackoff
+from redis.retry import Retry
 
 from ..backend import (
     Acquisition,
@@ -101,6 +103,23 @@ CLUSTER_SCHEME = "redis+cluster://"
 #: this backend makes itself: a silent Redis must fail a lock call, not
 #: hang a worker thread.
 DEFAULT_SOCKET_TIMEOUT = 5.0
+
+#: How many times a client this backend makes itself sends a call again,
+#: on a fresh connection, when its connection failed: refused, reset, or
+#: closed by the server.  (redis-py gives a client made from a URL none,
+#: so one dropped connection would fail a send or leave a key held
+#: until its lease expires.)  A timeout is not retried: that would
+#: multiply the socket timeout.
+DEFAULT_RETRIES = 3
+
+
+def _retry() -> Retry:
+    """:data:`DEFAULT_RETRIES`, after at most 20, 40 and 80 ms (full
+    jitter).  Sending a lock call again is safe: every script survives a
+    lost reply (the owner token re-enters, a release checks the owner, a
+    send finds its message enqueued already).
+    """
+    return Retry(FullJitterBackoff(cap=1.0, base=0.01), DEFAULT_RETRIES, supported_errors=(redis.ConnectionError,))
 
 
 def _without_password(url: str) -> str:
@@ -220,7 +239,9 @@ class RedisBackend(LockBackend):
         wins over ``**parameters``.
       **parameters: Passed to ``redis.Redis``, or to
         ``redis.cluster.RedisCluster`` with a cluster URL.  Socket
-        timeouts default to :data:`DEFAULT_SOCKET_TIMEOUT` seconds.
+        timeouts default to :data:`DEFAULT_SOCKET_TIMEOUT` seconds, and
+        ``retry`` (not on a Cluster) to :data:`DEFAULT_RETRIES` retries
+        of a call whose connection failed.
 
     Every script touches the keys of one lock only, and they share a
     hash tag, so each call goes to one Cluster node.  With Sentinel,
@@ -244,9 +265,10 @@ class RedisBackend(LockBackend):
         parameters.setdefault("socket_connect_timeout", DEFAULT_SOCKET_TIMEOUT)
         if client is None and url is not None and url.startswith(CLUSTER_SCHEME):
             client = redis.cluster.RedisCluster.from_url("redis://" + url[len(CLUSTER_SCHEME) :], **parameters)
-        elif client is None and url is not None:
-            client = redis.Redis.from_url(url, **parameters)
-        self.client: Any = client if client is not None else redis.Redis(**parameters)
+        elif client is None:
+            parameters.setdefault("retry", _retry())
+            client = redis.Redis(**parameters) if url is None else redis.Redis.from_url(url, **parameters)
+        self.client: Any = client
         self.url = url
         self.cluster = isinstance(self.client, redis.cluster.RedisCluster)
         self.scripts = {name: self.client.register_script(source) for name, source in _SCRIPTS.items()}
