@@ -265,3 +265,28 @@ def test_a_backend_s_own_client_does_not_multiply_its_socket_timeout(made_from, 
         assert time.monotonic() - started < 0.6
     finally:
         sleeper.join()
+
+
+def test_a_health_check_that_meets_a_silent_server_times_out_once(redis_url, redis_client):
+    # Given a backend of its own client that health-checks its connections, with a socket timeout of 0.5 s
+    backend = RedisBackend(url=redis_url, socket_timeout=0.5, health_check_interval=1)
+    assert backend.calls is not None
+    backend.release("retried:{k}:run", "nobody")
+    conn = own_connection(backend.calls)
+    conn.next_health_check = 0  # the check is due before the next call
+    # When the server stops answering for 2.5 s
+    sleeper = threading.Thread(target=lambda: client_of(redis_client).eval(BUSY, 0, 2500))
+    sleeper.start()
+    wait_until_silent(redis_client)
+    try:
+        # Then redis-py's check fails with its TimeoutError, once, as our own read would:
+        # not as a dropped connection, which is sent again after each timeout
+        started = time.monotonic()
+        with pytest.raises(redis.TimeoutError):
+            backend.release("retried:{k}:run", "nobody")
+        assert time.monotonic() - started < 0.8  # two timeouts would take 1 s
+    finally:
+        sleeper.join()
+    # And once the server answers, the next call is answered, on a socket timed in the kernel again
+    assert backend.release("retried:{k}:run", "nobody") == Release(False)
+    assert conn._sock.gettimeout() is None

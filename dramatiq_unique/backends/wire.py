@@ -121,8 +121,8 @@ def exchange(conn: Any, packed: bytes, count: int) -> list[Any]:
     """
     if conn._sock is None:
         conn.connect()
-    if conn.health_check_interval:
-        conn.check_health()
+    if conn.health_check_interval and time.monotonic() > conn.next_health_check:
+        _check_health(conn)
     ours = _socket_of(conn)
     if not ours.timeout_placed:
         _timeout_in_kernel(ours.sock)
@@ -139,6 +139,24 @@ def exchange(conn: Any, packed: bytes, count: int) -> list[Any]:
     if conn.health_check_interval:
         conn.next_health_check = time.monotonic() + conn.health_check_interval
     return replies
+
+
+def _check_health(conn: Any) -> None:
+    """redis-py's health check, which reads the socket itself, with the
+    connection's Python-level timeout back in place: on a socket timed
+    in the kernel a silent server would fail it as ``EAGAIN``, which
+    redis-py raises as a ``ConnectionError``, retried (each retry waiting
+    the timeout again), instead of its ``TimeoutError``.
+    """
+    sock, ours = conn._sock, getattr(conn, "_unique_socket", None)
+    placed = ours is not None and ours.sock is sock and ours.timeout_placed
+    if placed:
+        sock.settimeout(conn.socket_timeout)
+    try:
+        conn.check_health()
+    finally:
+        if placed and conn._sock is sock:
+            sock.settimeout(None)
 
 
 def _read(ours: _Socket, count: int) -> list[Any]:
