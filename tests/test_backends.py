@@ -142,6 +142,22 @@ def test_a_waiter_that_arrives_by_its_delay_is_not_promoted_later(backend):
     assert backend.release(KEY, "holder").promoted is None
 
 
+def test_a_wait_sent_again_after_its_lost_reply_changes_nothing(backend):
+    # Given a waiter registered for attempt 1, whose reply was lost (a reset connection)
+    backend.acquire(KEY, "holder", ttl=10_000)
+    backend.wait(waiting("m"), b"m", order=1, ttl=10_000)
+    # While the client backs off, the holder hands the key over and the hand-off copy starts
+    assert backend.release(KEY, "holder").promoted == b"m"
+    assert backend.claim(Copy(KEY, "m", 1, "handoff")) is True
+    # When the client sends the same wait again
+    backend.wait(waiting("m"), b"m", order=1, ttl=10_000)
+    # Then the hand-off copy stays the attempt's winner: its delayed copy may not run beside it,
+    # and the message waits for no second hand-off
+    assert backend.claim(Copy(KEY, "m", 1, "delay")) is False
+    backend.acquire(KEY, "holder2", ttl=10_000)
+    assert backend.release(KEY, "holder2").promoted is None
+
+
 def test_a_later_reschedule_makes_the_earlier_copies_stale(backend):
     backend.wait(waiting("m", 1), b"m1", order=1, ttl=10_000)
     assert backend.claim(Copy(KEY, "m", 1, "delay")) is True

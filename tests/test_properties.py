@@ -417,6 +417,9 @@ class BackendModel(RuleBasedStateMachine):
     def wait(self, key: str, message_id: str, attempt: int, order: int) -> None:
         copy = self.copy(key, message_id, attempt, "handoff")
         self.backend.wait(copy, message_id.encode(), order=order, ttl=LONG)
+        record = self.records[key].get(message_id)
+        if record is not None and attempt <= record[0]:
+            return  # only the winner of attempt - 1 waits for attempt: this one was sent again, and changes nothing
         self.waiting[key][message_id] = order
         self.records[key][message_id] = [attempt, ""]
 

@@ -17,6 +17,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, ResponseError
 from redis.retry import Retry
 
+from dramatiq.brokers.redis import RedisBroker
+
 from dramatiq_unique.backend import Release
 from dramatiq_unique.backends import wire
 from dramatiq_unique.backends.calls import ScriptCalls
@@ -210,18 +212,24 @@ def test_redis_py_reads_what_we_cannot(redis_client):
 
 
 def backend_made_from(made_from: str, redis_url: str, redis_client: redis.Redis, **options: object) -> RedisBackend:
-    """A RedisBackend that makes its own client, from a URL or from parameters."""
+    """A RedisBackend that makes its own client, from a URL or from
+    parameters, or one on the client of a Redis broker, as the
+    middleware picks it when given no backend.
+    """
     if made_from == "url":
         return RedisBackend(url=redis_url, **options)
+    if made_from == "the broker's client":
+        return RedisBackend(client=RedisBroker(url=redis_url, **options).client)
     where = redis_client.connection_pool.connection_kwargs
     return RedisBackend(host=where["host"], port=where["port"], db=where["db"], **options)
 
 
-@pytest.mark.parametrize("made_from", ["url", "parameters"])
+@pytest.mark.parametrize("made_from", ["url", "parameters", "the broker's client"])
 def test_a_backend_s_own_client_sends_a_call_again_when_its_connection_was_dropped(
     made_from, redis_url, redis_client, monkeypatch
 ):
-    # Given a backend that made its own client (redis-py retries nothing on one made from a URL)
+    # Given a backend that made its own client, or one on a client that names no retry policy
+    # (redis-py retries nothing on one made from a URL, as the Redis broker's is)
     backend = backend_made_from(made_from, redis_url, redis_client)
     assert backend.calls is not None
     assert backend.release("retried:{k}:run", "nobody") == Release(False)
@@ -235,9 +243,14 @@ def test_a_backend_s_own_client_sends_a_call_again_when_its_connection_was_dropp
     assert conn._sock is not None and conn._sock is not old
 
 
-def test_a_retry_policy_given_to_the_backend_wins(redis_url, redis_client, monkeypatch):
-    # Given a backend told never to retry
-    backend = RedisBackend(url=redis_url, retry=Retry(NoBackoff(), 0))
+@pytest.mark.parametrize("given_to", ["the backend", "its client"])
+def test_a_retry_policy_given_wins(given_to, redis_url, redis_client, monkeypatch):
+    # Given a backend, or the client it is given, told never to retry
+    never = Retry(NoBackoff(), 0)
+    if given_to == "the backend":
+        backend = RedisBackend(url=redis_url, retry=never)
+    else:
+        backend = RedisBackend(client=redis.Redis.from_url(redis_url, retry=never))
     assert backend.calls is not None
     backend.release("retried:{k}:run", "nobody")
     own_connection(backend.calls)._sock.shutdown(socket.SHUT_RDWR)

@@ -27,8 +27,10 @@ import threading
 from typing import Any, Callable, Sequence, Union
 
 import redis
+from redis.backoff import FullJitterBackoff
 from redis.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.exceptions import NoScriptError, ResponseError
+from redis.retry import Retry
 
 from ..forks import pid
 from . import wire
@@ -39,6 +41,34 @@ Call = tuple[str, Sequence[Union[str, bytes]], Sequence[Union[str, bytes, int]]]
 
 _MIRRORED = (Connection, SSLConnection, UnixDomainSocketConnection)
 _EVALSHA = b"EVALSHA"
+
+#: How many times a lock call is sent again, on a fresh connection, when
+#: its connection failed (refused, reset, or closed by the server), by a
+#: client of :class:`~dramatiq_unique.backends.redis.RedisBackend`'s own
+#: making and by the calls here on a client that names no retry policy:
+#: redis-py gives a client made from a URL (the Redis broker's, too) none,
+#: so one dropped connection would fail a send or leave a key held until
+#: its lease ran out.  A timeout is not retried: that would multiply the
+#: socket timeout.
+DEFAULT_RETRIES = 3
+
+
+def default_retry() -> Retry:
+    """:data:`DEFAULT_RETRIES`, after at most 20, 40 and 80 ms (full
+    jitter).  Sending a lock call again is safe: every script survives a
+    lost reply (the owner token re-enters, a release checks the owner, a
+    send finds its message enqueued already).
+    """
+    return Retry(FullJitterBackoff(cap=1.0, base=0.01), DEFAULT_RETRIES, supported_errors=(redis.ConnectionError,))
+
+
+def _with_retry(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Connection parameters, with :func:`default_retry` where they leave
+    retries to redis-py's default for them, which is none.
+    """
+    if kwargs.get("retry") is not None or kwargs.get("retry_on_error") or kwargs.get("retry_on_timeout"):
+        return kwargs
+    return {**kwargs, "retry": default_retry()}
 
 
 def _pack_in_python(command: tuple[Any, ...]) -> bytes:
@@ -95,7 +125,8 @@ class ScriptCalls:
 
     Parameters:
       client(redis.Redis): A standalone client; its connection
-        parameters and retry policy are used.
+        parameters and retry policy are used, or :func:`default_retry`
+        where it names none.
       sources(dict[str, str]): Script name -> Lua source.
     """
 
@@ -120,7 +151,7 @@ class ScriptCalls:
             conn = self._idle.pop()
         except IndexError:
             pool = self.client.connection_pool
-            return pool.connection_class(**pool.connection_kwargs)
+            return pool.connection_class(**_with_retry(pool.connection_kwargs))
         # As redis-py's pool does: an idle connection that has data to
         # read was closed by the server (a restart, an idle timeout);
         # reconnect before sending, while that is still safe.  (A client

@@ -23,8 +23,6 @@ except ModuleNotFoundError as e:  # tested in a subprocess: tests/test_install.p
         "run `pip install 'dramatiq-unique[redis]'`.",
         name=e.name,
     ) from None
-from redis.backoff import FullJitterBackoff
-from redis.retry import Retry
 
 from ..backend import (
     Acquisition,
@@ -37,7 +35,7 @@ from ..backend import (
     Start,
     Waiter,
 )
-from .calls import Call, ScriptCalls
+from .calls import Call, ScriptCalls, default_retry
 
 _LUA = resources.files(__package__).joinpath("lua")
 
@@ -103,23 +101,6 @@ CLUSTER_SCHEME = "redis+cluster://"
 #: this backend makes itself: a silent Redis must fail a lock call, not
 #: hang a worker thread.
 DEFAULT_SOCKET_TIMEOUT = 5.0
-
-#: How many times a client this backend makes itself sends a call again,
-#: on a fresh connection, when its connection failed: refused, reset, or
-#: closed by the server.  (redis-py gives a client made from a URL none,
-#: so one dropped connection would fail a send or leave a key held
-#: until its lease expires.)  A timeout is not retried: that would
-#: multiply the socket timeout.
-DEFAULT_RETRIES = 3
-
-
-def _retry() -> Retry:
-    """:data:`DEFAULT_RETRIES`, after at most 20, 40 and 80 ms (full
-    jitter).  Sending a lock call again is safe: every script survives a
-    lost reply (the owner token re-enters, a release checks the owner, a
-    send finds its message enqueued already).
-    """
-    return Retry(FullJitterBackoff(cap=1.0, base=0.01), DEFAULT_RETRIES, supported_errors=(redis.ConnectionError,))
 
 
 def _without_password(url: str) -> str:
@@ -240,8 +221,8 @@ class RedisBackend(LockBackend):
       **parameters: Passed to ``redis.Redis``, or to
         ``redis.cluster.RedisCluster`` with a cluster URL.  Socket
         timeouts default to :data:`DEFAULT_SOCKET_TIMEOUT` seconds, and
-        ``retry`` (not on a Cluster) to :data:`DEFAULT_RETRIES` retries
-        of a call whose connection failed.
+        ``retry`` (not on a Cluster) to :func:`~.calls.default_retry`,
+        which sends a call again when its connection failed.
 
     Every script touches the keys of one lock only, and they share a
     hash tag, so each call goes to one Cluster node.  With Sentinel,
@@ -266,7 +247,7 @@ class RedisBackend(LockBackend):
         if client is None and url is not None and url.startswith(CLUSTER_SCHEME):
             client = redis.cluster.RedisCluster.from_url("redis://" + url[len(CLUSTER_SCHEME) :], **parameters)
         elif client is None:
-            parameters.setdefault("retry", _retry())
+            parameters.setdefault("retry", default_retry())
             client = redis.Redis(**parameters) if url is None else redis.Redis.from_url(url, **parameters)
         self.client: Any = client
         self.url = url

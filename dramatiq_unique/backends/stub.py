@@ -221,6 +221,9 @@ class StubBackend(LockBackend):
 
     def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> None:
         with self._mutex:
+            recorded = self._live_record(copy)
+            if recorded is not None and recorded.attempt >= copy.attempt:
+                return  # sent again after a lost reply: as wait.lua, it changes nothing
             expires_at = _now_ms() + ttl
             self._records[(copy.key, copy.message_id)] = _Record(copy.attempt, "", expires_at)
             waiters = self._live_waiters(copy.key) or self._waiters.setdefault(copy.key, _Waiters())

@@ -9,6 +9,14 @@
 --
 -- The caller also enqueues a delayed copy of the same attempt; the
 -- first of the two copies to arrive becomes the attempt's winner.
+--
+-- Only the copy that won attempt - 1 waits for attempt, once: a wait
+-- that finds its attempt recorded was sent again after its reply was
+-- lost (a client retrying a dropped connection), and changes nothing.
+-- Otherwise it would undo the claim of a copy that won meanwhile, and
+-- the attempt's other copy would run beside it.
+local recorded = redis.call("HGET", KEYS[1], "attempt")
+if recorded and tonumber(recorded) >= tonumber(ARGV[4]) then return 0 end
 redis.call("HSET", KEYS[1], "attempt", ARGV[4], "winner", "")
 redis.call("ZADD", KEYS[2], ARGV[3], ARGV[1])
 redis.call("HSET", KEYS[3], ARGV[1], ARGV[2])
