@@ -10,6 +10,8 @@ import socket
 import struct
 import threading
 import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import pytest
 import redis
@@ -49,6 +51,28 @@ def wait_until_silent(redis_client: redis.Redis) -> None:
         except redis.TimeoutError:
             return
     raise AssertionError("the busy script never kept the server from answering")
+
+
+@contextmanager
+def silent_for(redis_client: redis.Redis, milliseconds: int) -> Iterator[None]:
+    """Keep the server from answering anybody for ``milliseconds``, from
+    the moment it is silent until the block ends, then wait for it again.
+    """
+    sleeper = threading.Thread(target=lambda: client_of(redis_client).eval(BUSY, 0, milliseconds))
+    sleeper.start()
+    wait_until_silent(redis_client)
+    try:
+        yield
+    finally:
+        sleeper.join()
+
+
+def timed_out_after(call: Callable[[], object]) -> float:
+    """Seconds until ``call`` failed with redis-py's TimeoutError."""
+    started = time.monotonic()
+    with pytest.raises(redis.TimeoutError):
+        call()
+    return time.monotonic() - started
 
 
 def calls_on(client: redis.Redis) -> ScriptCalls:
@@ -146,16 +170,10 @@ def test_a_silent_server_fails_the_call_with_a_timeout_and_the_next_call_is_answ
     calls = calls_on(client_of(redis_client, socket_timeout=0.2, retry=Retry(NoBackoff(), 0)))
     assert calls.call("echo", [], ["warm"]) == b"warm"
     # When the server stops answering for longer than that
-    sleeper = threading.Thread(target=lambda: client_of(redis_client).eval(BUSY, 0, 1500))
-    sleeper.start()
-    wait_until_silent(redis_client)
-    try:
+    with silent_for(redis_client, 1500):
         # Then the call fails as redis-py's TimeoutError, and leaves no socket behind
-        with pytest.raises(redis.TimeoutError):
-            calls.call("echo", [], ["late"])
+        timed_out_after(lambda: calls.call("echo", [], ["late"]))
         assert own_connection(calls)._sock is None
-    finally:
-        sleeper.join()
     # And once the server answers again, so do calls, with no stray reply read for theirs
     assert calls.batch([("echo", [], ["one"]), ("echo", [], ["two"])]) == [b"one", b"two"]
 
@@ -266,18 +284,10 @@ def test_a_backend_s_own_client_does_not_multiply_its_socket_timeout(made_from, 
     backend = backend_made_from(made_from, redis_url, redis_client, socket_timeout=0.2)
     backend.release("retried:{k}:run", "nobody")
     # When the server stops answering for 1.5 s
-    sleeper = threading.Thread(target=lambda: client_of(redis_client).eval(BUSY, 0, 1500))
-    sleeper.start()
-    wait_until_silent(redis_client)
-    try:
+    with silent_for(redis_client, 1500):
         # Then the call times out once, not once per retry (redis-py's own default
         # for a client made from parameters would take 11 of them: 2.2 s)
-        started = time.monotonic()
-        with pytest.raises(redis.TimeoutError):
-            backend.release("retried:{k}:run", "nobody")
-        assert time.monotonic() - started < 0.6
-    finally:
-        sleeper.join()
+        assert timed_out_after(lambda: backend.release("retried:{k}:run", "nobody")) < 0.6
 
 
 def test_a_health_check_that_meets_a_silent_server_times_out_once(redis_url, redis_client):
@@ -288,18 +298,10 @@ def test_a_health_check_that_meets_a_silent_server_times_out_once(redis_url, red
     conn = own_connection(backend.calls)
     conn.next_health_check = 0  # the check is due before the next call
     # When the server stops answering for 2.5 s
-    sleeper = threading.Thread(target=lambda: client_of(redis_client).eval(BUSY, 0, 2500))
-    sleeper.start()
-    wait_until_silent(redis_client)
-    try:
+    with silent_for(redis_client, 2500):
         # Then redis-py's check fails with its TimeoutError, once, as our own read would:
         # not as a dropped connection, which is sent again after each timeout
-        started = time.monotonic()
-        with pytest.raises(redis.TimeoutError):
-            backend.release("retried:{k}:run", "nobody")
-        assert time.monotonic() - started < 0.8  # two timeouts would take 1 s
-    finally:
-        sleeper.join()
+        assert timed_out_after(lambda: backend.release("retried:{k}:run", "nobody")) < 0.8  # two would take 1 s
     # And once the server answers, the next call is answered, on a socket timed in the kernel again
     assert backend.release("retried:{k}:run", "nobody") == Release(False)
     assert conn._sock.gettimeout() is None
