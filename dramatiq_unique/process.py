@@ -228,15 +228,15 @@ class ProcessGuard:
             order, ttl = int(message.message_timestamp), middleware.settings.lock_ttl
             self.backend.wait(waiting, handed.encode(), order=order, ttl=ttl)
         except Exception as e:
-            middleware.emit("backend_error", spec, key, message)
-            middleware.logger.warning(
-                "Could not register %s as waiting for %r (%r); it runs after its delay.", message, key, e
-            )
+            # It may have been applied: a hand-off copy of the attempt may come.
+            self._stand_in(message, attempt)
+            raise middleware.backend_error("register a message waiting for", key, spec, message, e) from e
         try:
             delayed = message.copy(options={**options, "unique_via": "delay"})
             broker.enqueue(delayed, delay=int(base * random.uniform(0.8, 1.2)))
         except Exception as e:
-            self._withdraw(copy_of(message, key), spec, message)
+            # It may have been applied: the delayed copy may be queued.
+            self._stand_in(message, attempt)
             raise middleware.backend_error("reschedule a message waiting for", key, spec, message, e) from e
         state.keeps_queue_lock = state.quiet_skip = True
         store_nothing(message)
@@ -244,14 +244,16 @@ class ProcessGuard:
         middleware.logger.debug("Rescheduled %s: run lock %r is held.", message, key)
         raise Rescheduled(f"run lock {key!r} is held; rescheduled")
 
-    def _withdraw(self, copy: Copy, spec: ActorSpec, message: "MessageProxy") -> None:
-        """Take back a wait whose delayed copy was never enqueued, so no
-        hand-off runs it beside the retry of this copy.
+    @staticmethod
+    def _stand_in(message: "MessageProxy", attempt: int) -> None:
+        """Make this delivery's retry a third copy of ``attempt``, after
+        a call of the reschedule whose outcome is unknown: the delayed
+        and the hand-off copy may or may not exist, and of the three the
+        first to arrive runs and the others are skipped (Retries
+        re-enqueues this very message, with these options).
         """
-        try:
-            self.backend.withdraw(copy)
-        except Exception as e:
-            self.middleware.backend_error("withdraw the waiter of", copy.key, spec, message, e)
+        message.options["unique_reschedules"] = attempt
+        message.options["unique_via"] = "retry"
 
     def retire(self, message: "MessageProxy", state: Delivery) -> None:
         """A copy is dead-lettered: make sure no other copy of its

@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from tests.faults.harness import Harness, RedisServer
+from tests.faults.proxy import Proxy
 
 FIGURES: list[tuple[str, str, Any]] = []
 
@@ -43,6 +44,14 @@ def lock_server() -> Iterator[RedisServer]:
     server = RedisServer().start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def proxy(redis_url: str) -> Iterator[Proxy]:
+    """A :class:`Proxy` in front of the suite's Redis."""
+    port = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs["port"]
+    with Proxy(port) as proxy:
+        yield proxy
 
 
 @pytest.fixture

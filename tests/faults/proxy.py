@@ -10,6 +10,7 @@ then changes the network under it::
       proxy.blackhole()        # bytes vanish; sockets stay open
       proxy.cut()              # every connection reset, new ones refused
       proxy.heal()             # back to a plain pipe
+      proxy.lose_replies(b"pattern", times=3)  # see lose_replies
 """
 
 from __future__ import annotations
@@ -26,6 +27,14 @@ CHUNK = 65536
 
 #: How often idle threads look at the proxy's mode, in seconds.
 POLL = 0.05
+
+
+def through(proxy: "Proxy", url: str) -> str:
+    """``url`` (a Redis URL on 127.0.0.1) with its port replaced by the proxy's."""
+    import redis
+
+    kwargs = redis.Redis.from_url(url).connection_pool.connection_kwargs
+    return f"redis://127.0.0.1:{proxy.port}/{kwargs.get('db', 0)}"
 
 
 def _reset(sock: socket.socket) -> None:
@@ -61,6 +70,8 @@ class Proxy:
         self._sockets: set[socket.socket] = set()
         self._closed = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._lose: tuple[tuple[bytes, ...], int] = ((), 0)
+        self.replies_lost = 0
 
     # Control ------------------------------------------------------------
 
@@ -80,6 +91,23 @@ class Proxy:
             doomed, self._sockets = self._sockets, set()
         for sock in doomed:
             _reset(sock)
+
+    def lose_replies(self, *patterns: bytes, times: int) -> None:
+        """The next ``times`` requests that contain every one of
+        ``patterns`` reach the server, which applies them; their replies
+        never reach the client, whose connection is reset instead: a
+        call that failed after its send.
+        """
+        with self._mutex:
+            self._lose = (patterns, times)
+
+    def _loses_reply_to(self, chunk: bytes) -> bool:
+        with self._mutex:
+            patterns, left = self._lose
+            if not left or not patterns or not all(p in chunk for p in patterns):
+                return False
+            self._lose = (patterns, left - 1)
+            return True
 
     def heal(self) -> None:
         """Forward again, with no latency.  Bytes swallowed meanwhile
@@ -130,8 +158,9 @@ class Proxy:
                 _reset(client)
                 continue
             self._track(client, server)
-            self._spawn(self._pump, client, server)
-            self._spawn(self._pump, server, client)
+            lost = threading.Event()  # set: the server's next reply is dropped, and the client reset
+            self._spawn(self._pump, client, server, lost, True)
+            self._spawn(self._pump, server, client, lost, False)
 
     def _track(self, *socks: socket.socket) -> None:
         with self._mutex:
@@ -139,7 +168,7 @@ class Proxy:
                 sock.settimeout(None)
                 self._sockets.add(sock)
 
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+    def _pump(self, source: socket.socket, sink: socket.socket, lost: threading.Event, upstream: bool) -> None:
         while not self._closed.is_set():
             chunk = self._read(source)
             if chunk is None:
@@ -150,6 +179,11 @@ class Proxy:
                 time.sleep(self.latency_ms / 1000)
             if self.mode == "blackhole":
                 continue
+            if not upstream and lost.is_set():
+                self.replies_lost += 1
+                break  # the reply is dropped: both ends are reset
+            if upstream and self._loses_reply_to(chunk):
+                lost.set()
             if not self._write(sink, chunk):
                 break
         self._drop(source, sink)

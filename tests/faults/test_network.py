@@ -12,28 +12,14 @@ from __future__ import annotations
 import time
 
 import pytest
-import redis
 
 from dramatiq_unique.backends.redis import RedisBackend
 from tests.conftest import wait_for
-from tests.faults.proxy import Proxy
+from tests.faults.proxy import through
 
 LEASE_S = 2.0
 #: A failed renewal is retried every second (leases.RETRY_INTERVAL).
 RETRY_S = 1.0
-
-
-@pytest.fixture
-def proxy(redis_url):
-    port = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs["port"]
-    with Proxy(port) as proxy:
-        yield proxy
-
-
-def through(proxy, redis_url):
-    """``redis_url`` with its port replaced by the proxy's."""
-    kwargs = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs
-    return f"redis://127.0.0.1:{proxy.port}/{kwargs.get('db', 0)}"
 
 
 FAULTS = {

@@ -9,6 +9,8 @@ build the same actors:
   fenced store; never the one a test breaks.
 * ``FAULTS_LOCK_URL``: the Redis for locks (default: the record Redis).
 * ``FAULTS_BROKER``: ``redis`` (on the record Redis) or ``rabbitmq``.
+* ``FAULTS_BROKER_URL``: the Redis broker's URL (default: the record
+  Redis), to put the broker behind a proxy.
 * ``FAULTS_RABBITMQ_URL``: the RabbitMQ broker's URL.
 * ``FAULTS_HEARTBEAT_TIMEOUT``: the Redis broker's ``heartbeat_timeout``
   in ms; when set, maintenance runs on every command, so a killed
@@ -91,7 +93,8 @@ def make_broker(env: Mapping[str, str]) -> dramatiq.Broker:
     options: dict[str, Any] = {}
     if env.get("FAULTS_HEARTBEAT_TIMEOUT"):
         options = {"heartbeat_timeout": int(env["FAULTS_HEARTBEAT_TIMEOUT"]), "maintenance_chance": MAINTENANCE_SCALE}
-    return RedisBroker(url=env["FAULTS_RECORD_URL"], namespace=namespace, **options)
+    url = env.get("FAULTS_BROKER_URL") or env["FAULTS_RECORD_URL"]
+    return RedisBroker(url=url, namespace=namespace, **options)
 
 
 def make_unique(env: Mapping[str, str]) -> UniqueMiddleware:

@@ -1,0 +1,47 @@
+"""Calls that fail after their send: the server applied them, and the
+caller saw a reset.  Every call may have happened.
+
+The Redis broker and the locks share one Redis, reached through
+:class:`tests.faults.proxy.Proxy`, which lets chosen requests reach the
+server and drops their replies.  Figures: runs per message, overlaps,
+and how long until every message had run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from tests.conftest import wait_for
+from tests.faults.harness import overlaps
+from tests.faults.proxy import through
+
+WAITERS = 3
+
+
+def test_a_reschedule_whose_enqueue_reply_is_lost_runs_each_message_once(make_harness, proxy, redis_url, figure):
+    # Given a Redis broker and its locks behind the proxy, and a job holding key k
+    url = through(proxy, redis_url)
+    h = make_harness("redis", FAULTS_BROKER_URL=url, FAULTS_LOCK_URL=url)
+    h.workers(processes=1, threads=WAITERS + 1)
+    holder = h.app.hold.send("k", gate="holder")
+    h.started(holder.message_id)
+    # When each waiter's reschedule enqueues its delayed copy, and the reply to that enqueue is lost
+    proxy.lose_replies(b'"unique_via":"delay"', f"{h.namespace}.DQ".encode(), times=WAITERS)
+    began = time.monotonic()
+    waiters = [h.app.hold.send("k") for _ in range(WAITERS)]
+    wait_for(lambda: proxy.replies_lost >= WAITERS, timeout=30, what="the replies of the delayed enqueues to be lost")
+    h.open_gate("holder")
+    # Then every message runs, once: the delayed copy that was enqueued, and the retry of the copy
+    # that saw the reset, are copies of one attempt, and only the first of them to arrive runs
+    wait_for(lambda: len(h.runs()) >= WAITERS + 1 and h.queued() == 0, timeout=60, what="every message to run")
+    drained = time.monotonic() - began
+    # (a second run would come from a copy still in the delay queue: none is left, see queued())
+    runs = h.runs()
+    per_message = Counter(run.message_id for run in runs)
+    figure("runs_per_message", sorted(per_message.values()))
+    figure("overlaps", len(overlaps(runs)))
+    figure("all_ran_after_s", round(drained, 2))
+    assert proxy.replies_lost == WAITERS
+    assert per_message == Counter({m.message_id: 1 for m in [holder, *waiters]}), per_message
+    assert not overlaps(runs)
