@@ -7,6 +7,9 @@ between those versions; every other module imports them from here.
 
 from __future__ import annotations
 
+import sys
+from typing import Any, Callable
+
 import dramatiq
 from dramatiq.asyncio import async_to_sync
 from dramatiq.middleware import age_limit as age_limit_module
@@ -32,6 +35,73 @@ SKIPPED_MESSAGE_LOG = "Message %s was skipped."
 #: ``age_limit_module.current_millis`` is AgeLimit's own clock, looked up
 #: at call time (tests patch it), in 1.x and 2.x alike.
 
+
+# gevent ------------------------------------------------------------------
+#
+# Under ``dramatiq-gevent`` the ``threading``, ``_thread``, ``socket`` and
+# ``time`` modules are monkey-patched: a thread is a greenlet on the
+# hub's OS thread, and a lock, a sleep or a socket yields to the hub.  A
+# greenlet cannot run while another blocks the hub (a C call, a CPU
+# loop), so what must run then (lease renewal) runs on a real OS thread
+# made from gevent's saved originals.  ``gevent.monkey.is_module_patched``
+# and ``get_original`` are public since gevent 1.1; the hub's
+# ``loop.run_callback_threadsafe`` since gevent 20.12 (checked, with a
+# fallback).
+
+
+def threads_are_green() -> bool:
+    """Whether gevent monkey-patched ``threading`` and ``socket`` in this
+    process.  gevent is never imported here: a process that did not
+    import it cannot have been patched by it.
+    """
+    if "gevent" not in sys.modules:
+        return False
+    monkey = sys.modules.get("gevent.monkey")
+    if monkey is None:
+        return False
+    patched: Callable[[str], bool] = monkey.is_module_patched
+    return patched("threading") or patched("socket")
+
+
+def original(module: str, name: str) -> Any:
+    """The unpatched ``module.name``: gevent's saved original when the
+    module was patched, else the module's own.
+    """
+    if threads_are_green():
+        from gevent import monkey
+
+        return monkey.get_original(module, name)
+    return getattr(__import__(module), name)
+
+
+def start_native_thread(target: Callable[[], None]) -> None:
+    """Run ``target`` on a new OS thread, even under gevent's patches."""
+    original("_thread", "start_new_thread")(target, ())
+
+
+def native_lock() -> Any:
+    """A lock of the OS, even under gevent's patches: for a native
+    thread's own waits, never for a greenlet to wait on.
+    """
+    return original("_thread", "allocate_lock")()
+
+
+def hub_caller() -> Callable[[Callable[[], None]], None]:
+    """A function that runs a callable on this thread's gevent hub, from
+    any OS thread; it calls at once when threads are not green.  Called
+    on the thread whose hub should run the callables.
+    """
+    if not threads_are_green():
+        return lambda call: call()
+    import gevent
+
+    loop = gevent.get_hub().loop
+    run_threadsafe = getattr(loop, "run_callback_threadsafe", None)
+    if run_threadsafe is None:  # gevent before 20.12: no way onto the hub from another thread
+        return lambda call: call()
+    return lambda call: run_threadsafe(call)  # type: ignore[no-any-return]
+
+
 __all__ = [
     "ConsumerThread",
     "async_to_sync",
@@ -40,4 +110,9 @@ __all__ = [
     "SKIPPED_MESSAGE_LOG",
     "WORKER_THREAD_LOGGER",
     "age_limit_module",
+    "hub_caller",
+    "native_lock",
+    "original",
+    "start_native_thread",
+    "threads_are_green",
 ]
