@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 from dramatiq.common import q_name
+
+from .background import BackgroundThread
+from .forks import pid
 
 #: The longest wait between two polls of a queue that just got a
 #: hand-off, in milliseconds.
@@ -43,8 +46,11 @@ class HandoffPolls:
         self._threads: dict[str, Any] = {}  # queue name -> Dramatiq ConsumerThread
         self._saved: dict[int, tuple[Any, int]] = {}  # id(consumer) -> (consumer, its own timeout)
         self._until = 0.0
-        self._timer: Optional[threading.Timer] = None
         self._lock = threading.Lock()
+        # A greenlet under gevent: it writes the consumers' fields, which
+        # the hub's greenlets read (and an actor that holds the hub only
+        # delays the restore).
+        self._timer = BackgroundThread(name="dramatiq-unique-handoff", loop=self._expire, on_fork=self._saved.clear)
 
     def consumer_booted(self, thread: Any) -> None:
         """Remember a consumer thread of this worker (``after_consumer_thread_boot``)."""
@@ -62,22 +68,21 @@ class HandoffPolls:
             if id(consumer) not in self._saved:
                 self._saved[id(consumer)] = (consumer, consumer.timeout)
                 consumer.timeout = min(consumer.timeout, self.poll)
-            if self._timer is None:
-                self._arm(self.hold / 1000)
+        if self._timer.running_in != pid():
+            self._timer.ensure_started()
 
-    def _arm(self, seconds: float) -> None:
-        self._timer = threading.Timer(seconds, self._expire)
-        self._timer.daemon = True
-        self._timer.start()
-
-    def _expire(self) -> None:
-        with self._lock:
-            left = self._until - time.monotonic()
-            if left > 0:
-                self._arm(left)
-                return
-            self._timer = None
-            self._restore()
+    def _expire(self, timer: BackgroundThread) -> None:
+        """Restore the consumers' backoff once no hand-off came for
+        ``hold`` ms.  The thread stays, asleep, for the next hand-off:
+        one that ended could miss a hand-off made as it ended.
+        """
+        while not timer.stopping:
+            with self._lock:
+                left = self._until - time.monotonic()
+                if left <= 0:
+                    self._restore()
+                    left = self.hold / 1000  # nothing to restore: look again, asleep, a hold later
+            timer.wait(left * 1000)
 
     def _restore(self) -> None:
         for consumer, timeout in self._saved.values():
@@ -86,8 +91,6 @@ class HandoffPolls:
 
     def stop(self) -> None:
         """Give every consumer its own backoff back."""
+        self._timer.stop()
         with self._lock:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
             self._restore()

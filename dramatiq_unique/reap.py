@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import random
-import threading
 import time as mod_time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Optional
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 from dramatiq.logging import get_logger
 
 from .backend import EnqueueRecord, LockBackend
+from .background import BackgroundThread
 
 if TYPE_CHECKING:
     from dramatiq import Broker
@@ -280,20 +280,18 @@ class PeriodicReaper:
         self.interval = interval
         self.lease = lease
         self.max_keys = max_keys
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        # A greenlet under gevent (native=False): a pass uses the broker's
+        # client, whose patched sockets belong to the hub's thread.
+        self._thread = BackgroundThread(name="dramatiq-unique-reaper", loop=self._run)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="dramatiq-unique-reaper", daemon=True)
-        self._thread.start()
+        self._thread.ensure_started()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        self._thread.stop()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval * random.uniform(0.8, 1.2) / 1000):
+    def _run(self, thread: BackgroundThread) -> None:
+        while not thread.wait(self.interval * random.uniform(0.8, 1.2)) and not thread.stopping:
             try:
                 self.run_once()
             except Exception as e:
