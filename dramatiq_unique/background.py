@@ -146,12 +146,20 @@ class BackgroundThread:
             self._wakeup = Wakeup(native_lock() if self.native else threading.Lock())
             self._to_hub = hub_caller() if self.native else _call
             self._finished = False
-            if self.native:
-                start_native_thread(self._main)
-            else:
-                self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
-                self._thread.start()
-            self.running_in = pid()  # after the start: a thread that failed to start is tried again
+            # Before the start: a loop that ends at once clears it after.
+            self.running_in = pid()
+            try:
+                self._start()
+            except BaseException:
+                self.running_in, self._finished = None, True  # a thread that failed to start is tried again
+                raise
+
+    def _start(self) -> None:
+        if self.native:
+            start_native_thread(self._main)
+        else:
+            self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
+            self._thread.start()
 
     def _wants_native(self) -> bool:
         wants = self.wants_native
