@@ -112,7 +112,7 @@ def _state(lock: "Lock") -> str:
 def _row(lock: "Lock") -> list[str]:
     soonest = _remaining(lock.holders[0].deadline)
     oldest = min((h.taken_at for h in lock.holders if h.taken_at is not None), default=None)
-    age = _age(oldest) if lock.phase == "queue" else "-"
+    age = _age(oldest)
     waiting = str(len(lock.waiting)) if lock.phase == "run" else "-"
     row = [lock.actor, lock.digest, lock.phase, lock.lock or "?", str(len(lock.holders)), age, soonest, _state(lock)]
     return [*row, waiting]
@@ -305,8 +305,6 @@ def _dashboard(args: argparse.Namespace) -> int:
         raise CommandError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{server.server_port}/"
-    if args.json:
-        _print_json({"url": url, "prefix": admin.prefix})
     print(f"Serving the locks under prefix {admin.prefix!r} at {url}", file=sys.stderr)
     print("The dashboard has no authentication: anyone who reaches it can release locks.", file=sys.stderr, flush=True)
     with server:
@@ -317,18 +315,41 @@ def _dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Refused(argparse.Action):
+    """An option that other commands take and this one does not: a
+    usage error (status 2) that says why, instead of argparse's bare
+    "unrecognized arguments".  Hidden from the command's help.
+    """
+
+    def __init__(self, option_strings: Sequence[str], dest: str, *, reason: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, help=argparse.SUPPRESS, **kwargs)
+        self.reason = reason
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option: Any = None) -> None:
+        parser.error(f"{option} is not an option of this command: {self.reason}")
+
+
 def _connection_options() -> argparse.ArgumentParser:
+    """``--redis`` and ``--prefix``: every command that reads locks."""
     options = argparse.ArgumentParser(add_help=False)
     options.add_argument("--redis", metavar="URL", help="the Redis of the locks (default: $dramatiq_unique_redis_url)")
     options.add_argument("--prefix", help="the prefix of the lock keys (default: $dramatiq_unique_prefix or ours)")
-    options.add_argument("--json", action="store_true", help="print JSON instead of text")
+    return options
+
+
+def _json_option() -> argparse.ArgumentParser:
+    """``--json``: the commands whose output is data (not the demo's
+    timeline, nor the dashboard, which serves a page).
+    """
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument("--json", action="store_true", help="print JSON on stdout instead of text")
     return options
 
 
 def _add_admin_commands(commands: Any) -> None:
     from .dashboard.server import DEFAULT_HOST, DEFAULT_PORT
 
-    common = [_connection_options()]
+    common = [_connection_options(), _json_option()]
     locks = commands.add_parser("locks", parents=common, help="list the live locks, using SCAN")
     locks.add_argument("--actor", metavar="NAME", help="only the locks of this actor")
     locks.add_argument("--pattern", metavar="GLOB", help="only the keys matching this Redis glob, e.g. '*:sync_*:*'")
@@ -359,10 +380,18 @@ def _add_admin_commands(commands: Any) -> None:
     reap.add_argument("--batch", type=int, default=None, metavar="N", help="locks per broker lookup (default: 100)")
     reap.set_defaults(run=_reap)
     dashboard = commands.add_parser(
-        "dashboard", parents=common, help="serve the lock dashboard (no authentication: binds 127.0.0.1 by default)"
+        "dashboard",
+        parents=[_connection_options()],
+        help="serve the lock dashboard (no authentication: binds 127.0.0.1 by default)",
     )
     dashboard.add_argument("--host", default=DEFAULT_HOST, help=f"the address to listen on (default: {DEFAULT_HOST})")
     dashboard.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"0: any free port (default: {DEFAULT_PORT})")
+    dashboard.add_argument(
+        "--json",
+        action=_Refused,
+        reason="the dashboard serves a web page and prints no JSON (its address goes to stderr); "
+        "for the locks as JSON run `dramatiq-unique locks --json`, or read the dashboard's /api/locks.",
+    )
     dashboard.set_defaults(run=_dashboard)
 
 
@@ -371,6 +400,7 @@ def parser() -> argparse.ArgumentParser:
     commands = top.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="run the serialize-per-resource scenario and print its timeline")
     demo.add_argument("--redis", metavar="URL", help="use a RedisBroker and RedisBackend at URL instead of memory")
+    demo.add_argument("--json", action=_Refused, reason="the demo prints a timeline for people to read, not JSON.")
     demo.set_defaults(run=_demo)
     _add_admin_commands(commands)
     return top

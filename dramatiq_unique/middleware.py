@@ -272,8 +272,11 @@ class UniqueMiddleware(Middleware):
         if self.specs:
             self.attach(broker)
         self._retries = any(isinstance(m, Retries) for m in broker.middleware)
-        self._move_before_interrupters(broker, worker)
-        quiet_our_skips()
+        # Every actor is declared by now.  With none locked, the broker's
+        # stack and Dramatiq's loggers stay exactly as they were.
+        if self.specs:
+            self._move_before_interrupters(broker, worker)
+            quiet_our_skips()
         if self._reaper is None:
             self._reaper = start_periodic_reaper(self, broker)
 

@@ -189,21 +189,20 @@ def test_missing_or_bad_settings_are_one_line_errors(redis_url):
     assert usage.returncode == 2 and "one of a DIGEST, --actor NAME or --queue NAME" in usage.stderr
 
 
-def read_json_banner(server: subprocess.Popen) -> str:
-    """The JSON object the command prints first, up to its closing brace."""
-    assert server.stdout is not None
-    lines = []
-    while not lines or lines[-1] != "}\n":
-        lines.append(server.stdout.readline())
-        if lines[-1] == "":
-            errors = server.stderr.read() if server.stderr else ""
-            pytest.fail(f"the dashboard exited early:\n{''.join(lines)}\n{errors}")
-    return "".join(lines)
+def read_served_url(server: subprocess.Popen) -> str:
+    """The address in the dashboard's first line on stderr, "Serving the
+    locks under prefix 'P' at URL".
+    """
+    assert server.stderr is not None
+    line = server.stderr.readline()
+    if " at http" not in line:
+        pytest.fail(f"the dashboard exited early, or said no address:\n{line}{server.stderr.read()}")
+    return line.rstrip("\n").rpartition(" at ")[2]
 
 
 def test_dashboard_serves_the_locks_until_stopped(locks):
     prefix, url, keys = locks
-    command = ["dashboard", "--redis", url, "--prefix", prefix, "--port", "0", "--json"]
+    command = ["dashboard", "--redis", url, "--prefix", prefix, "--port", "0"]
     server = subprocess.Popen(
         [sys.executable, "-m", "dramatiq_unique", *command],
         cwd=ROOT,
@@ -213,7 +212,7 @@ def test_dashboard_serves_the_locks_until_stopped(locks):
         text=True,
     )
     try:
-        page_url = json.loads(read_json_banner(server))["url"]
+        page_url = read_served_url(server)
         with urllib.request.urlopen(page_url + "api/locks", timeout=10) as response:
             listed = json.load(response)
         assert sorted(lock["key"] for lock in listed["locks"]) == sorted(keys.values())
@@ -232,3 +231,53 @@ def test_demo_still_runs():
     result = run("demo", timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Account 42 ran one sync at a time: yes." in result.stdout
+
+
+# Flags only where they mean something ----------------------------------------
+
+#: A run of each command that prints JSON, against the ``locks`` fixture.
+JSON_RUNS = {
+    "locks": ["locks"],
+    "inspect": ["inspect", "a" * 32],
+    "reap": ["reap", "--dry-run"],
+    "release": ["release", "c" * 32],  # last: it releases send_mail's lock
+}
+
+
+def subcommands() -> list[str]:
+    from dramatiq_unique.cli import parser
+
+    return [name for action in parser()._actions if action.dest == "command" for name in action.choices or ()]
+
+
+def test_the_dashboard_and_the_demo_refuse_json_saying_why():
+    for command, reason in (("dashboard", "serves a web page"), ("demo", "prints a timeline")):
+        started = time.monotonic()
+        result = run(command, "--json", "--redis", f"redis://127.0.0.1:{free_port()}/0", timeout=30)
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert "Traceback" not in result.stderr and result.stdout == ""
+        assert f"dramatiq-unique {command}: error: --json is not an option of this command" in result.stderr
+        assert reason in result.stderr
+        assert time.monotonic() - started < 20  # refused before connecting or serving
+
+
+def test_every_command_that_lists_json_prints_valid_json(locks):
+    prefix, url, keys = locks
+    helps = {command: run(command, "--help").stdout for command in subcommands()}
+    assert all(helps.values()), "every command has a --help"
+    listing = sorted(command for command, text in helps.items() if "--json" in text)
+    # Only the commands whose output is data take --json; every command but the demo reads locks.
+    assert listing == sorted(JSON_RUNS)
+    assert sorted(command for command, text in helps.items() if "--prefix" in text) == sorted(
+        command for command in helps if command != "demo"
+    )
+    assert all("--redis" in text for text in helps.values())
+    for command in listing:
+        result = run(*JSON_RUNS[command], "--redis", url, "--prefix", prefix, "--json")
+        assert result.returncode == 0, f"{command}: {result.stderr}"
+        try:
+            data = json.loads(result.stdout)
+        except json.JSONDecodeError as e:
+            pytest.fail(f"`dramatiq-unique {command} --json` printed no valid JSON ({e}):\n{result.stdout}")
+        assert data, f"{command} printed empty JSON"
+    assert json.loads(result.stdout) == {"released": [keys["mail"]]}

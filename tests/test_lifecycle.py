@@ -351,6 +351,8 @@ def test_an_async_actor_holds_its_lock_and_sees_its_fence(rig):
 
 
 def test_the_middleware_moves_before_age_limit_and_time_limit(rig):
+    # A locked actor: with none, boot leaves the stack alone (tests/test_quiet_unused.py)
+    sleeper(rig, lock="while_executing")
     rig.start()
     names = [type(m).__name__ for m in rig.broker.middleware]
     assert names.index("UniqueMiddleware") < names.index("AgeLimit") < names.index("TimeLimit")
