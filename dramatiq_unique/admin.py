@@ -53,8 +53,9 @@ class Holder:
       owner(str): The owner string, as the backend stores it.
       message_id(str): The message that holds the slot.
       deadline(int): When the slot expires, in Unix milliseconds.
-      record(EnqueueRecord): For an enqueue lock, when it was taken,
-        whether it is still provisional and where its message went.
+      record(EnqueueRecord): When it was taken (every lock type and
+        strategy records it), and for an enqueue lock whether it is
+        still provisional and where its message went.
     """
 
     owner: str
@@ -66,6 +67,15 @@ class Holder:
     def taken_at(self) -> Optional[int]:
         """When the slot was taken, in Unix milliseconds, if recorded."""
         return self.record.taken_at if self.record is not None else None
+
+    @property
+    def queue(self) -> Optional[str]:
+        """The queue an enqueue-lock holder's message was last
+        published to (without ``.DQ``), if recorded.
+        """
+        from .reap import queue_of
+
+        return (queue_of(self.record) or None) if self.record is not None else None
 
     @property
     def provisional(self) -> bool:
@@ -81,6 +91,7 @@ class Holder:
             "deadline": self.deadline,
             "taken_at": self.taken_at,
             "provisional": self.provisional,
+            "queue": self.queue,
         }
 
 

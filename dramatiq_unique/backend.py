@@ -57,12 +57,15 @@ class Copy(NamedTuple):
         original.
       via(str): ``"delay"`` or ``"handoff"`` for the two copies of a
         reschedule, ``""`` for the original.
+      lock_args(str): The lock args JSON a run lock taken for this copy
+        records (``record_lock_args``); None records none.
     """
 
     key: str
     message_id: str
     attempt: int = 0
     via: str = ""
+    lock_args: Optional[str] = None
 
 
 class Start(NamedTuple):
@@ -359,6 +362,7 @@ class LockBackend(abc.ABC):
         debounce: int = 0,
         debounce_max: int = 0,
         superseded_ttl: int,
+        where: str = "",
     ) -> Replacement:
         """Make ``owner`` the current holder of the enqueue lock ``key``
         (one slot), superseding the message that held it, in one round
@@ -372,6 +376,8 @@ class LockBackend(abc.ABC):
           debounce(int): When > 0, the message is due ``debounce`` ms
             from now, but never later than ``debounce_max`` (when > 0)
             after the first send of the burst, which the key records.
+          where(str): Where the message is being published, kept in the
+            owner's :class:`EnqueueRecord` (with when it was taken).
         """
         raise NotImplementedError  # pragma: no cover
 
@@ -385,13 +391,15 @@ class LockBackend(abc.ABC):
         ttl: int = 0,
         lock: str = "",
         copy: Optional[Copy] = None,
+        where: Optional[str] = None,
     ) -> tuple[int, Optional[str]]:
         """Whether message ``owner`` is still current under replace.
 
         Without ``reenter`` (a delivery), a current message is marked as
         started; with it (a re-enqueue), a current message re-enters its
         slot like :meth:`acquire`, or takes the free key again, unless
-        it is a ``copy`` that may not run (as :meth:`acquire` checks).
+        it is a ``copy`` that may not run (as :meth:`acquire` checks);
+        ``where`` then updates the owner's :class:`EnqueueRecord`.
 
         Returns:
           tuple[int, str]: ``(-2, by)`` when superseded by ``by``;

@@ -57,7 +57,13 @@ def copy_of(message: Any, key: str) -> Copy:
     """Which copy of its message ``message`` is, for the run lock ``key``."""
     options = message.options
     # Built in C (every job makes one): a named tuple's own constructor runs Python.
-    fields = (key, message.message_id, options.get("unique_reschedules", 0), options.get("unique_via", ""))
+    fields = (
+        key,
+        message.message_id,
+        options.get("unique_reschedules", 0),
+        options.get("unique_via", ""),
+        options.get("unique_lock_args"),  # stamped at send under record_lock_args only
+    )
     return tuple.__new__(Copy, fields)
 
 

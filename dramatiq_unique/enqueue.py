@@ -189,6 +189,9 @@ class EnqueueGuard:
         """
         if "unique_digest" not in message.options:
             message.options["unique_digest"] = spec.digest(message.args, message.kwargs)
+        if spec.lock.run_lock and fresh and self.middleware.record_lock_args:
+            # The worker's run lock records them from the message (see copy_of).
+            message.options.setdefault("unique_lock_args", self._lock_args(message, spec, fresh))
         if spec.lock.queue_lock and not self._defer(message, delay, spec, fresh, broker):
             self._take(message, delay, spec, fresh)
 
@@ -264,6 +267,9 @@ class EnqueueGuard:
         """The lock args JSON a new send records, if the middleware records them."""
         if not (fresh and self.middleware.record_lock_args):
             return None
+        stamped = message.options.get("unique_lock_args")
+        if isinstance(stamped, str):
+            return stamped
         return spec.canonical(spec.key_material(message.args, message.kwargs))
 
     # The send fast path (see sendpath) --------------------------------

@@ -70,7 +70,7 @@ def take(guard: "EnqueueGuard", message: Any, delay: Optional[int], spec: ActorS
 
 def _replace(guard: "EnqueueGuard", message: Any, delay: Optional[int], spec: ActorSpec, key: str, ttl: int) -> None:
     middleware = guard.middleware
-    recorded = spec.canonical(spec.key_material(message.args, message.kwargs)) if middleware.record_lock_args else None
+    recorded = guard._lock_args(message, spec, True)
     got = middleware.backend.replace(  # type: ignore[union-attr]
         key,
         message.message_id,
@@ -83,6 +83,7 @@ def _replace(guard: "EnqueueGuard", message: Any, delay: Optional[int], spec: Ac
         debounce=spec.debounce or 0,
         debounce_max=spec.debounce_max or 0,
         superseded_ttl=ttl,
+        where=guard.where(message),
     )
     if got.status == "refused":
         guard._refuse(message, spec, key, got.holder)
@@ -104,7 +105,7 @@ def _reenter(guard: "EnqueueGuard", message: Any, spec: ActorSpec, key: str, ttl
     run_key = middleware.key(spec, message.options["unique_digest"], "run")
     copy = copy_of(message, run_key) if spec.lock.run_lock else None
     status, other = middleware.backend.current(  # type: ignore[union-attr]
-        key, message.message_id, reenter=True, ttl=ttl, lock=spec.lock.name, copy=copy
+        key, message.message_id, reenter=True, ttl=ttl, lock=spec.lock.name, copy=copy, where=guard.where(message)
     )
     if status == SUPERSEDED:
         # It goes on and is skipped when delivered: raising would lose

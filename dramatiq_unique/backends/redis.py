@@ -138,7 +138,10 @@ def _start_call(
     keys = [key, f"{key}:m:{copy.message_id}", f"{key}:wait", f"{key}:bodies"]  # _records(copy), inline
     if queue_key:
         keys.append(queue_key)
-    return keys, [owner, ttl, limit, lock, copy.message_id, copy.attempt, copy.via]
+    args = [owner, ttl, limit, lock, copy.message_id, copy.attempt, copy.via]
+    if copy.lock_args is not None:  # only under record_lock_args: the default call is unchanged
+        args.append(copy.lock_args)
+    return keys, args
 
 
 def _superseded(key: str) -> str:
@@ -423,11 +426,12 @@ class RedisBackend(LockBackend):
         debounce: int = 0,
         debounce_max: int = 0,
         superseded_ttl: int,
+        where: str = "",
     ) -> Replacement:
         status, other, fence, delay = self._call(
             "replace",
             [key, _superseded(key)],
-            [owner, ttl, lock, lock_args or "", int(keep_started), debounce, debounce_max, superseded_ttl],
+            [owner, ttl, lock, lock_args or "", int(keep_started), debounce, debounce_max, superseded_ttl, where],
         )
         return Replacement(_REPLACED[int(status)], _text(other) if other else None, int(delay), int(fence))
 
@@ -440,11 +444,15 @@ class RedisBackend(LockBackend):
         ttl: int = 0,
         lock: str = "",
         copy: Optional[Copy] = None,
+        where: Optional[str] = None,
     ) -> tuple[int, Optional[str]]:
         keys: list[str] = [key, _superseded(key)]
         args: list[Any] = [owner, "reenter" if reenter else "start", ttl, lock]
         if reenter and copy is not None:
             keys, args = keys + _records(copy), args + [copy.attempt, copy.via]
+        if reenter and where is not None:
+            args += [] if len(args) > 4 else [0, ""]
+            args.append(where)
         status, other = self._call("current", keys, args)
         return int(status), _text(other) if other else None
 

@@ -47,7 +47,10 @@ class _Entry:
     burst: int = 0
     superseded: int = 0
     previous: Optional[str] = None
-    #: Enqueue records, with Unix times as RedisBackend keeps them.
+    #: The record ``previous`` had when it was superseded.
+    previous_record: Optional[EnqueueRecord] = None
+    #: Each holder's record (its taken time, and for an enqueue lock where
+    #: its message went), with Unix times as RedisBackend keeps them.
     records: dict[str, EnqueueRecord] = field(default_factory=dict)
 
 
@@ -135,8 +138,8 @@ class StubBackend(LockBackend):
         entry.lock = lock
         if lock_args is not None:  # recorded if given, as RedisBackend does
             entry.lock_args = lock_args
-        if where is not None:
-            entry.records[owner] = EnqueueRecord(_unix_ms(), _unix_ms() + provisional if short else 0, where)
+        # As _take.lua: a slot taken without a place (a run lock) still records when.
+        entry.records[owner] = EnqueueRecord(_unix_ms(), _unix_ms() + provisional if short else 0, where or "")
         self._entries[key] = entry
         return Acquisition(True, fence=entry.fence, provisional=short)
 
@@ -155,7 +158,7 @@ class StubBackend(LockBackend):
             verdict = self._claim(copy, write=True)
             if verdict != "run":
                 return Start(Acquisition(False, refused=verdict))
-            got = self._take(key, owner, ttl=ttl, limit=limit, lock=lock, lock_args=None)
+            got = self._take(key, owner, ttl=ttl, limit=limit, lock=lock, lock_args=copy.lock_args)
             if not got.acquired or queue_key is None:
                 return Start(got)
             return Start(got, queue_released=self._drop(queue_key, copy.message_id)[0])
@@ -266,12 +269,14 @@ class StubBackend(LockBackend):
         debounce: int = 0,
         debounce_max: int = 0,
         superseded_ttl: int,
+        where: str = "",
     ) -> Replacement:
         with self._mutex:
             now = _now_ms()
             entry = self._live(key, now)
             if entry is not None and owner in entry.holders:
                 entry.holders[owner] = max(entry.holders[owner], now + ttl)
+                entry.records[owner] = self._record(entry.records.get(owner), where, 0)
                 return Replacement("reentered", owner, 0, entry.fence)
             current = None
             if entry is not None:
@@ -286,6 +291,7 @@ class StubBackend(LockBackend):
                 if not started:
                     del entry.holders[current]
                     burst = entry.burst
+                entry.previous_record = entry.records.pop(current, None) if not started else entry.records.get(current)
                 record = self._superseded.setdefault(key, _Superseded())
                 record.by[current] = owner
                 record.expires_at = max(record.expires_at, now + superseded_ttl)
@@ -295,7 +301,7 @@ class StubBackend(LockBackend):
             elif entry is None:
                 entry = self._entries[key] = _Entry()
             else:
-                entry.superseded, entry.previous, entry.lock_args = 0, None, None
+                entry.superseded, entry.previous, entry.lock_args, entry.previous_record = 0, None, None, None
             delay = 0
             if debounce > 0:
                 due = now + debounce
@@ -303,6 +309,7 @@ class StubBackend(LockBackend):
                     due = max(now, burst + debounce_max)
                 delay = due - now
             entry.holders[owner] = now + ttl
+            entry.records[owner] = EnqueueRecord(_unix_ms(), 0, where)
             entry.lock, entry.current, entry.started, entry.burst = lock, owner, None, burst
             if lock_args is not None:
                 entry.lock_args = lock_args
@@ -317,6 +324,7 @@ class StubBackend(LockBackend):
         ttl: int = 0,
         lock: str = "",
         copy: Optional[Copy] = None,
+        where: Optional[str] = None,
     ) -> tuple[int, Optional[str]]:
         with self._mutex:
             now = _now_ms()
@@ -336,10 +344,13 @@ class StubBackend(LockBackend):
                 return 1, None
             if entry is not None and owner in entry.holders:
                 entry.holders[owner] = max(entry.holders[owner], now + ttl)
+                if where is not None:
+                    entry.records[owner] = self._record(entry.records.get(owner), where, 0)
                 return 2, owner
             if entry is not None:
                 return 0, next(iter(entry.holders))
             entry = self._entries[key] = _Entry({owner: now + ttl}, lock, current=owner, burst=now)
+            entry.records[owner] = EnqueueRecord(_unix_ms(), 0, where or "")
             self._fence(entry)
             return 1, owner
 
@@ -353,7 +364,11 @@ class StubBackend(LockBackend):
             del self._superseded[key].by[previous]
             entry.previous, entry.current = None, previous
             entry.superseded -= 1
-            entry.holders.setdefault(previous, entry.holders[owner])
+            if previous not in entry.holders:
+                entry.holders[previous] = entry.holders[owner]
+                if entry.previous_record is not None:
+                    entry.records[previous] = entry.previous_record
+            entry.previous_record = None
             return previous
 
     def extend(self, locks: Sequence[tuple[str, str]], ttl: int) -> list[bool]:

@@ -15,8 +15,10 @@
 -- a new slot, or one still provisional, lasts min(provisional, ttl)
 -- until confirmed; a confirmed slot that is re-entered takes ttl at
 -- once.  where (nil for none): keep the owner's enqueue record, naming
--- where its message is being published.  Expired holders are
--- dropped first; the key expires with its last holder's deadline.
+-- where its message is being published.  A new slot taken without
+-- where (a run lock) still records when it was taken, with no place:
+-- "<taken ms>|0|\n".  Expired holders are dropped first; the key
+-- expires with its last holder's deadline.
 local function take(key, owner, ttl, limit, lock, args, provisional, where)
   local time = redis.call("TIME")
   local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
@@ -75,9 +77,12 @@ local function take(key, owner, ttl, limit, lock, args, provisional, where)
   end
   if pending > 0 then deadline = pending end
   fence = math.max(fence + 1, tonumber(time[1]) * 1000000 + tonumber(time[2]))
-  redis.call("HSET", key, owner, string.format("%.0f", deadline), "!fence", string.format("%.0f", fence), "!lock", lock)
+  -- One HSET: the slot, the fence, the lock type and the owner's record
+  -- (its taken time, and where its message goes when recorded).
+  local stamp = string.format("%.0f|%.0f|%s\n", now, pending, where or "")
+  redis.call("HSET", key, owner, string.format("%.0f", deadline), "!fence", string.format("%.0f", fence), "!lock", lock,
+    "!m:" .. owner, stamp)
   if args ~= "" then redis.call("HSET", key, "!args", args) end
-  if record then write_record(now, pending, "") end
   if deadline > latest then latest = deadline end
   redis.call("PEXPIREAT", key, string.format("%.0f", latest))
   return {1, owner, fence, pending > 0 and 1 or 0}

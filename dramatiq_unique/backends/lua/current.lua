@@ -17,6 +17,8 @@
 --          that may not run (see _claim.lua) takes nothing.
 -- ARGV[3]  ttl ms (reenter)   ARGV[4] lock type (reenter)
 -- ARGV[5..6], with KEYS[3..5]: attempt and via of this copy
+-- ARGV[7]  reenter: where the copy is being published, for the owner's
+--          enqueue record (see _take.lua), or "" to keep none
 --
 -- Returns {status, other}: status -2 superseded by `other`; 3 this copy
 -- may not run (`other` is the claim's verdict); 1 current (start), or
@@ -26,7 +28,7 @@ local key, owner = KEYS[1], ARGV[1]
 local by = redis.call("HGET", KEYS[2], owner)
 if by then
   if ARGV[2] == "start" and redis.call("HEXISTS", key, owner) == 1 then
-    redis.call("HDEL", key, owner)
+    redis.call("HDEL", key, owner, "!m:" .. owner)
     local time = redis.call("TIME")
     local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
     local fields, live = redis.call("HGETALL", key), 0
@@ -45,7 +47,9 @@ if KEYS[3] then
   local verdict = claim(KEYS[3], KEYS[4], KEYS[5], owner, tonumber(ARGV[5]), ARGV[6], false)
   if verdict ~= "run" then return {3, verdict} end
 end
-local got = take(key, owner, ARGV[3], 1, ARGV[4], "")
+local where = nil
+if ARGV[7] and ARGV[7] ~= "" then where = ARGV[7] end
+local got = take(key, owner, ARGV[3], 1, ARGV[4], "", 0, where)
 if got[1] == 1 then
   -- a lapsed message takes its free key back as its current message
   redis.call("HDEL", key, "!started", "!superseded", "!previous", "!args")

@@ -7,7 +7,9 @@
 --          of the first send of the debounce burst, "!superseded" =
 --          how many messages the key's holders superseded,
 --          "!previous" = the message the current one superseded (for
---          unreplace.lua, when the current one's publish fails).
+--          unreplace.lua, when the current one's publish fails), and
+--          "!previous_m" = its enqueue record; "!m:<owner>" = each
+--          holder's enqueue record, as _take.lua writes it.
 -- KEYS[2]  superseded: hash superseded message id -> id of the message
 --          that replaced it; lives ARGV[8] ms after the last replace.
 -- ARGV[1]  owner (message id)   ARGV[2] ttl ms   ARGV[3] lock type
@@ -17,6 +19,7 @@
 --          keeps its own slot until it releases it, and a new burst opens
 -- ARGV[6]  debounce ms, or 0    ARGV[7] debounce_max ms, or 0
 -- ARGV[8]  ttl ms of the superseded record
+-- ARGV[9]  where the message is being published, for its record
 --
 -- Returns {status, other, fence, delay}: status 1 acquired a free key,
 -- 2 re-entered, 3 replaced `other`, 0 refused (`other` has started);
@@ -32,7 +35,7 @@ for i = 1, #fields, 2 do
   if string.sub(name, 1, 1) == "!" then
     meta[name] = value
   elseif tonumber(value) <= now then
-    redis.call("HDEL", key, name)
+    redis.call("HDEL", key, name, "!m:" .. name)
   else
     live[name], any = tonumber(value), name
   end
@@ -40,7 +43,13 @@ end
 local fence = tonumber(meta["!fence"] or "0")
 if live[owner] then
   if live[owner] > deadline then deadline = live[owner] end
-  redis.call("HSET", key, owner, string.format("%.0f", deadline))
+  -- A publish retry of the same send: the record names its new place.
+  local old = meta["!m:" .. owner] or ""
+  local taken, was_where = string.match(old, "^(%d+)|%d+|([^\n]*)")
+  local before = was_where or ""
+  if was_where == ARGV[9] then before = string.match(old, "\n(.*)$") or "" end
+  local record = string.format("%s|0|%s\n%s", taken or string.format("%.0f", now), ARGV[9], before)
+  redis.call("HSET", key, owner, string.format("%.0f", deadline), "!m:" .. owner, record)
   if redis.call("PTTL", key) < deadline - now then redis.call("PEXPIREAT", key, string.format("%.0f", deadline)) end
   return {2, owner, fence, 0}
 end
@@ -55,7 +64,7 @@ if current then
   local started = meta["!started"] == current
   if started and ARGV[5] == "1" then return {0, current, fence, 0} end
   if not started then
-    redis.call("HDEL", key, current)
+    redis.call("HDEL", key, current, "!m:" .. current)
     live[current] = nil
     burst = tonumber(meta["!burst"] or now)
   end
@@ -63,9 +72,10 @@ if current then
   if redis.call("PTTL", KEYS[2]) < tonumber(ARGV[8]) then redis.call("PEXPIRE", KEYS[2], ARGV[8]) end
   redis.call("HINCRBY", key, "!superseded", 1)
   redis.call("HSET", key, "!previous", current)
+  if meta["!m:" .. current] then redis.call("HSET", key, "!previous_m", meta["!m:" .. current]) end
   status = 3
 else
-  redis.call("HDEL", key, "!superseded", "!args", "!previous")
+  redis.call("HDEL", key, "!superseded", "!args", "!previous", "!previous_m")
 end
 local delay, debounce, cap = 0, tonumber(ARGV[6]), tonumber(ARGV[7])
 if debounce > 0 then
@@ -76,7 +86,8 @@ end
 fence = math.max(fence + 1, tonumber(time[1]) * 1000000 + tonumber(time[2]))
 redis.call("HDEL", key, "!started")
 redis.call("HSET", key, owner, string.format("%.0f", deadline), "!fence", string.format("%.0f", fence),
-  "!lock", ARGV[3], "!current", owner, "!burst", string.format("%.0f", burst))
+  "!lock", ARGV[3], "!current", owner, "!burst", string.format("%.0f", burst),
+  "!m:" .. owner, string.format("%.0f|0|%s\n", now, ARGV[9]))
 if ARGV[4] ~= "" then redis.call("HSET", key, "!args", ARGV[4]) end
 local latest = deadline
 for _, value in pairs(live) do

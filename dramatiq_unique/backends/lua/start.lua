@@ -11,13 +11,14 @@
 -- ARGV[1]  owner      ARGV[2] lease ms     ARGV[3] limit
 -- ARGV[4]  lock type  ARGV[5] message id   ARGV[6] attempt
 -- ARGV[7]  via (which copy this is)
+-- ARGV[8]  optional: the lock args JSON to record (record_lock_args)
 --
 -- Returns {status, holder, fence, queue}: status as take() returns it,
 -- or 3 with holder = the claim's verdict when this copy may not run;
 -- queue 1 when the enqueue lock was held and is now released.
 local verdict = claim(KEYS[2], KEYS[3], KEYS[4], ARGV[5], tonumber(ARGV[6]), ARGV[7], true)
 if verdict ~= "run" then return {3, verdict, 0, 0} end
-local got = take(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], "")
+local got = take(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[8] or "")
 if got[1] == 0 or not KEYS[5] then return {got[1], got[2], got[3], 0} end
 local held = drop(KEYS[5], ARGV[5])
 return {got[1], got[2], got[3], held}

@@ -5,6 +5,9 @@
 -- KEYS[2]  superseded: hash message id -> id of the message that replaced it
 -- ARGV[1]  owner: the message whose publish failed
 --
+-- The message made current again gets back the enqueue record it had
+-- when it was superseded ("!previous_m"), so the reaper still finds it.
+--
 -- Returns the id made current again, or false when the owner is not
 -- current or superseded nobody.  The owner's own slot is left for
 -- release.lua to remove.
@@ -14,10 +17,12 @@ if not deadline or redis.call("HGET", key, "!current") ~= owner then return fals
 local previous = redis.call("HGET", key, "!previous")
 if not previous or redis.call("HGET", KEYS[2], previous) ~= owner then return false end
 redis.call("HDEL", KEYS[2], previous)
-redis.call("HDEL", key, "!previous")
+local record = redis.call("HGET", key, "!previous_m")
+redis.call("HDEL", key, "!previous", "!previous_m")
 redis.call("HINCRBY", key, "!superseded", -1)
 redis.call("HSET", key, "!current", previous)
 if not redis.call("HGET", key, previous) then
   redis.call("HSET", key, previous, deadline)
+  if record then redis.call("HSET", key, "!m:" .. previous, record) end
 end
 return previous
