@@ -20,6 +20,7 @@ import dramatiq
 import pytest
 
 from dramatiq_unique import UniqueMiddleware
+from dramatiq_unique.admin import LockAdmin
 from dramatiq_unique.backends.redis import RedisBackend
 from dramatiq_unique.dashboard import CSRF_HEADER, make_app
 from dramatiq_unique.dashboard.server import make_server
@@ -220,7 +221,7 @@ def test_page_shows_a_lock_counting_down_and_releases_it_after_confirmation(
         expect(row.locator("li.holder .age")).to_contain_text("age ")
         expect(row.locator("li.holder .provisional")).to_have_count(0)
         # (one element, so a refresh of the list cannot pass for the countdown)
-        countdown = row.locator(".remaining").element_handle()
+        countdown = row.locator("li.holder .remaining").element_handle()
         first = seconds_left(countdown.inner_text())
         deadline = int(redis_client.hget(key, message.message_id))
         assert abs(first - (deadline - time.time() * 1000) / 1000) < 3
@@ -281,8 +282,7 @@ def test_page_filters_by_actor_and_keeps_the_filter_in_its_url(redis_backend, pa
     with serving(make_app(redis_backend, prefix=prefix)) as url:
         page.goto(url)
         expect(page.locator("tr.lock")).to_have_count(2)
-        page.locator("#actor").fill("send_invoice")
-        page.get_by_role("button", name="Filter").click()
+        page.locator("#actor").select_option("send_invoice")
         expect(page.locator("tr.lock")).to_have_count(1)
         expect(page.locator("tr.lock")).to_contain_text("send_invoice")
         expect(page).to_have_url(url + "?actor=send_invoice")
@@ -389,8 +389,8 @@ def test_page_shows_waiting_messages_and_fits_1000_px(stub_broker, redis_backend
             # When I open the dashboard in a 1000 px wide window
             page.set_viewport_size({"width": 1000, "height": 900})
             page.goto(url)
-            run_row = page.locator("tr.lock", has=page.locator("td", has_text="run"))
-            queue_row = page.locator("tr.lock", has=page.locator("td", has_text="queue"))
+            run_row = page.locator('tr.lock[data-phase="run"]')
+            queue_row = page.locator('tr.lock[data-phase="queue"]')
             # Then I expect the waiting message, readable lock args, and
             # the page no wider than the window
             expect(run_row.locator(f'li.waiter[data-message-id="{waiting}"]')).to_be_visible()
@@ -419,6 +419,7 @@ def test_the_access_log_skips_the_pages_own_refreshes(redis_backend, capfd):
         assert request(url)[0] == 200
         for _ in range(3):
             assert request(url + "api/locks")[0] == 200
+            assert request(url + "api/view?sort=actor")[0] == 200
         assert release(url, {"digest": f"{9:032x}"}, **{CSRF_HEADER: "1"})[0] == 415
     finally:
         server.shutdown()
@@ -428,4 +429,370 @@ def test_the_access_log_skips_the_pages_own_refreshes(redis_backend, capfd):
     log = capfd.readouterr().err
     assert '"GET / HTTP/1.1" 200' in log
     assert "\"POST /api/release HTTP/1.1\" 415" in log
-    assert "/api/locks" not in log
+    assert "/api/locks" not in log and "/api/view" not in log
+
+
+# Sorting, filters, totals, identifiers, actions, favicon, first response ---
+
+
+WIDTHS = [1000, 1400]
+
+
+def row_keys(page: Any) -> list[str]:
+    return page.eval_on_selector_all("tr.lock", "rows => rows.map(row => row.dataset.key)")
+
+
+def wait_for_order(page: Any, expected: list[str], what: str) -> None:
+    wait_for(lambda: row_keys(page) == expected, timeout=10, what=what)
+
+
+def enqueue_locks(stub_broker: Any, redis_backend: Any, redis_client: Any, prefix: str,
+                  sends: list[tuple[str, str, Any]]) -> list[str]:
+    """Take enqueue locks through the middleware, one send per (actor
+    name, lock type, lock arg), 30 ms apart so their ages differ.
+    Returns the lock key of each send, in order."""
+    unique = UniqueMiddleware(backend=redis_backend, prefix=prefix, record_lock_args=True)
+    stub_broker.add_middleware(unique)
+    actors: dict[str, Any] = {}
+    keys = []
+    for name, lock, value in sends:
+        if name not in actors:
+            def job(account, note):
+                pass
+
+            job.__name__ = name
+            actors[name] = dramatiq.actor(job, broker=stub_broker, actor_name=name, lock=lock, lock_args=["account"],
+                                          lock_ttl=600_000)
+        before = {k.decode() for k in redis_client.scan_iter(f"{prefix}:*")}
+        actors[name].send(value, "note")
+        (key,) = {k.decode() for k in redis_client.scan_iter(f"{prefix}:*")} - before
+        keys.append(key)
+        time.sleep(0.03)
+    assert unique.flush_confirmations()
+    return keys
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_clicking_a_header_sorts_the_rows(stub_broker, redis_backend, redis_client, page, width):
+    from playwright.sync_api import expect
+
+    # Given three enqueue locks taken oldest first as charlie, alpha,
+    # bravo, and a run lock with two holders
+    prefix = new_prefix()
+    charlie, alpha, bravo = enqueue_locks(stub_broker, redis_backend, redis_client, prefix, [
+        ("charlie_sync", "until_executed", 1), ("alpha_sync", "until_executed", 2), ("bravo_sync", "until_expired", 3),
+    ])
+    delta = run_key(prefix, "delta_resize", 4)
+    for owner in ("m1/n1", "m2/n2"):
+        assert redis_backend.acquire(delta, owner, ttl=MINUTE, limit=2, lock="while_executing").acquired
+
+    with serving(make_app(redis_backend, prefix=prefix)) as url:
+        page.set_viewport_size({"width": width, "height": 900})
+        page.goto(url)
+        # Then by default the oldest comes first
+        expect(page.locator("th.c-age")).to_have_attribute("aria-sort", "descending")
+        keys = row_keys(page)
+        assert [k for k in keys if k != delta] == [charlie, alpha, bravo]
+
+        # When I click Actor, then A to Z; again, Z to A
+        page.locator("th.c-actor a.sort").click()
+        wait_for_order(page, [alpha, bravo, charlie, delta], "actors A to Z")
+        expect(page.locator("th.c-actor")).to_have_attribute("aria-sort", "ascending")
+        assert "sort=actor" in page.url
+        page.locator("th.c-actor a.sort").click()
+        wait_for_order(page, [delta, charlie, bravo, alpha], "actors Z to A")
+
+        # When I click Holders, then the lock with two comes first
+        page.locator("th.c-holders a.sort").click()
+        wait_for_order(page, [delta, alpha, bravo, charlie], "most holders first")
+        # When I click Lock, then by lock type: until_executed, until_expired, while_executing
+        page.locator("th.c-lock a.sort").click()
+        wait_for_order(page, [alpha, charlie, bravo, delta], "lock types A to Z")
+        # When I click Expires, then the run lock (a minute) before the enqueue locks (10 minutes),
+        # soonest deadline first as Redis has them
+        admin = LockAdmin(redis_backend, prefix=prefix)
+        deadlines = {lock.key: min(h.deadline for h in lock.holders) for lock in admin.locks()}
+        by_deadline = sorted(deadlines, key=lambda key: (deadlines[key], key))
+        assert by_deadline[0] == delta
+        page.locator("th.c-expires a.sort").click()
+        wait_for_order(page, by_deadline, "soonest expiry first")
+
+        # And a reload keeps the order, rendered by the server
+        page.reload()
+        assert row_keys(page) == by_deadline
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_filters_narrow_the_rows_and_the_totals(stub_broker, redis_backend, redis_client, page, width):
+    from playwright.sync_api import expect
+
+    # Given two locks of one actor and lock type, one of another
+    prefix = new_prefix()
+    acme, globex, initech = enqueue_locks(stub_broker, redis_backend, redis_client, prefix, [
+        ("sync_ledger", "until_executed", "acme-corp"), ("sync_ledger", "until_executed", "globex"),
+        ("send_mail", "until_expired", "initech"),
+    ])
+    digest = initech.split("{")[1].split("}")[0]
+
+    with serving(make_app(redis_backend, prefix=prefix)) as url:
+        page.set_viewport_size({"width": width, "height": 900})
+        page.goto(url)
+        actors = page.locator('[data-totals="actor"] li')
+        types = page.locator('[data-totals="type"] li')
+        expect(page.locator("#total-locks")).to_have_text("3")
+        expect(actors).to_have_count(2)
+        expect(page.locator('[data-totals="actor"]')).to_contain_text("sync_ledger")
+
+        # When I choose an actor, then only its rows, and totals of them only
+        page.locator("#actor").select_option("sync_ledger")
+        expect(page.locator("tr.lock")).to_have_count(2)
+        expect(page.locator("#total-locks")).to_have_text("2")
+        expect(page.locator("#total-holders")).to_have_text("2")
+        expect(actors).to_have_count(1)
+        expect(types).to_have_text([re.compile(r"^until_executed\s*2\s*2$")])
+
+        # and the lock types it uses to choose from
+        expect(page.locator("#type option")).to_have_text(["All lock types", "until_executed"])
+
+        # When I also search for a lock arg of another actor, then nothing
+        page.locator("#q").fill("initech")
+        expect(page.locator("tr.lock")).to_have_count(0)
+        expect(page.locator("tr.empty")).to_contain_text("No lock matches")
+        expect(page.locator("#total-locks")).to_have_text("0")
+
+        # When I clear them and choose a lock type, then its lock only
+        page.get_by_role("button", name="Clear").click()
+        page.locator("#type").select_option("until_expired")
+        expect(page.locator("tr.lock")).to_have_count(1)
+        expect(page.locator(f'tr.lock[data-key="{initech}"]')).to_have_count(1)
+        expect(page.locator("#total-locks")).to_have_text("1")
+        expect(actors).to_have_text([re.compile(r"^send_mail\s*1\s*1$")])
+
+        # When I clear them and search lock args, then the one lock with that value
+        page.get_by_role("button", name="Clear").click()
+        expect(page.locator("tr.lock")).to_have_count(3)
+        page.locator("#q").fill("GLOBEX")
+        expect(page.locator("tr.lock")).to_have_count(1)
+        expect(page.locator(f'tr.lock[data-key="{globex}"]')).to_have_count(1)
+        expect(page.locator("#total-locks")).to_have_text("1")
+        # And a digest prefix finds its lock
+        page.locator("#q").fill(digest[:12])
+        expect(page.locator("tr.lock")).to_have_count(1)
+        expect(page.locator(f'tr.lock[data-key="{initech}"]')).to_have_count(1)
+        assert f"q={digest[:12]}" in page.url
+
+        # When I click an actor in the totals, then it filters by that actor
+        page.get_by_role("button", name="Clear").click()
+        expect(page.locator("tr.lock")).to_have_count(3)
+        page.locator('[data-totals="actor"] a.facet', has_text="send_mail").click()
+        expect(page.locator("tr.lock")).to_have_count(1)
+        expect(page.locator("#actor")).to_have_value("send_mail")
+        expect(page.locator(f'tr.lock[data-key="{acme}"]')).to_have_count(0)
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_identifiers_keep_one_line_with_their_whole_value_in_a_tooltip(stub_broker, redis_backend, redis_client,
+                                                                         page, width):
+    # Given a long-named actor's enqueue and run locks (until_and_while_executing)
+    prefix = new_prefix()
+    (queue_key,) = enqueue_locks(stub_broker, redis_backend, redis_client, prefix, [
+        ("reconcile_customer_ledger_entries_for_the_quarter", "until_and_while_executing", 42)])
+    run = queue_key[: -len(":queue")] + ":run"
+    owner = f"{uuid.uuid4()}/{uuid.uuid4().hex}"
+    assert redis_backend.acquire(run, owner, ttl=MINUTE, lock="until_and_while_executing").acquired
+
+    with serving(make_app(redis_backend, prefix=prefix)) as url:
+        page.set_viewport_size({"width": width, "height": 900})
+        page.goto(url)
+        page.locator("tr.lock").nth(1).wait_for()
+        cells = page.eval_on_selector_all(
+            "td.c-actor .clip, td.c-lock .clip, code.digest, code.message-id",
+            """nodes => nodes.map(node => {
+              const style = getComputedStyle(node);
+              return {text: node.textContent, title: node.title, whiteSpace: style.whiteSpace,
+                      height: node.getBoundingClientRect().height, lineHeight: parseFloat(style.lineHeight),
+                      clipped: node.scrollWidth > node.clientWidth};
+            })""",
+        )
+        widths = page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
+    # Then each is one line (no taller than a line), keeps its whole text
+    # and shows it in its tooltip
+    texts = {cell["text"] for cell in cells}
+    assert {"until_and_while_executing", queue_key.split("{")[1][:32], owner.split("/")[0]} <= texts
+    assert len(cells) == 2 * 4  # actor, lock name, digest, holder id on each of the two rows
+    for cell in cells:
+        assert cell["whiteSpace"] == "nowrap", cell
+        assert cell["height"] < 1.5 * cell["lineHeight"], f"{cell['text']!r} wraps: {cell}"
+        assert cell["title"] == cell["text"], cell
+    # and the long actor name is ellipsized rather than widening the page
+    assert any(cell["clipped"] for cell in cells if cell["text"].startswith("reconcile_"))
+    assert widths[0] <= widths[1], f"the page is {widths[0]} px wide in a {widths[1]} px window"
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_every_release_is_confirmed_in_the_same_place_for_run_and_queue_locks(
+    stub_broker, redis_backend, redis_client, page, width
+):
+    from playwright.sync_api import expect
+
+    # Given an enqueue lock and a run lock with two holders
+    prefix = new_prefix()
+    (queue_key,) = enqueue_locks(stub_broker, redis_backend, redis_client, prefix, [
+        ("sync_ledger", "until_executed", "acme-corp")])
+    run = run_key(prefix, "resize_image", 5)
+    for owner in ("m1/n1", "m2/n2"):
+        assert redis_backend.acquire(run, owner, ttl=MINUTE, limit=2, lock="while_executing").acquired
+
+    with serving(make_app(redis_backend, prefix=prefix)) as url:
+        page.set_viewport_size({"width": width, "height": 900})
+        page.goto(url)
+        dialog = page.locator("dialog#confirm")
+        queue_row = page.locator(f'tr.lock[data-key="{queue_key}"]')
+        run_row = page.locator(f'tr.lock[data-key="{run}"]')
+        # Then both rows have their lock release in the actions cell and a
+        # holder release on each holder
+        for row, holders in ((queue_row, 1), (run_row, 2)):
+            expect(row.locator("td.c-actions button")).to_have_text(["Release lock"])
+            expect(row.locator("li.holder button.release-holder")).to_have_count(holders)
+            expect(row.locator("button", has_text="Release")).to_have_count(holders + 1)
+
+        # When I release the queue lock's holder and cancel, then it stays
+        queue_row.get_by_role("button", name="Release holder").click()
+        expect(dialog).to_be_visible()
+        expect(dialog).to_contain_text(queue_key)
+        dialog.get_by_role("button", name="Cancel").click()
+        expect(dialog).to_be_hidden()
+        assert redis_client.exists(queue_key) == 1
+        # and when I accept, it is gone
+        queue_row.get_by_role("button", name="Release holder").click()
+        dialog.get_by_role("button", name="Release", exact=True).click()
+        expect(queue_row).to_have_count(0)
+        assert redis_client.exists(queue_key) == 0
+
+        # When I release the whole run lock and cancel, then both holders stay
+        run_row.get_by_role("button", name="Release lock").click()
+        expect(dialog).to_contain_text("2 holders")
+        page.keyboard.press("Escape")
+        expect(dialog).to_be_hidden()
+        assert redis_client.hlen(run) >= 2 and redis_client.hexists(run, "m1/n1")
+        # and when I accept, the key is gone
+        run_row.get_by_role("button", name="Release lock").click()
+        dialog.get_by_role("button", name="Release", exact=True).click()
+        expect(run_row).to_have_count(0)
+        expect(page.locator("#notice")).to_contain_text(f"Released {run}")
+        assert redis_client.exists(run) == 0
+
+
+def test_no_page_load_meets_a_404_and_the_favicon_is_served(redis_backend, page):
+    prefix = new_prefix()
+    redis_backend.acquire(run_key(prefix, "sync", 1), "m/n", ttl=MINUTE)
+    responses: list[tuple[int, str]] = []
+    page.on("response", lambda response: responses.append((response.status, response.url)))
+    with serving(make_app(redis_backend, prefix=prefix)) as url:
+        page.goto(url)
+        page.wait_for_load_state("networkidle")
+        icon = page.eval_on_selector('link[rel="icon"]', "link => link.href")
+        fetched = page.evaluate(
+            "async (urls) => Promise.all(urls.map(async (u) => { const r = await fetch(u); "
+            "return [r.status, r.headers.get('content-type'), (await r.text()).slice(0, 4)]; }))",
+            [icon, url + "favicon.ico"],
+        )
+    failed = [(status, got) for status, got in responses if status >= 400]
+    assert not failed, f"page load requests failed: {failed}"
+    assert {got for _, got in responses} >= {url, url + "dashboard.js", url + "dashboard.css", url + "favicon.svg"}
+    assert fetched == [[200, "image/svg+xml", "<svg"], [200, "image/svg+xml", "<svg"]]
+
+
+def test_the_first_response_already_holds_the_locks(stub_broker, redis_backend, redis_client, browser):
+    from playwright.sync_api import expect
+
+    # Given an enqueue lock taken through the middleware
+    prefix = new_prefix()
+    (key,) = enqueue_locks(stub_broker, redis_backend, redis_client, prefix, [("sync_ledger", "until_executed", 7)])
+    digest = key.split("{")[1][:32]
+    with serving(make_app(redis_backend, prefix=prefix)) as url:
+        # When I fetch the page, then its HTML has the row, the totals and the filter choices
+        status, _, html = request(url + "?sort=actor")
+        # And a browser without JavaScript shows it too
+        context = browser.new_context(java_script_enabled=False)
+        try:
+            page = context.new_page()
+            page.goto(url)
+            expect(page.locator(f'tr.lock[data-key="{key}"] td.args')).to_have_text("account: 7")
+            expect(page.locator("#total-locks")).to_have_text("1")
+        finally:
+            context.close()
+    assert status == 200
+    assert f'data-digest="{digest}"' in html and f'title="{digest}"' in html
+    assert '<span id="total-locks">1</span>' in html
+    assert '<option value="sync_ledger">sync_ledger</option>' in html
+    assert 'th scope="col" class="c-actor sorted" aria-sort="ascending"' in html
+    assert "Loading" not in html
+
+
+def test_auto_refresh_shows_when_it_ran_and_pauses(redis_backend, page):
+    from playwright.sync_api import expect
+
+    prefix = new_prefix()
+    redis_backend.acquire(run_key(prefix, "sync", 1), "m/n", ttl=MINUTE)
+    with serving(make_app(redis_backend, prefix=prefix)) as url:
+        page.goto(url)
+        refreshed = page.locator("#refreshed")
+        first = refreshed.get_attribute("datetime") or refreshed.inner_text()
+        # When a lock is taken, then the next refresh shows it and its time
+        redis_backend.acquire(run_key(prefix, "sync", 2), "m/n", ttl=MINUTE)
+        expect(page.locator("tr.lock")).to_have_count(2, timeout=8_000)
+        assert refreshed.get_attribute("datetime") not in (None, first)
+        # When I pause, then no refresh shows a new lock
+        page.get_by_role("button", name="Pause").click()
+        expect(page.locator("#live")).to_have_attribute("data-state", "paused")
+        expect(page.locator("#refresh-state")).to_have_text("Auto-refresh paused")
+        redis_backend.acquire(run_key(prefix, "sync", 3), "m/n", ttl=MINUTE)
+        page.wait_for_timeout(6_000)
+        expect(page.locator("tr.lock")).to_have_count(2)
+        # When I resume, then it refreshes at once
+        page.get_by_role("button", name="Resume").click()
+        expect(page.locator("#live")).to_have_attribute("data-state", "live")
+        expect(page.locator("tr.lock")).to_have_count(3, timeout=2_000)
+
+
+class FakeAdmin:
+    """Locks as a newer or older LockAdmin reports them."""
+
+    prefix = "fake"
+
+    def __init__(self, locks: list[dict]) -> None:
+        self.data = locks
+
+    def locks(self, **_: Any) -> Iterator[Any]:
+        for data in self.data:
+            yield type("FakeLock", (), {"as_dict": lambda self, data=data: data})()
+
+
+def test_a_run_lock_shows_its_age_when_its_holders_record_when_they_took_it(redis_backend):
+    from dramatiq_unique.dashboard import Dashboard
+
+    now = int(time.time() * 1000)
+
+    def lock(n: int, **fields: Any) -> dict:
+        return {"key": f"fake:job:{{{n:032x}}}:run", "digest": f"{n:032x}", "actor": "job", "phase": "run",
+                "lock": "while_executing", **fields}
+
+    recorded = lock(1, holders=[{"owner": "m1/n", "message_id": "m1", "deadline": now + MINUTE,
+                                 "taken_at": now - 90_000, "queue": "default"}], waiting=[])
+    own = lock(2, taken_at=now - 3 * MINUTE, holders=[{"owner": "m2/n", "message_id": "m2", "deadline": now + MINUTE}])
+    unknown = lock(3, holders=[{"owner": "m3/n", "message_id": "m3", "deadline": now + MINUTE}])
+    bare = {"key": f"fake:job:{{{4:032x}}}:queue", "digest": f"{4:032x}"}  # an older admin's sparse dict
+    app = Dashboard(FakeAdmin([unknown, recorded, own, bare]))  # type: ignore[arg-type]
+    with serving(app) as url:
+        status, _, html = request(url)
+        listing = request(url + "api/locks")[2]
+    assert status == 200
+    rows = re.findall(r'<tr class="lock" data-key="([^"]+)".*?<td class="c-age">(.*?)</td>', html)
+    # Then the lock's own time or its holder's gives its age, oldest first; unknown ones show "?" last
+    assert [(key.split("{")[1][:32], "?" if ">?<" in age else "known") for key, age in rows] == [
+        (f"{2:032x}", "known"), (f"{1:032x}", "known"), (f"{3:032x}", "?"), (f"{4:032x}", "?")]
+    assert f'data-taken="{now - 3 * MINUTE}"' in rows[0][1] and f'data-taken="{now - 90_000}"' in rows[1][1]
+    assert "1 min 30 s" in rows[1][1]
+    assert 'title="published to default"' in html
+    assert [lock["digest"] for lock in listing["locks"]] == [f"{n:032x}" for n in (2, 1, 3, 4)]

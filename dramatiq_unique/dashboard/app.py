@@ -15,7 +15,6 @@ import json
 import time
 from dataclasses import dataclass, field
 from importlib import resources
-from itertools import islice
 from typing import Any, Callable, Collection, Iterable, Mapping, Optional
 from urllib.parse import parse_qs
 
@@ -23,6 +22,7 @@ from ..admin import PHASES, LockAdmin, UnknownLock
 from ..backend import LockBackend
 from ..errors import LockBackendError
 from ..settings import DEFAULT_PREFIX
+from . import view
 
 #: How many locks one listing shows at most.
 DEFAULT_LIMIT = 500
@@ -34,12 +34,23 @@ CSRF_HEADER = "X-Dramatiq-Unique"
 #: The largest release request body read, in bytes.
 MAX_BODY = 16_384
 
-#: The page and its assets: path -> (package file, content type).
+#: The page's assets: path -> (package file, content type).  The page
+#: itself, ``/``, is rendered from ``index.html`` with the locks in it.
 ASSETS = {
-    "/": ("index.html", "text/html; charset=utf-8"),
     "/dashboard.js": ("dashboard.js", "text/javascript; charset=utf-8"),
     "/dashboard.css": ("dashboard.css", "text/css; charset=utf-8"),
 }
+
+#: The icon, at the path the page names and at the one browsers try
+#: by themselves, so that no page load meets a 404.
+FAVICON = (
+    b'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 32 32">'
+    b'<rect width="32" height="32" rx="7" fill="#1d4ed8"/>'
+    b'<path d="M11 14.5v-3a5 5 0 0 1 10 0v3" fill="none" stroke="#fff" stroke-width="2.6" stroke-linecap="round"/>'
+    b'<rect x="8" y="14" width="16" height="12" rx="2.5" fill="#fff"/>'
+    b'<circle cx="16" cy="20" r="2.1" fill="#1d4ed8"/></svg>'
+)
+FAVICON_PATHS = ("/favicon.svg", "/favicon.ico")
 
 _SECURITY_HEADERS = [
     ("Cache-Control", "no-store"),
@@ -107,6 +118,7 @@ class Dashboard:
         self.limit = limit
         files = resources.files(__package__)
         self.assets = {path: files.joinpath(name).read_bytes() for path, (name, _) in ASSETS.items()}
+        self.template = files.joinpath("index.html").read_text(encoding="utf-8")
 
     def __call__(self, environ: Mapping[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         try:
@@ -135,12 +147,21 @@ class Dashboard:
             # Mounted at /locks, the page's relative URLs need /locks/.
             location = environ.get("SCRIPT_NAME", "") + "/"
             return Response("301 Moved Permanently", "text/plain", b"", [("Location", location)])
+        if path == "/":
+            _require(environ, "GET")
+            return self._page(parse_qs(environ.get("QUERY_STRING", "")))
         if path in ASSETS:
             _require(environ, "GET")
             return Response("200 OK", ASSETS[path][1], self.assets[path])
+        if path in FAVICON_PATHS:
+            _require(environ, "GET")
+            return Response("200 OK", "image/svg+xml", FAVICON, [("Cache-Control", "max-age=86400")])
         if path == "/api/locks":
             _require(environ, "GET")
             return self._locks(parse_qs(environ.get("QUERY_STRING", "")))
+        if path == "/api/view":
+            _require(environ, "GET")
+            return _json("200 OK", self._view(view.Query.parse(parse_qs(environ.get("QUERY_STRING", "")))))
         if path.startswith("/api/locks/"):
             _require(environ, "GET")
             locks = self.admin.inspect(path[len("/api/locks/") :])
@@ -150,18 +171,51 @@ class Dashboard:
             return self._release(environ)
         raise HTTPError("404 Not Found", f"No page at {path!r}.")
 
+    def _listing(self, query: view.Query) -> tuple[list[Mapping[str, Any]], list[dict[str, Any]], bool, int]:
+        """(the listed locks, filtered and sorted; every lock the scan
+        found; whether the listing was cut at the limit; now)."""
+        seen: list[dict[str, Any]] = []
+        listed: list[dict[str, Any]] = []
+        for lock in self.admin.locks(actor=query.actor or None, pattern=query.pattern or None):
+            data = lock.as_dict()
+            seen.append(data)
+            if view.matches(data, query):
+                listed.append(data)
+                if len(listed) > self.limit:
+                    break
+        now = _now_ms()
+        truncated = len(listed) > self.limit
+        return view.sort_locks(listed[: self.limit], query, now), seen, truncated, now
+
+    def _view(self, query: view.Query) -> dict[str, Any]:
+        locks, seen, truncated, now = self._listing(query)
+        parts = view.fragments(locks, seen, query, now=now, prefix=self.admin.prefix, truncated=truncated,
+                               limit=self.limit)
+        return {"now": now, "count": len(locks), "truncated": truncated, "html": parts}
+
+    def _page(self, query: Mapping[str, list[str]]) -> Response:
+        parsed = view.Query.parse(query)
+        try:
+            data, error = self._view(parsed), ""
+        except LockBackendError as e:
+            # The page still loads, says why it is empty, and retries.
+            now = _now_ms()
+            parts = view.fragments([], [], parsed, now=now, prefix=self.admin.prefix, truncated=False,
+                                   limit=self.limit)
+            data, error = {"now": now, "html": parts}, f"Could not list the locks: {e}"
+        page = view.page_html(self.template, data["html"], parsed, data["now"], error=error)
+        return Response("200 OK", "text/html; charset=utf-8", page.encode())
+
     def _locks(self, query: Mapping[str, list[str]]) -> Response:
-        actor = (query.get("actor") or [""])[0].strip() or None
-        pattern = (query.get("pattern") or [""])[0].strip() or None
-        locks = list(islice(self.admin.locks(actor=actor, pattern=pattern), self.limit + 1))
+        locks, _, truncated, now = self._listing(view.Query.parse(query))
         return _json(
             "200 OK",
             {
                 "prefix": self.admin.prefix,
-                "now": _now_ms(),
+                "now": now,
                 "limit": self.limit,
-                "truncated": len(locks) > self.limit,
-                "locks": [lock.as_dict() for lock in locks[: self.limit]],
+                "truncated": truncated,
+                "locks": locks,
             },
         )
 

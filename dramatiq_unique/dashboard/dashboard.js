@@ -1,28 +1,30 @@
-// The lock dashboard's page: lists locks from api/locks, counts their
-// deadlines down, and releases through api/release after a
-// confirmation.  URLs are relative so the app can be mounted anywhere.
+// The lock dashboard's page.  The server renders the totals and the
+// lock table (the first response already holds them); this script
+// takes over: it asks api/view for the same fragments on each refresh,
+// sort or filter, counts deadlines and ages on, and releases through
+// api/release after a confirmation.  URLs are relative so the app can
+// be mounted anywhere.
 "use strict";
 
 (function () {
   const REFRESH_MS = 5000;
   const TICK_MS = 250;
+  const SEARCH_DELAY_MS = 250;
   // The release endpoint refuses requests without this header, which
   // other sites' pages cannot send (see dashboard/app.py).
   const CSRF_HEADER = "X-Dramatiq-Unique";
 
   // The server's clock at the last listing, and when it arrived by
   // this page's monotonic clock: countdowns ignore the browser's clock.
-  const clock = { now: 0, fetchedAt: 0 };
+  const clock = { now: Number(document.body.dataset.now) || Date.now(), fetchedAt: performance.now() };
+  const state = { sort: document.body.dataset.sort, dir: document.body.dataset.dir, paused: false };
   let pending = null;
+  let loading = null;
 
   const $ = (id) => document.getElementById(id);
 
   function serverNow() {
     return clock.now + (performance.now() - clock.fetchedAt);
-  }
-
-  function formatRemaining(ms) {
-    return ms <= 0 ? "expired" : formatDuration(ms);
   }
 
   function formatDuration(ms) {
@@ -36,145 +38,97 @@
     return Math.floor(hours / 24) + " d " + (hours % 24) + " h";
   }
 
-  // Builds an element; every piece of lock data goes in as text, never HTML.
-  function el(tag, props, ...children) {
-    const node = document.createElement(tag);
-    Object.assign(node, props || {});
-    for (const child of children) {
-      node.append(child instanceof Node ? child : document.createTextNode(String(child)));
-    }
-    return node;
-  }
-
   function show(id, text) {
     $(id).textContent = text || "";
     $(id).hidden = !text;
   }
 
-  function filters() {
-    const query = new URLSearchParams();
-    for (const name of ["actor", "pattern"]) {
+  // The query of the page's state, without its defaults.
+  function query() {
+    const params = new URLSearchParams();
+    for (const name of ["actor", "type", "q", "pattern"]) {
       const value = $(name).value.trim();
-      if (value) query.set(name, value);
+      if (value) params.set(name, value);
     }
-    return query;
+    if (state.sort && !(state.sort === "age" && state.dir === "desc")) {
+      params.set("sort", state.sort);
+      params.set("dir", state.dir);
+    }
+    return params;
   }
 
-  async function load() {
-    const query = filters();
-    history.replaceState(null, "", query.toString() ? "?" + query : location.pathname);
+  function load() {
+    // One listing at a time; a change meanwhile asks again after it.
+    if (loading) {
+      loading.again = true;
+      return loading.promise;
+    }
+    const current = { again: false };
+    current.promise = fetchView().finally(() => {
+      loading = null;
+      if (current.again) load();
+    });
+    loading = current;
+    return current.promise;
+  }
+
+  async function fetchView() {
+    const params = query();
+    history.replaceState(null, "", params.toString() ? "?" + params : location.pathname);
     try {
-      const response = await fetch("api/locks?" + query, { headers: { Accept: "application/json" } });
+      const response = await fetch("api/view?" + params, { headers: { Accept: "application/json" } });
       const data = await response.json();
       if (!response.ok) throw new Error(data.error || response.statusText);
       clock.now = data.now;
       clock.fetchedAt = performance.now();
-      render(data);
+      render(data.html);
       show("error", "");
     } catch (error) {
       show("error", "Could not list the locks: " + error.message);
     }
   }
 
-  function render(data) {
-    const rows = data.locks.map(lockRow);
-    if (!rows.length) rows.push(el("tr", {}, el("td", { colSpan: 7, className: "empty" }, "No locks.")));
-    document.querySelector("#locks tbody").replaceChildren(...rows);
-    const count = data.locks.length + (data.locks.length === 1 ? " lock" : " locks");
-    const shown = data.truncated ? " (showing the first " + data.limit + ")" : "";
-    show("status", count + shown + " under prefix " + data.prefix + ".");
+  function render(html) {
+    $("summary").innerHTML = html.summary;
+    document.querySelector("#locks thead").innerHTML = html.thead;
+    document.querySelector("#locks tbody").innerHTML = html.rows;
+    $("status").innerHTML = html.status;
+    setOptions($("actor"), html.actors);
+    setOptions($("type"), html.types);
+    const refreshed = $("refreshed");
+    refreshed.textContent = new Date(clock.now).toLocaleTimeString();
+    refreshed.dateTime = new Date(clock.now).toISOString();
     tick();
   }
 
-  // A long identifier may break after each underscore.
-  function breakable(text) {
-    const parts = String(text).split("_");
-    return el("span", {}, ...parts.flatMap((part, i) => (i ? ["_", document.createElement("wbr"), part] : [part])));
-  }
-
-  // The lock args as "name: value" lines; values stay JSON.
-  function lockArgs(args) {
-    if (args === null) return el("span", { className: "muted" }, "not recorded");
-    if (typeof args !== "object") return el("code", {}, JSON.stringify(args));
-    const entries = Array.isArray(args) ? args.map((value, i) => ["#" + (i + 1), value]) : Object.entries(args);
-    if (!entries.length) return el("span", { className: "muted" }, "none");
-    return el("ul", { className: "args" }, ...entries.map(([name, value]) =>
-      el("li", {}, el("span", { className: "name" }, name + ": "), el("code", {}, JSON.stringify(value)))));
-  }
-
-  function waitingList(lock) {
-    if (lock.phase !== "run") return el("span", { className: "muted", title: "only run locks have a waiting line" }, "\u2014");
-    if (!lock.waiting.length) return el("span", { className: "muted" }, "none");
-    return el("ul", { className: "waiting" }, ...lock.waiting.map((waiter) => {
-      const waited = el("span", { className: "waited", title: "sent " + new Date(waiter.since).toISOString() });
-      waited.dataset.since = waiter.since;
-      const item = el("li", { className: "waiter" }, el("code", {}, waiter.message_id), waited);
-      item.dataset.messageId = waiter.message_id;
-      return item;
-    }));
-  }
-
-  function lockRow(lock) {
-    const release = el("button", { type: "button", className: "danger small" }, "Release lock");
-    release.addEventListener("click", () =>
-      confirmRelease({ digest: lock.digest, phase: lock.phase }, "Release the " + lock.phase + " lock " + lock.key +
-        " and all its " + lock.holders.length + " holder(s)?"));
-    const row = el(
-      "tr", { className: "lock" },
-      el("td", { className: "actor" }, el("div", {}, breakable(lock.actor)),
-        el("code", { className: "digest", title: "digest" }, lock.digest)),
-      el("td", {}, lock.phase),
-      el("td", { className: "type" }, breakable(lock.lock || "?")),
-      el("td", { className: "args" }, lockArgs(lock.lock_args)),
-      el("td", {}, el("ul", { className: "holders" }, ...lock.holders.map((holder) => holderItem(lock, holder)))),
-      el("td", {}, waitingList(lock)),
-      el("td", {}, release),
-    );
-    row.dataset.key = lock.key;
-    return row;
-  }
-
-  function holderItem(lock, holder) {
-    const remaining = el("span", { className: "remaining", title: new Date(holder.deadline).toISOString() });
-    remaining.dataset.deadline = holder.deadline;
-    const release = el("button", { type: "button", className: "small" }, "Release holder");
-    release.addEventListener("click", () =>
-      confirmRelease({ digest: lock.digest, phase: lock.phase, holder: holder.owner },
-        "Release holder " + holder.owner + " of the " + lock.phase + " lock " + lock.key + "?"));
-    const parts = [el("code", { title: holder.owner }, holder.message_id)];
-    if (lock.current !== null && lock.current === holder.message_id) {
-      // replace / debounce: the newest send, the one that runs
-      parts.push(el("span", { className: "current" }, "current, superseded " + lock.superseded));
-    }
-    const when = [remaining];
-    if (holder.taken_at !== null && holder.taken_at !== undefined) {
-      // An enqueue lock: how long ago it was taken, and whether its
-      // publish is still unconfirmed (it then lapses at its deadline).
-      const age = el("span", { className: "age", title: "taken " + new Date(holder.taken_at).toISOString() });
-      age.dataset.taken = holder.taken_at;
-      when.push(age);
-      if (holder.provisional) {
-        when.push(el("span", { className: "provisional", title: "lapses at its deadline unless its publish is confirmed" },
-          "provisional"));
-      }
-    }
-    const item = el("li", { className: "holder" }, ...parts, el("span", { className: "when" }, ...when, release));
-    item.dataset.owner = holder.owner;
-    return item;
+  function setOptions(select, html) {
+    const value = select.value;
+    select.innerHTML = html;
+    select.value = value;
   }
 
   function tick() {
-    for (const span of document.querySelectorAll(".remaining")) {
-      const left = Number(span.dataset.deadline) - serverNow();
-      span.textContent = formatRemaining(left);
+    const now = serverNow();
+    for (const span of document.querySelectorAll("[data-deadline]")) {
+      const left = Number(span.dataset.deadline) - now;
+      span.textContent = left <= 0 ? "expired" : formatDuration(left);
       span.classList.toggle("expired", left <= 0);
     }
-    for (const span of document.querySelectorAll(".waited")) {
-      span.textContent = formatDuration(serverNow() - Number(span.dataset.since));
+    for (const span of document.querySelectorAll("[data-taken]")) {
+      span.textContent = (span.dataset.prefix || "") + formatDuration(now - Number(span.dataset.taken));
     }
-    for (const span of document.querySelectorAll(".age")) {
-      span.textContent = "age " + formatDuration(serverNow() - Number(span.dataset.taken));
+    for (const span of document.querySelectorAll("[data-since]")) {
+      span.textContent = formatDuration(now - Number(span.dataset.since));
     }
+  }
+
+  function setPaused(paused) {
+    state.paused = paused;
+    $("pause").textContent = paused ? "Resume" : "Pause";
+    $("pause").setAttribute("aria-pressed", String(paused));
+    $("live").dataset.state = paused ? "paused" : "live";
+    $("refresh-state").textContent = paused ? "Auto-refresh paused" : "Auto-refresh every 5 s";
+    if (!paused) load();
   }
 
   function confirmRelease(request, text) {
@@ -201,15 +155,69 @@
     await load();
   }
 
+  async function copy(button) {
+    const text = button.dataset.copy;
+    try {
+      await navigator.clipboard.writeText(text);
+    } catch (error) {
+      // No clipboard API (a page not served from a secure origin).
+      const area = document.createElement("textarea");
+      area.value = text;
+      document.body.append(area);
+      area.select();
+      document.execCommand("copy");
+      area.remove();
+    }
+    button.classList.add("copied");
+    setTimeout(() => button.classList.remove("copied"), 1200);
+  }
+
+  function onClick(event) {
+    const target = event.target.closest("a.sort, a.facet, button.copy, button.release-lock, button.release-holder");
+    if (!target) return;
+    const row = target.closest("tr.lock");
+    if (target.matches("a.sort")) {
+      event.preventDefault();
+      state.sort = target.dataset.sort;
+      state.dir = target.dataset.dir;
+      load();
+    } else if (target.matches("a.facet")) {
+      event.preventDefault();
+      const select = $(target.dataset.param);
+      // A second click on the same name clears its filter.
+      select.value = select.value === target.dataset.value ? "" : target.dataset.value;
+      load();
+    } else if (target.matches("button.copy")) {
+      copy(target);
+    } else if (target.matches("button.release-lock")) {
+      const holders = row.querySelectorAll("li.holder").length;
+      confirmRelease({ digest: row.dataset.digest, phase: row.dataset.phase },
+        "Release the " + row.dataset.phase + " lock " + row.dataset.key + " and its " + holders +
+        (holders === 1 ? " holder?" : " holders?"));
+    } else {
+      confirmRelease({ digest: row.dataset.digest, phase: row.dataset.phase, holder: target.dataset.owner },
+        "Release holder " + target.dataset.owner + " of the " + row.dataset.phase + " lock " + row.dataset.key + "?");
+    }
+  }
+
   function init() {
-    const query = new URLSearchParams(location.search);
-    $("actor").value = query.get("actor") || "";
-    $("pattern").value = query.get("pattern") || "";
+    document.addEventListener("click", onClick);
     $("filters").addEventListener("submit", (event) => {
       event.preventDefault();
       load();
     });
+    for (const id of ["actor", "type"]) $(id).addEventListener("change", load);
+    let typing = null;
+    $("q").addEventListener("input", () => {
+      clearTimeout(typing);
+      typing = setTimeout(load, SEARCH_DELAY_MS);
+    });
+    $("clear").addEventListener("click", () => {
+      for (const id of ["actor", "type", "q", "pattern"]) $(id).value = "";
+      load();
+    });
     $("refresh").addEventListener("click", load);
+    $("pause").addEventListener("click", () => setPaused(!state.paused));
     $("confirm-cancel").addEventListener("click", () => $("confirm").close());
     $("confirm-release").addEventListener("click", () => {
       const request = pending;
@@ -217,10 +225,11 @@
       if (request) release(request);
     });
     $("confirm").addEventListener("close", () => { pending = null; });
+    $("refreshed").textContent = new Date(clock.now).toLocaleTimeString();
     setInterval(tick, TICK_MS);
-    // No refresh while a confirmation is open: its row must stay put.
-    setInterval(() => { if (!$("confirm").open) load(); }, REFRESH_MS);
-    load();
+    // No refresh while paused or while a confirmation is open: its row must stay put.
+    setInterval(() => { if (!state.paused && !$("confirm").open) load(); }, REFRESH_MS);
+    tick();
   }
 
   init();

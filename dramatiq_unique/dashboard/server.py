@@ -27,10 +27,10 @@ class ThreadingServerV6(ThreadingServer):
     address_family = socket.AF_INET6
 
 
-#: The listing the page polls every few seconds: its successful
+#: The listings the page polls every few seconds: their successful
 #: requests are not logged, or the log would get a line every 5 s per
 #: open page.
-POLLED_PATHS = ("/api/locks",)
+POLLED_PATHS = ("/api/view", "/api/locks")
 
 
 class AccessLogHandler(WSGIRequestHandler):

@@ -1,0 +1,444 @@
+"""What the dashboard page shows, rendered on the server: the filters,
+the totals, and the lock table, as HTML fragments.
+
+The first response of the page already holds them (a screenshot or a
+page without its script shows the locks, never "Loading"), and the
+page's script asks ``api/view`` for the same fragments on each refresh,
+sort or filter.  There is one renderer, this one; every piece of lock
+data goes through :func:`html.escape`.
+
+It works on the JSON-ready dicts of :meth:`Lock.as_dict`, and reads
+every field defensively: a lock or holder that lacks a field (say, the
+time a run lock was taken, on older data) shows ``?`` for it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from html import escape
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from urllib.parse import urlencode
+
+#: The sortable columns: name -> header.
+SORTS = {
+    "actor": "Actor",
+    "lock": "Lock",
+    "age": "Age",
+    "expires": "Expires",
+    "holders": "Holders",
+    "waiting": "Waiting",
+}
+DEFAULT_SORT = "age"
+#: The direction a column sorts in on its first click: oldest, most
+#: held and most waited for first; names from A.
+FIRST_DIRECTION = {"actor": "asc", "lock": "asc", "age": "desc", "holders": "desc", "expires": "asc",
+                   "waiting": "desc"}
+#: Per actor and per lock type, the totals list at most this many rows.
+TOP = 8
+
+
+@dataclass(frozen=True)
+class Query:
+    """The page's state, as its URL carries it."""
+
+    actor: str = ""
+    lock_type: str = ""
+    text: str = ""
+    pattern: str = ""
+    sort: str = DEFAULT_SORT
+    direction: str = "desc"
+
+    @classmethod
+    def parse(cls, query: Mapping[str, list[str]]) -> "Query":
+        def one(name: str) -> str:
+            return (query.get(name) or [""])[0].strip()
+
+        sort = one("sort") if one("sort") in SORTS else DEFAULT_SORT
+        direction = one("dir") if one("dir") in ("asc", "desc") else FIRST_DIRECTION[sort]
+        return cls(one("actor"), one("type"), one("q"), one("pattern"), sort, direction)
+
+    def params(self, **changes: str) -> dict[str, str]:
+        """The URL parameters that differ from the defaults."""
+        values = {"actor": self.actor, "type": self.lock_type, "q": self.text, "pattern": self.pattern,
+                  "sort": self.sort, "dir": self.direction, **changes}
+        if values["sort"] == DEFAULT_SORT and values["dir"] == FIRST_DIRECTION[DEFAULT_SORT]:
+            values["sort"] = values["dir"] = ""
+        return {name: value for name, value in values.items() if value}
+
+    def href(self, **changes: str) -> str:
+        params = self.params(**changes)
+        return "?" + urlencode(params) if params else "./"
+
+
+# Reading a lock dict, defensively -----------------------------------------
+
+
+def _int(value: Any) -> Optional[int]:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def holders_of(lock: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    return [h for h in lock.get("holders") or () if isinstance(h, Mapping)]
+
+
+def waiting_of(lock: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    return [w for w in lock.get("waiting") or () if isinstance(w, Mapping)]
+
+
+def taken_at(lock: Mapping[str, Any]) -> Optional[int]:
+    """When the lock was taken, in Unix ms: its own ``taken_at`` if it
+    has one, else its oldest holder's; None when nothing recorded it.
+    """
+    own = _int(lock.get("taken_at"))
+    if own is not None:
+        return own
+    times = [t for t in (_int(h.get("taken_at")) for h in holders_of(lock)) if t is not None]
+    return min(times) if times else None
+
+
+def soonest_deadline(lock: Mapping[str, Any]) -> Optional[int]:
+    deadlines = [d for d in (_int(h.get("deadline")) for h in holders_of(lock)) if d is not None]
+    return min(deadlines) if deadlines else None
+
+
+def place_of(holder: Mapping[str, Any]) -> str:
+    """Where the holder's message was published: its queue for the Redis
+    broker (``namespace<TAB>queue<TAB>id``), else the recorded text."""
+    queue = holder.get("queue")
+    if isinstance(queue, str) and queue:
+        return queue
+    where = holder.get("where")
+    if not isinstance(where, str) or not where:
+        return ""
+    parts = where.split("\t")
+    return parts[1] if len(parts) == 3 else where.replace("\t", " ")
+
+
+def lock_type(lock: Mapping[str, Any]) -> str:
+    return str(lock.get("lock") or "?")
+
+
+def _searchable(lock: Mapping[str, Any]) -> str:
+    parts = [str(lock.get(name) or "") for name in ("key", "digest", "actor", "lock")]
+    parts.append(json.dumps(lock.get("lock_args"), sort_keys=True))
+    parts.extend(str(h.get(name) or "") for h in holders_of(lock) for name in ("owner", "message_id"))
+    parts.extend(str(w.get("message_id") or "") for w in waiting_of(lock))
+    return "\n".join(parts).lower()
+
+
+def matches(lock: Mapping[str, Any], query: Query) -> bool:
+    """Whether a lock passes the filters that the scan does not apply."""
+    if query.actor and lock.get("actor") != query.actor:
+        return False
+    if query.lock_type and lock_type(lock) != query.lock_type:
+        return False
+    return not query.text or query.text.lower() in _searchable(lock)
+
+
+def sort_locks(locks: Iterable[Mapping[str, Any]], query: Query, now: int) -> list[Mapping[str, Any]]:
+    """The locks in the query's order; those without the sorted value
+    (an unknown age) come last either way, ties in key order.
+    """
+    value: Callable[[Mapping[str, Any]], Any] = {
+        "actor": lambda lock: str(lock.get("actor") or ""),
+        "lock": lambda lock: (lock_type(lock), str(lock.get("phase") or "")),
+        "age": lambda lock: None if taken_at(lock) is None else now - (taken_at(lock) or 0),
+        "holders": lambda lock: len(holders_of(lock)),
+        "expires": lambda lock: None if soonest_deadline(lock) is None else (soonest_deadline(lock) or 0) - now,
+        "waiting": lambda lock: len(waiting_of(lock)),
+    }[query.sort]
+    by_key = sorted(locks, key=lambda lock: str(lock.get("key") or ""))
+    known = [lock for lock in by_key if value(lock) is not None]
+    unknown = [lock for lock in by_key if value(lock) is None]
+    known.sort(key=value, reverse=query.direction == "desc")
+    return known + unknown
+
+
+# Formatting ------------------------------------------------------------------
+
+
+def duration(ms: float) -> str:
+    """As the page's script writes it: ``4.2 s``, ``3 min 05 s``..."""
+    seconds = max(0.0, ms) / 1000
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes = int(seconds // 60)
+    if minutes < 60:
+        return f"{minutes} min {int(seconds % 60):02d} s"
+    hours = minutes // 60
+    if hours < 48:
+        return f"{hours} h {minutes % 60:02d} min"
+    return f"{hours // 24} d {hours % 24} h"
+
+
+def remaining(ms: float) -> str:
+    return "expired" if ms <= 0 else duration(ms)
+
+
+def iso(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def clock(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, timezone.utc).strftime("%H:%M:%S UTC")
+
+
+def _e(value: Any) -> str:
+    return escape(str(value), quote=True)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+COPY_ICON = ('<svg viewBox="0 0 16 16" aria-hidden="true"><rect x="5.5" y="5.5" width="8" height="8" rx="1.5"/>'
+             '<path d="M10.5 3.5v-.5a1.5 1.5 0 0 0-1.5-1.5H4A1.5 1.5 0 0 0 2.5 3v5A1.5 1.5 0 0 0 4 9.5h.5"/></svg>')
+
+
+def copyable(text: str, what: str, css: str) -> str:
+    """One identifier on one line: ellipsized, the whole of it in its
+    tooltip, with a button that copies it."""
+    return (f'<span class="ident"><code class="clip {css}" title="{_e(text)}">{_e(text)}</code>'
+            f'<button type="button" class="copy" data-copy="{_e(text)}" title="Copy {what}" '
+            f'aria-label="Copy {what}">{COPY_ICON}</button></span>')
+
+
+def since(taken: Optional[int], now: int, css: str, prefix: str = "") -> str:
+    if taken is None:
+        return f'<span class="{css} unknown" title="not recorded">{_e(prefix)}?</span>'
+    return (f'<span class="{css}" data-taken="{taken}" data-prefix="{_e(prefix)}" title="taken {iso(taken)}">'
+            f"{_e(prefix)}{duration(now - taken)}</span>")
+
+
+def countdown(deadline: Optional[int], now: int) -> str:
+    if deadline is None:
+        return '<span class="muted" title="no holder">\u2014</span>'
+    left = deadline - now
+    expired = " expired" if left <= 0 else ""
+    return (f'<span class="remaining{expired}" data-deadline="{deadline}" title="expires {iso(deadline)}">'
+            f"{remaining(left)}</span>")
+
+
+# The fragments ---------------------------------------------------------------
+
+
+def lock_args_html(args: Any) -> str:
+    if args is None:
+        return '<span class="muted">not recorded</span>'
+    if isinstance(args, dict):
+        entries = [(str(name), value) for name, value in args.items()]
+    elif isinstance(args, list):
+        entries = [(f"#{i + 1}", value) for i, value in enumerate(args)]
+    else:
+        text = json.dumps(args)
+        return f'<code class="clip" title="{_e(text)}">{_e(text)}</code>'
+    if not entries:
+        return '<span class="muted">none</span>'
+    items = []
+    for name, value in entries:
+        text = f"{name}: {json.dumps(value)}"
+        items.append(f'<li class="clip" title="{_e(text)}"><span class="name">{_e(name)}: </span>'
+                     f"<code>{_e(json.dumps(value))}</code></li>")
+    return '<ul class="args">' + "".join(items) + "</ul>"
+
+
+def holder_html(lock: Mapping[str, Any], holder: Mapping[str, Any], now: int) -> str:
+    owner = str(holder.get("owner") or "")
+    message_id = str(holder.get("message_id") or owner)
+    meta = [countdown(_int(holder.get("deadline")), now)]
+    if _int(holder.get("taken_at")) is not None or lock.get("phase") == "queue":
+        meta.append(since(_int(holder.get("taken_at")), now, "age", "age "))
+    if holder.get("provisional"):
+        meta.append('<span class="badge provisional" title="lapses at its deadline unless its publish is '
+                    'confirmed">provisional</span>')
+    if lock.get("current") is not None and lock.get("current") == message_id:
+        meta.append(f'<span class="badge current" title="the newest send, the one that runs">current, superseded '
+                    f'{_e(lock.get("superseded") or 0)}</span>')
+    place = place_of(holder)
+    if place:
+        meta.append(f'<span class="place clip" title="published to {_e(place)}">{_e(place)}</span>')
+    release = (f'<button type="button" class="action release-holder" data-owner="{_e(owner)}">'
+               "Release holder</button>")
+    return (f'<li class="holder" data-owner="{_e(owner)}">{copyable(message_id, "message id", "message-id")}'
+            f'<div class="meta">{"".join(meta)}{release}</div></li>')
+
+
+def waiting_html(lock: Mapping[str, Any], now: int) -> str:
+    if lock.get("phase") != "run":
+        return '<span class="muted" title="only run locks have a waiting line">\u2014</span>'
+    waiters = waiting_of(lock)
+    if not waiters:
+        return '<span class="muted">none</span>'
+    items = []
+    for waiter in waiters:
+        message_id = str(waiter.get("message_id") or "")
+        sent = _int(waiter.get("since"))
+        waited = "" if sent is None else (
+            f'<span class="waited" data-since="{sent}" title="sent {iso(sent)}">{duration(now - sent)}</span>')
+        items.append(f'<li class="waiter" data-message-id="{_e(message_id)}">'
+                     f'{copyable(message_id, "message id", "message-id")}{waited}</li>')
+    return '<ul class="waiting">' + "".join(items) + "</ul>"
+
+
+def row_html(lock: Mapping[str, Any], now: int) -> str:
+    key, digest, phase = (str(lock.get(name) or "") for name in ("key", "digest", "phase"))
+    actor, kind = str(lock.get("actor") or "?"), lock_type(lock)
+    holders = holders_of(lock)
+    holders_list = "".join(holder_html(lock, holder, now) for holder in holders)
+    count = f'<div class="count">{len(holders)} holders</div>' if len(holders) > 1 else ""
+    return (
+        f'<tr class="lock" data-key="{_e(key)}" data-digest="{_e(digest)}" data-phase="{_e(phase)}">'
+        f'<td class="c-actor"><div class="clip actor-name" title="{_e(actor)}">{_e(actor)}</div>'
+        f'{copyable(digest, "digest", "digest")}</td>'
+        f'<td class="c-lock type"><span class="clip lock-name" title="{_e(kind)}">{_e(kind)}</span>'
+        f'<span class="badge phase phase-{_e(phase)}">{_e(phase)}</span></td>'
+        f'<td class="c-args args">{lock_args_html(lock.get("lock_args"))}</td>'
+        f'<td class="c-age">{since(taken_at(lock), now, "lock-age")}</td>'
+        f'<td class="c-expires">{countdown(soonest_deadline(lock), now)}</td>'
+        f'<td class="c-holders">{count}<ul class="holders">{holders_list}</ul></td>'
+        f'<td class="c-waiting">{waiting_html(lock, now)}</td>'
+        f'<td class="c-actions"><button type="button" class="action danger release-lock">Release lock</button></td>'
+        "</tr>"
+    )
+
+
+def rows_html(locks: Sequence[Mapping[str, Any]], now: int, filtered: bool) -> str:
+    if not locks:
+        text = "No lock matches the filters." if filtered else "No locks are held."
+        return f'<tr class="empty"><td colspan="8">{text}</td></tr>'
+    return "".join(row_html(lock, now) for lock in locks)
+
+
+def thead_html(query: Query) -> str:
+    cells = []
+    for name, title in SORTS.items():
+        active = query.sort == name
+        direction = ("asc" if query.direction == "desc" else "desc") if active else FIRST_DIRECTION[name]
+        aria = f' aria-sort="{"ascending" if query.direction == "asc" else "descending"}"' if active else ""
+        arrow = ("\u25b2" if query.direction == "asc" else "\u25bc") if active else "\u2195"
+        cells.append(
+            f'<th scope="col" class="c-{name}{" sorted" if active else ""}"{aria}>'
+            f'<a class="sort" href="{_e(query.href(sort=name, dir=direction))}" data-sort="{name}" '
+            f'data-dir="{direction}" title="Sort by {title.lower()}">{title}'
+            f'<span class="arrow" aria-hidden="true">{arrow}</span></a></th>')
+        if name == "lock":
+            cells.append('<th scope="col" class="c-args">Lock args</th>')
+    cells.append('<th scope="col" class="c-actions">Actions</th>')
+    return "<tr>" + "".join(cells) + "</tr>"
+
+
+def _card(label: str, value: str, note: str = "", css: str = "") -> str:
+    note_html = f'<div class="note">{note}</div>' if note else ""
+    return f'<div class="card {css}"><div class="label">{label}</div><div class="value">{value}</div>{note_html}</div>'
+
+
+def _breakdown(title: str, param: str, counts: Counter[str], holders: Counter[str], query: Query) -> str:
+    most = max(counts.values(), default=0)
+    rows = []
+    for name, n in counts.most_common(TOP):
+        # (the page's policy forbids inline styles: a class per tenth)
+        tenth = round(10 * n / most) if most else 0
+        active = " active" if (query.actor if param == "actor" else query.lock_type) == name else ""
+        change = {"actor" if param == "actor" else "type": name}
+        rows.append(
+            f'<li class="{active.strip()}"><a class="facet clip" href="{_e(query.href(**change))}" '
+            f'data-param="{param}" data-value="{_e(name)}" title="Show only {_e(name)}">{_e(name)}</a>'
+            f'<span class="bar"><span class="fill w{tenth}"></span></span>'
+            f'<span class="n" title="locks">{n}</span>'
+            f'<span class="n muted" title="holders">{holders[name]}</span></li>')
+    more = len(counts) - TOP
+    more_html = f'<li class="more muted">and {_plural(more, "more")}</li>' if more > 0 else ""
+    body = "".join(rows) + more_html if rows else '<li class="muted">none</li>'
+    return (f'<section class="panel" data-totals="{param}"><h2>{title}<span class="cols">'
+            f'<span>locks</span><span>holders</span></span></h2><ul class="breakdown">{body}</ul></section>')
+
+
+def summary_html(locks: Sequence[Mapping[str, Any]], query: Query, now: int) -> str:
+    """The totals of the listed (filtered) locks: cards, then per actor
+    and per lock type."""
+    holders = sum(len(holders_of(lock)) for lock in locks)
+    waiting = sum(len(waiting_of(lock)) for lock in locks)
+    runs = sum(1 for lock in locks if lock.get("phase") == "run")
+    times = [t for t in (taken_at(lock) for lock in locks) if t is not None]
+    unknown = len(locks) - len(times)
+    oldest = min((lock for lock in locks if taken_at(lock) is not None), key=lambda lock: taken_at(lock) or 0,
+                 default=None)
+    deadlines = [d for d in (soonest_deadline(lock) for lock in locks) if d is not None]
+    oldest_note = _e(oldest.get("actor") or "") if oldest is not None else ""
+    if unknown:
+        oldest_note = " \u00b7 ".join(filter(None, [oldest_note, f"{unknown} not recorded"]))
+    soonest = min(deadlines) if deadlines else None
+    cards = [
+        _card("Locks", f'<span id="total-locks">{len(locks)}</span>', f"{runs} run \u00b7 {len(locks) - runs} queue"),
+        _card("Holders", f'<span id="total-holders">{holders}</span>'),
+        _card("Waiting", f'<span id="total-waiting">{waiting}</span>', "messages in run-lock lines"),
+        _card("Oldest", since(min(times), now, "lock-age") if times else "\u2014", oldest_note),
+        _card("Next expiry", countdown(soonest, now) if soonest is not None else "\u2014"),
+    ]
+    per_actor, per_type = Counter[str](), Counter[str]()
+    holders_actor, holders_type = Counter[str](), Counter[str]()
+    for lock in locks:
+        actor, kind = str(lock.get("actor") or "?"), lock_type(lock)
+        per_actor[actor] += 1
+        per_type[kind] += 1
+        holders_actor[actor] += len(holders_of(lock))
+        holders_type[kind] += len(holders_of(lock))
+    return (
+        f'<div class="cards">{"".join(cards)}</div><div class="panels">'
+        f'{_breakdown("Per actor", "actor", per_actor, holders_actor, query)}'
+        f'{_breakdown("Per lock type", "type", per_type, holders_type, query)}</div>'
+    )
+
+
+def options_html(values: Iterable[str], selected: str, everything: str) -> str:
+    names = sorted(set(values) | ({selected} if selected else set()))
+    options = [f'<option value=""{"" if selected else " selected"}>{everything}</option>']
+    options.extend(f'<option value="{_e(name)}"{" selected" if name == selected else ""}>{_e(name)}</option>'
+                   for name in names)
+    return "".join(options)
+
+
+def status_html(shown: int, query: Query, prefix: str, truncated: bool, limit: int) -> str:
+    sort = f"sorted by {SORTS[query.sort].lower()}, {'ascending' if query.direction == 'asc' else 'descending'}"
+    cut = f" (the first {limit}: narrow the filters to see the rest)" if truncated else ""
+    return f"{_plural(shown, 'lock')}{cut} under prefix <code>{_e(prefix)}</code>, {sort}."
+
+
+def fragments(locks: Sequence[Mapping[str, Any]], seen: Sequence[Mapping[str, Any]], query: Query, *, now: int,
+              prefix: str, truncated: bool, limit: int) -> dict[str, str]:
+    """Every part of the page that changes with the data or the query.
+
+    Parameters:
+      locks: The listed locks, filtered and sorted.
+      seen: Every lock the scan found, for the filters' choices.
+    """
+    filtered = bool(query.actor or query.lock_type or query.text or query.pattern)
+    return {
+        "summary": summary_html(locks, query, now),
+        "thead": thead_html(query),
+        "rows": rows_html(locks, now, filtered),
+        "status": status_html(len(locks), query, prefix, truncated, limit),
+        "actors": options_html((str(lock.get("actor") or "?") for lock in seen), query.actor, "All actors"),
+        "types": options_html((lock_type(lock) for lock in seen), query.lock_type, "All lock types"),
+        "refreshed": clock(now),
+    }
+
+
+def page_html(template: str, parts: Mapping[str, str], query: Query, now: int, *, error: str = "") -> str:
+    """The page with the fragments and the query's values in place."""
+    values = {
+        "now": str(now),
+        "error": _e(error),
+        "error_hidden": "" if error else " hidden",
+        "q": _e(query.text),
+        "pattern": _e(query.pattern),
+        "sort": _e(query.sort),
+        "dir": _e(query.direction),
+        **parts,
+    }
+    for name, value in values.items():
+        template = template.replace("{{" + name + "}}", value)
+    return template
