@@ -91,6 +91,11 @@ class UniqueMiddleware(Middleware):
         broker; 0 (the default) never.
       record_lock_args(bool): Store the lock args JSON with each enqueue
         lock, for operators.
+      min_replicas(int): How many replicas must acknowledge each lock
+        taken (Redis ``WAIT``), for the ``RedisBackend`` made here (one
+        passed as ``backend`` takes its own); 0 (the default) none.
+      min_replicas_timeout(int): How long each lock call waits for them,
+        in milliseconds.
       listeners(list[callable]): Called with every :class:`LockEvent`,
         like ``middleware.events.subscribe(listener)``.
 
@@ -117,6 +122,8 @@ class UniqueMiddleware(Middleware):
         provisional_window: Optional[int] = None,
         reap_interval: Optional[int] = None,
         record_lock_args: Optional[bool] = None,
+        min_replicas: Optional[int] = None,
+        min_replicas_timeout: Optional[int] = None,
         listeners: Iterable[Listener] = (),
     ) -> None:
         self.logger = get_logger(__name__, type(self))
@@ -131,6 +138,8 @@ class UniqueMiddleware(Middleware):
             provisional_window=provisional_window,
             reap_interval=reap_interval,
             record_lock_args=record_lock_args,
+            min_replicas=min_replicas,
+            min_replicas_timeout=min_replicas_timeout,
         )
         if backend is not None and not isinstance(backend, LockBackend):
             raise ConfigurationError(
@@ -163,7 +172,12 @@ class UniqueMiddleware(Middleware):
             return None
         from .backends.redis import RedisBackend
 
-        return RedisBackend(url=self.settings.redis_url)
+        settings = self.settings
+        return RedisBackend(
+            url=settings.redis_url,
+            min_replicas=settings.min_replicas,
+            min_replicas_timeout=settings.min_replicas_timeout,
+        )
 
     def attach(self, broker: "Broker") -> None:
         """Pick the backend for ``broker`` if none was given, and guard
@@ -180,7 +194,10 @@ class UniqueMiddleware(Middleware):
         if type(broker).__name__ == "RedisBroker" and client is not None:
             from .backends.redis import RedisBackend
 
-            return RedisBackend(client=client)
+            settings = self.settings
+            return RedisBackend(
+                client=client, min_replicas=settings.min_replicas, min_replicas_timeout=settings.min_replicas_timeout
+            )
         if isinstance(broker, StubBroker):
             return StubBackend()
         raise ConfigurationError(

@@ -47,6 +47,17 @@ DEFAULT_ON_BACKEND_ERROR = "fail"
 
 BACKEND_ERROR_POLICIES = ("fail", "run_unlocked")
 
+#: How many replicas must acknowledge each lock a call takes (Redis
+#: ``WAIT``) before the call counts as done; 0 (the default) waits for
+#: none.  See ``docs/reliability.md``, "Failover".
+DEFAULT_MIN_REPLICAS = 0
+
+#: How long a lock call waits for those replicas, in milliseconds.
+DEFAULT_MIN_REPLICAS_TIMEOUT = 100
+
+#: The most replicas ``min_replicas`` may ask for.
+MAX_REPLICAS = 1000
+
 #: The longest duration any setting or actor option takes: 100 years,
 #: in milliseconds.  Durations are added to Unix milliseconds in Lua
 #: doubles and Redis expiry times, which lose precision or overflow
@@ -73,6 +84,8 @@ class Settings:
     provisional_window: int = DEFAULT_PROVISIONAL_WINDOW
     reap_interval: int = DEFAULT_REAP_INTERVAL
     record_lock_args: bool = False
+    min_replicas: int = DEFAULT_MIN_REPLICAS
+    min_replicas_timeout: int = DEFAULT_MIN_REPLICAS_TIMEOUT
 
     def merge(self, **overrides: Any) -> "Settings":
         """Return a copy with every override that is not None applied
@@ -103,6 +116,14 @@ def _non_negative_int(what: str, value: Any) -> int:
     if not is_duration(value, 0):
         raise ConfigurationError(
             f"{what}{value!r} is invalid: expected a whole number of milliseconds, 0 or more, at most {MAX_DURATION}."
+        )
+    return int(value)
+
+
+def _replicas(what: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_REPLICAS:
+        raise ConfigurationError(
+            f"{what}{value!r} is invalid: expected a whole number of replicas, 0 to {MAX_REPLICAS}."
         )
     return int(value)
 
@@ -174,10 +195,12 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "provisional_window": _non_negative_int,
     "reap_interval": _non_negative_int,
     "record_lock_args": _flag,
+    "min_replicas": _replicas,
+    "min_replicas_timeout": _positive_int,
 }
 
 #: The settings written as milliseconds, and as on/off words.
-_DURATIONS = ("lock_ttl", "lease", "reschedule_delay", "provisional_window", "reap_interval")
+_DURATIONS = ("lock_ttl", "lease", "reschedule_delay", "provisional_window", "reap_interval", "min_replicas_timeout")
 _FLAGS = ("enabled", "record_lock_args")
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -186,11 +209,12 @@ _FALSE = {"0", "false", "no", "off"}
 
 def _parse(variable: str, raw: str, field: str) -> Any:
     what = f"Environment variable {variable}="
-    if field in _DURATIONS:
+    if field in _DURATIONS or field == "min_replicas":
         try:
             number = int(raw.strip())
         except ValueError:
-            raise ConfigurationError(f"{what}{raw!r} is invalid: expected a whole number of milliseconds.") from None
+            unit = "replicas" if field == "min_replicas" else "milliseconds"
+            raise ConfigurationError(f"{what}{raw!r} is invalid: expected a whole number of {unit}.") from None
         return _CHECKS[field](what, number)
     if field in _FLAGS:
         if raw.strip().lower() not in _TRUE | _FALSE:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import redis
 from redis.backoff import FullJitterBackoff
@@ -241,37 +241,55 @@ class ScriptCalls:
             raise reply
         return reply
 
-    def batch(self, calls: Sequence[Call], *, grouped: bool = False) -> list[Any]:
+    def batch(
+        self, calls: Sequence[Call], *, grouped: bool = False, trailer: Optional[tuple[Any, ...]] = None
+    ) -> list[Any]:
         """Run scripts in one round trip (two after ``NOSCRIPT``).
 
         Parameters:
           grouped(bool): Share the round trip with other threads' grouped
             calls of the moment (see :mod:`.group`): for the calls that
             every job makes on its worker thread.
+          trailer(tuple): A command sent after the scripts, on the same
+            connection (``WAIT``: how many replicas have the writes);
+            grouped, once after every caller's scripts.
 
         Returns:
-          list: per call, its reply, or the ``ResponseError`` it got.
+          list: per call, its reply, or the ``ResponseError`` it got; then
+          the trailer's reply (or error), when there is a trailer.
         """
         shas = self.shas
         commands = [(_EVALSHA, shas[name], len(keys), *keys, *args) for name, keys, args in calls]
-        replies = self._group.call(commands) if grouped and self._group is not None else self._round_trip(commands)
+        if grouped and self._group is not None:
+            replies = self._group.call(commands, trailer=trailer)
+        else:
+            replies = self._round_trip(commands if trailer is None else [*commands, trailer])
         for reply in replies:
             if isinstance(reply, NoScriptError):
-                return self._reload(calls, commands, replies)
+                return self._reload(calls, commands, replies, trailer)
         return replies
 
-    def _reload(self, calls: Sequence[Call], commands: list[tuple[Any, ...]], replies: list[Any]) -> list[Any]:
+    def _reload(
+        self,
+        calls: Sequence[Call],
+        commands: list[tuple[Any, ...]],
+        replies: list[Any],
+        trailer: Optional[tuple[Any, ...]] = None,
+    ) -> list[Any]:
         """After a script flush or on a new server: none of the calls that
         got ``NOSCRIPT`` ran.  Load what is missing and send those calls
-        again, in one round trip.
+        again, in one round trip, with the trailer again after them (a
+        ``WAIT`` before them did not cover them).
         """
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         loads = [(b"SCRIPT", b"LOAD", self.sources[name]) for name in {calls[i][0] for i in missing}]
-        again = self._round_trip(loads + [commands[i] for i in missing])
+        again = self._round_trip(loads + [commands[i] for i in missing] + ([] if trailer is None else [trailer]))
         for error in again[: len(loads)]:
             if isinstance(error, Exception):
                 raise error
         for i, reply in zip(missing, again[len(loads) :]):
             replies[i] = reply
+        if trailer is not None:
+            replies[-1] = again[-1]
         return replies
 

@@ -46,10 +46,11 @@ RoundTrip = Callable[[list[tuple[Any, ...]]], list[Any]]
 class _Caller:
     """One caller's commands, and where its replies land."""
 
-    __slots__ = ("commands", "replies", "error", "ready", "leads")
+    __slots__ = ("commands", "trailer", "replies", "error", "ready", "leads")
 
-    def __init__(self, commands: list[tuple[Any, ...]]) -> None:
+    def __init__(self, commands: list[tuple[Any, ...]], trailer: Optional[tuple[Any, ...]] = None) -> None:
         self.commands = commands
+        self.trailer = trailer
         self.replies: Optional[list[Any]] = None
         self.error: Optional[BaseException] = None
         self.ready = threading.Lock()
@@ -92,9 +93,15 @@ class GroupCommit:
         self._leading = False
         self._pid = pid()
 
-    def call(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+    def call(self, commands: list[tuple[Any, ...]], *, trailer: Optional[tuple[Any, ...]] = None) -> list[Any]:
         """Send ``commands`` in the next round trip and return their
         replies.
+
+        Parameters:
+          trailer(tuple): A command sent once after every caller's
+            commands of the round trip (``WAIT``: it covers every write
+            before it on the connection), however many callers name it;
+            its reply comes last, after this caller's own.
         """
         with self._mutex:
             if self._pid != pid():
@@ -102,13 +109,13 @@ class GroupCommit:
             leads = not self._leading
             self._leading = True
             if not leads:
-                caller = _Caller(commands)
+                caller = _Caller(commands, trailer)
                 self._queue.append(caller)
         if leads:
             # Nobody is queued (a caller only queues behind a lead): send
             # this caller's commands alone.
             try:
-                return self.round_trip(commands)
+                return self.round_trip(commands if trailer is None else [*commands, trailer])
             finally:
                 self._hand_over([])
         try:
@@ -146,15 +153,19 @@ class GroupCommit:
         """
         with self._mutex:
             batch, self._queue = self._queue, []
+        # Each distinct trailer once, after every caller's commands.
+        trailers = list(dict.fromkeys(caller.trailer for caller in batch if caller.trailer is not None))
         try:
-            replies = self.round_trip([command for caller in batch for command in caller.commands])
+            replies = self.round_trip([command for caller in batch for command in caller.commands] + trailers)
         except BaseException as e:  # a time limit's exception too: every caller must hear of it
             for caller in batch:
                 caller.error = e if caller is leader or isinstance(e, Exception) else _interrupted(e)
         else:
-            at = 0
+            at, ends = 0, dict(zip(trailers, replies[len(replies) - len(trailers) :]))
             for caller in batch:
                 caller.replies, at = replies[at : at + len(caller.commands)], at + len(caller.commands)
+                if caller.trailer is not None:
+                    caller.replies.append(ends[caller.trailer])
         finally:
             self._hand_over(batch)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from importlib import resources
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 from urllib.parse import urlsplit, urlunsplit
 
 try:
@@ -35,6 +35,8 @@ from ..backend import (
     Start,
     Waiter,
 )
+from ..errors import ConfigurationError, LockBackendError
+from ..settings import DEFAULT_MIN_REPLICAS, DEFAULT_MIN_REPLICAS_TIMEOUT
 from .calls import Call, ScriptCalls, default_retry
 
 _LUA = resources.files(__package__).joinpath("lua")
@@ -92,6 +94,30 @@ class DispatchFailed(redis.ResponseError):
     """The broker's ``dispatch.lua`` failed inside send.lua: nothing
     was enqueued, and the lock the call took was dropped.
     """
+
+
+class TooFewReplicas(LockBackendError):
+    """A lock call took a lock that fewer replicas acknowledged than
+    ``min_replicas`` asked for, within ``min_replicas_timeout``: a
+    failover now could lose it, so the call counts as failed.  A fresh
+    lock it took was given back, unless ``given_back`` is False (the
+    give-back failed too, or the lock guards a message already enqueued):
+    it then lapses by its TTL or lease.
+
+    Attributes:
+      key(str): The lock key.
+      acked(int): How many replicas acknowledged the write (0 when
+        ``WAIT`` itself failed).
+      wanted(int): ``min_replicas``.
+      given_back(bool): Whether the lock is known to be given back.
+    """
+
+    def __init__(self, message: str, *, backend: str, key: str, acked: int, wanted: int, given_back: bool) -> None:
+        super().__init__(message, backend=backend)
+        self.key = key
+        self.acked = acked
+        self.wanted = wanted
+        self.given_back = given_back
 
 
 #: The URL scheme that connects to a Cluster.
@@ -210,6 +236,22 @@ def _releases(replies: Sequence[Any]) -> list[Union[Release, Exception]]:
     return [reply if isinstance(reply, Exception) else _release(reply) for reply in replies]
 
 
+def _replication(replicas: Any, timeout: Any, cluster: bool) -> tuple[int, int]:
+    """Checked ``min_replicas`` and ``min_replicas_timeout``.
+
+    Raises:
+      ConfigurationError: a count below 0, a timeout below 1 ms (``WAIT
+        n 0`` would block for ever), or replicas asked of a Cluster,
+        whose pipelines do not keep ``WAIT`` on the script's connection.
+    """
+    for name, value, least in (("min_replicas", replicas, 0), ("min_replicas_timeout", timeout, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ConfigurationError(f"{name}={value!r} is invalid: expected a whole number, {least} or more.")
+    if replicas and cluster:
+        raise ConfigurationError(f"min_replicas={replicas!r} is not supported on a Redis Cluster.")
+    return replicas, timeout
+
+
 class RedisBackend(LockBackend):
     """A lock backend that stores locks in Redis.
 
@@ -226,6 +268,13 @@ class RedisBackend(LockBackend):
         timeouts default to :data:`DEFAULT_SOCKET_TIMEOUT` seconds, and
         ``retry`` (not on a Cluster) to :func:`~.calls.default_retry`,
         which sends a call again when its connection failed.
+      min_replicas(int): When above 0, every call that takes a lock is
+        followed, in the same round trip, by ``WAIT min_replicas
+        min_replicas_timeout``; a lock that fewer replicas acknowledged
+        is given back and the call raises :class:`TooFewReplicas` (see
+        ``docs/reliability.md``, "Failover").  Not on a Cluster.
+      min_replicas_timeout(int): How long ``WAIT`` waits for them, in
+        milliseconds; keep it well under the socket timeout.
 
     Every script touches the keys of one lock only, and they share a
     hash tag, so each call goes to one Cluster node.  With Sentinel,
@@ -241,10 +290,19 @@ class RedisBackend(LockBackend):
       fails before its replica saw it is gone after the failover, on
       Sentinel and Cluster alike, and a second holder may take it.
       Guard writes that must never overlap with
-      :func:`dramatiq_unique.fence_token`.
+      :func:`dramatiq_unique.fence_token`.  ``min_replicas`` narrows
+      that window; it does not close it.
     """
 
-    def __init__(self, *, client: Optional[Any] = None, url: Optional[str] = None, **parameters: Any) -> None:
+    def __init__(
+        self,
+        *,
+        client: Optional[Any] = None,
+        url: Optional[str] = None,
+        min_replicas: int = DEFAULT_MIN_REPLICAS,
+        min_replicas_timeout: int = DEFAULT_MIN_REPLICAS_TIMEOUT,
+        **parameters: Any,
+    ) -> None:
         parameters.setdefault("socket_timeout", DEFAULT_SOCKET_TIMEOUT)
         parameters.setdefault("socket_connect_timeout", DEFAULT_SOCKET_TIMEOUT)
         if client is None and url is not None and url.startswith(CLUSTER_SCHEME):
@@ -258,11 +316,66 @@ class RedisBackend(LockBackend):
         self.scripts = {name: self.client.register_script(source) for name, source in _SCRIPTS.items()}
         self.calls = None if self.cluster else ScriptCalls(self.client, _SCRIPTS)
         self.batches_releases = self.calls is not None
+        self.min_replicas, self.min_replicas_timeout = _replication(min_replicas, min_replicas_timeout, self.cluster)
+        #: The command sent after every lock take, or None.
+        self.wait_command = (b"WAIT", self.min_replicas, self.min_replicas_timeout) if self.min_replicas else None
 
     def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
         if self.calls is not None:
             return self.calls.call(name, keys, args)
         return self.scripts[name](keys=keys, args=args, client=self.client)
+
+    def _take(self, name: str, keys: list[str], args: list[Any]) -> tuple[Any, Union[int, Exception, None]]:
+        """A script that may take a lock, then ``WAIT`` on the same
+        connection when ``min_replicas`` asks for it.
+
+        Returns:
+          tuple: the script's reply, and ``WAIT``'s (the replicas that
+          acknowledged, or its error), or None without ``min_replicas``.
+        """
+        if self.wait_command is None:
+            return self._call(name, keys, args), None
+        assert self.calls is not None  # refused on a Cluster at construction
+        reply, acked = self.calls.batch([(name, keys, args)], trailer=self.wait_command)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply, acked
+
+    def _untaken(self, name: str, keys: list[str], args: list[Any]) -> tuple[Any, None]:
+        """A script that takes no lock, shaped as :meth:`_take`'s reply."""
+        return self._call(name, keys, args), None
+
+    def _require(self, acked: Union[int, Exception, None], key: str, give_back: Optional[Callable[[], Any]]) -> None:
+        """Raise :class:`TooFewReplicas` when the take of ``key`` was
+        acknowledged by fewer than ``min_replicas``, after giving back
+        what it took with ``give_back`` (None: nothing to give back).
+        """
+        if acked is None or (isinstance(acked, int) and acked >= self.min_replicas):
+            return
+        failure, given_back = "", False
+        if give_back is not None:
+            try:
+                give_back()
+                given_back = True
+            except Exception as e:  # the lock then lapses by its TTL or lease
+                failure = f"; giving it back failed too ({e!r}), so it lapses by its TTL or lease"
+        count = acked if isinstance(acked, int) else 0
+        seen = f"{acked} of {self.min_replicas}" if isinstance(acked, int) else f"none (WAIT failed: {acked!r})"
+        kept = " and was given back" if given_back else " and is kept" if give_back is None else ""
+        raise TooFewReplicas(
+            f"the lock {key!r} was acknowledged by {seen} replicas within {self.min_replicas_timeout} ms"
+            f"{kept}{failure}",
+            backend=self.describe(),
+            key=key,
+            acked=count,
+            wanted=self.min_replicas,
+            given_back=given_back,
+        )
+
+    def _give_back(self, key: str, owner: str) -> Callable[[], Any]:
+        # No hand-over: the waiters' delayed copies come anyway, and a
+        # promoted message could not be enqueued from here.
+        return lambda: self.release(key, owner, hand_over=False)
 
     def describe(self) -> str:
         if self.url:
@@ -295,7 +408,12 @@ class RedisBackend(LockBackend):
         args: list[Any] = [owner, ttl, limit, lock, lock_args or "", provisional, int(where is not None), where or ""]
         if copy is not None:
             keys, args = keys + _records(copy), args + _copy_args(copy)
-        return _acquisition(self._call("acquire", keys, args), owner)
+        reply, acked = self._take("acquire", keys, args)
+        got = _acquisition(reply, owner)
+        if acked is not None and got.acquired:
+            # A re-entered slot was held before this call: its message is out already.
+            self._require(acked, key, None if got.reentered else self._give_back(key, owner))
+        return got
 
     def acquire_and_dispatch(
         self,
@@ -328,12 +446,17 @@ class RedisBackend(LockBackend):
         if name not in self.calls.sources:
             self.calls.add(name, send_script(dispatch))
         args = [owner, ttl, limit, lock, lock_args or "", 0, 1, where, *arguments]
-        reply = self.calls.call(name, [key, namespace], args)
+        reply, acked = self._take(name, [key, namespace], args)
         if isinstance(reply, int):
+            # The same script enqueued the message: its lock is kept, so
+            # that what the lock holds matches the queue (a lost reply's rule).
+            self._require(acked, key, None)
             return Acquisition(True, holder=owner, fence=reply)
         status, holder, fence, _ = reply
         if status == 4:
             raise DispatchFailed(_text(holder))
+        if status in (1, 2):
+            self._require(acked, key, None)
         return Acquisition(status in (1, 2), reentered=status == 2, holder=_text(holder), fence=int(fence))
 
     def start(
@@ -343,10 +466,21 @@ class RedisBackend(LockBackend):
         if self.calls is None:
             return _start(self._call("start", keys, args), owner)
         # Every job makes this call: shared with other worker threads' of the moment.
-        [reply] = self.calls.batch([("start", keys, args)], grouped=True)
-        if isinstance(reply, Exception):
-            raise reply
-        return _start(reply, owner)
+        replies = self.calls.batch([("start", keys, args)], grouped=True, trailer=self.wait_command)
+        if isinstance(replies[0], Exception):
+            raise replies[0]
+        started = _start(replies[0], owner)
+        if self.wait_command is not None:
+            self._started_acked(started, replies[1], key, owner)
+        return started
+
+    def _started_acked(self, started: Start, acked: Any, key: str, owner: str) -> None:
+        """Raise :class:`TooFewReplicas` for a run lock taken with too few
+        replicas, given back first.  (An enqueue lock the start released
+        stays released: its message was delivered.)
+        """
+        if started.acquisition.acquired:
+            self._require(acked, key, self._give_back(key, owner))
 
     def release_and_start(
         self,
@@ -366,9 +500,18 @@ class RedisBackend(LockBackend):
             )
         calls = _release_calls(releases)
         calls.append(("start", *_start_call(key, owner, ttl, limit, lock, copy, queue_key)))
-        replies = self.calls.batch(calls, grouped=True)
-        started = replies.pop()
-        return _releases(replies), started if isinstance(started, Exception) else _start(started, owner)
+        replies = self.calls.batch(calls, grouped=True, trailer=self.wait_command)
+        acked = replies.pop() if self.wait_command is not None else None
+        reply = replies.pop()
+        if isinstance(reply, Exception):
+            return _releases(replies), reply
+        started = _start(reply, owner)
+        try:
+            if acked is not None:
+                self._started_acked(started, acked, key, owner)
+        except TooFewReplicas as e:
+            return _releases(replies), e
+        return _releases(replies), started
 
     def release(self, key: str, owner: str, *, hand_over: bool = True) -> Release:
         return _release(self._call("release", [key, *_waiting(key)], [owner, int(hand_over)]))
@@ -428,12 +571,26 @@ class RedisBackend(LockBackend):
         superseded_ttl: int,
         where: str = "",
     ) -> Replacement:
-        status, other, fence, delay = self._call(
+        (status, other, fence, delay), acked = self._take(
             "replace",
             [key, _superseded(key)],
             [owner, ttl, lock, lock_args or "", int(keep_started), debounce, debounce_max, superseded_ttl, where],
         )
-        return Replacement(_REPLACED[int(status)], _text(other) if other else None, int(delay), int(fence))
+        got = Replacement(_REPLACED[int(status)], _text(other) if other else None, int(delay), int(fence))
+        if acked is not None and got.status != "refused":
+            self._require(acked, key, self._replaced_back(key, owner, got.status))
+        return got
+
+    def _replaced_back(self, key: str, owner: str, status: str) -> Optional[Callable[[], Any]]:
+        """How to give back what a replace took: the superseded message
+        current again, then the slot; nothing for a re-entered slot.
+        """
+        if status == "reentered":
+            return None
+        release = self._give_back(key, owner)
+        if status == "acquired":
+            return release
+        return lambda: (self.unreplace(key, owner), release())
 
     def current(
         self,
@@ -453,7 +610,10 @@ class RedisBackend(LockBackend):
         if reenter and where is not None:
             args += [] if len(args) > 4 else [0, ""]
             args.append(where)
-        status, other = self._call("current", keys, args)
+        # Only a re-enqueue takes a slot; a delivery marks its message started.
+        (status, other), acked = (self._take if reenter else self._untaken)("current", keys, args)
+        if acked is not None and int(status) in (1, 2):  # 1: took the free key again, 2: re-entered
+            self._require(acked, key, self._give_back(key, owner) if int(status) == 1 else None)
         return int(status), _text(other) if other else None
 
     def unreplace(self, key: str, owner: str) -> Optional[str]:
