@@ -168,12 +168,6 @@ LOG_LINES: tuple[LogLine, ...] = (
     LogLine(
         "WARNING",
         _MIDDLEWARE,
-        "Could not register %s as waiting for %r (%r); it runs after its delay.",
-        "a rescheduled message gets no fast hand-off (event backend_error)",
-    ),
-    LogLine(
-        "WARNING",
-        _MIDDLEWARE,
         "Could not hand %r to its next waiter (%r); it runs after its delay.",
         "the broker refused the promoted waiter; its rescheduled copy still runs",
     ),
@@ -202,6 +196,14 @@ LOG_LINES: tuple[LogLine, ...] = (
         "dramatiq_unique.releaser.Releaser",
         "Could not report the release of %r.",
         "a bug: reporting a finished release raised (the traceback follows)",
+    ),
+    LogLine(
+        "WARNING",
+        "dramatiq_unique.leases.LeaseKeeper",
+        "gevent patched threads, and %s gives no connection for a native thread: leases renew on the hub, "
+        "and an actor that blocks it for longer than the lease loses its lease.",
+        "under gevent with a backend that has no native renewer (stub, Cluster, TLS, Sentinel): see "
+        "docs/reliability.md, \"Green threads\"",
     ),
     LogLine(
         "WARNING",

@@ -46,7 +46,7 @@ from dramatiq_unique import (
     UniqueMiddleware,
 )
 from dramatiq_unique.backends.redis import RedisBackend
-from dramatiq_unique.settings import MAX_DURATION, Settings
+from dramatiq_unique.settings import MAX_DURATION, MAX_REPLICAS, Settings
 from tests.conftest import make_worker
 
 #: Many cheap examples: each one is a call or two in this process.
@@ -577,7 +577,14 @@ def read_setting(name: str, value: Any, *, text: bool) -> tuple[bool, Any]:
     """Whether ``value`` is good for setting ``name``, and what it
     reads as.  ``text`` is True for an environment variable.
     """
-    if name in ("lock_ttl", "lease", "reschedule_delay", "provisional_window", "reap_interval"):
+    if name == "min_replicas":
+        if text:
+            try:
+                value = int(value)
+            except ValueError:
+                return False, None
+        return is_whole(value, 0, MAX_REPLICAS), value
+    if name in ("lock_ttl", "lease", "reschedule_delay", "provisional_window", "reap_interval", "min_replicas_timeout"):
         low = 0 if name in ("reschedule_delay", "provisional_window", "reap_interval") else 1
         if text:
             try:
@@ -708,6 +715,8 @@ constructor_arguments = st.fixed_dictionaries(
         "provisional_window": st.none() | _durations,
         "reap_interval": st.none() | _durations,
         "record_lock_args": st.booleans() | _flags | st.none(),
+        "min_replicas": st.none() | st.integers(-2, 3) | st.sampled_from(["1", "x", "-1", "1001"]),
+        "min_replicas_timeout": st.none() | _durations,
     },
 )
 

@@ -28,9 +28,9 @@ STALL_S = 0.3
 class StallingBackend(StubBackend):
     """A stub backend whose ``wait`` stalls its caller."""
 
-    def wait(self, key, ticket, message, *, order, ttl):  # type: ignore[no-untyped-def]
+    def wait(self, copy, message, *, order, ttl):  # type: ignore[no-untyped-def]
         time.sleep(STALL_S)
-        super().wait(key, ticket, message, order=order, ttl=ttl)
+        super().wait(copy, message, order=order, ttl=ttl)
 
 
 def run_holder_and_waiter(broker, holder_seconds, **options):  # type: ignore[no-untyped-def]
