@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from .events import EventHub
     from .leases import LeaseKeeper
     from .releaser import Releaser
+    from .unreleased import ReleaseRetries
     from .settings import Settings
     from .spec import ActorSpec
 
@@ -47,6 +48,10 @@ class GuardContext(Protocol):
         """Releases run locks off the worker thread, when the backend
         batches releases.
         """
+
+    @property
+    def release_retries(self) -> "ReleaseRetries":
+        """Sends failed releases again, off the worker thread."""
 
     def key(self, spec: "ActorSpec", digest: str, phase: str) -> str:
         """The backend key of one lock."""

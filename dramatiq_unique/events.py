@@ -198,6 +198,24 @@ LOG_LINES: tuple[LogLine, ...] = (
         "a bug: reporting a finished release raised (the traceback follows)",
     ),
     LogLine(
+        "DEBUG",
+        "dramatiq_unique.unreleased.ReleaseRetries",
+        "Sending the release of %r again failed too: %r",
+        "a release that failed is still failing; it is sent again with backoff (at most every second)",
+    ),
+    LogLine(
+        "WARNING",
+        "dramatiq_unique.unreleased.ReleaseRetries",
+        "Gave up releasing %r: it has expired by itself.",
+        "a failed release was retried until its lock's lease or lock_ttl ran out: the key is free",
+    ),
+    LogLine(
+        "WARNING",
+        "dramatiq_unique.unreleased.ReleaseRetries",
+        "%d lock(s) could not be released before shutdown; they expire with their lease or lock_ttl.",
+        "shutdown drained failed releases for 5 s and some still failed",
+    ),
+    LogLine(
         "WARNING",
         "dramatiq_unique.leases.LeaseKeeper",
         "gevent patched threads, and %s gives no connection for a native thread: leases renew on the hub, "

@@ -44,6 +44,7 @@ from .process import ProcessGuard
 from .reap import PeriodicReaper, start_periodic_reaper
 from .quiet import install as quiet_our_skips
 from .releaser import Releaser
+from .unreleased import ReleaseRetries
 from .spec import ACTOR_OPTIONS, ActorSpec, actor_spec
 
 if TYPE_CHECKING:
@@ -155,6 +156,7 @@ class UniqueMiddleware(Middleware):
         self.async_actors: set[str] = set()
         self._leases: Optional[LeaseKeeper] = None
         self._releaser: Optional[Releaser] = None
+        self._release_retries: Optional[ReleaseRetries] = None
         self.backend = backend if backend is not None else self._backend_from_url()
         self._guard = EnqueueGuard(self)
         self._process = ProcessGuard(self)
@@ -219,6 +221,9 @@ class UniqueMiddleware(Middleware):
         if self._releaser is not None:
             self._releaser.stop()
             self._releaser = None
+        if self._release_retries is not None:
+            self._release_retries.stop()
+            self._release_retries = None
         self._backend = backend
 
     @property
@@ -253,6 +258,16 @@ class UniqueMiddleware(Middleware):
                 if self._releaser is None and self.backend is not None:
                     self._releaser = Releaser(self.backend, on_stalled=self._process.releases_stalled)
         return self._releaser
+
+    @property
+    def release_retries(self) -> ReleaseRetries:
+        """Sends the releases that failed again, off the worker thread."""
+        if self._release_retries is None:
+            with _RELEASER_LOCK:
+                if self._release_retries is None:
+                    assert self.backend is not None
+                    self._release_retries = ReleaseRetries(self.backend)
+        return self._release_retries
 
     def key(self, spec: ActorSpec, digest: str, phase: str) -> str:
         """The backend key of one lock: prefix, actor in clear text, and
@@ -321,6 +336,8 @@ class UniqueMiddleware(Middleware):
         self._process.handoffs.stop()
         if self._releaser is not None:
             self._releaser.stop()
+        if self._release_retries is not None:
+            self._release_retries.stop()  # after the releaser, whose failures it takes
         if self._leases is not None:
             self._leases.stop()
         if self._reaper is not None:

@@ -4,8 +4,10 @@ A run lock is owned by a token per execution and kept alive as a
 lease.  A delivery that meets a held run lock follows the actor's
 server strategy; ``reschedule`` re-enqueues it with a delay and also
 registers it as a waiter, so the holder's release hands the key over at
-once.  Of the two copies, the first to arrive wins the reschedule; the
-other, and every stale copy, is skipped.  ``docs/reliability.md``,
+once.  Of its copies (and of the retry of the delivery, when a call of
+the reschedule failed after it may have been applied), the first to
+arrive wins the reschedule; the others, and every stale copy, are
+skipped.  ``docs/reliability.md``,
 "The hand-off model", has the rules.
 """
 
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional
 from dramatiq import Message
 from dramatiq.middleware import AgeLimit, SkipMessage
 
-from .backend import Copy
+from .backend import Copy, Release
 from .compat import age_limit_module
 from .coroutines import watch
 from .delivery import Delivery, attach, copy_of, message_id_of, set_fence
@@ -32,6 +34,7 @@ from .leases import Lease
 from .replace import skip_if_superseded
 from .results import store_failure, store_nothing
 from .releaser import Outcome, PendingRelease
+from .unreleased import FailedRelease
 from .spec import ActorSpec
 
 if TYPE_CHECKING:
@@ -281,6 +284,10 @@ class ProcessGuard:
             error = middleware.backend_error("release", key, state.spec, message, e)
             if strict:
                 raise error from e
+            state.queue_released = True
+            until = time.monotonic() * 1000 + _queue_lock_ttl(middleware, state.spec)
+            landed = partial(self._released_again, None, message, state.spec, key)
+            middleware.release_retries.submit(FailedRelease(key, message.message_id, until, landed))
             return
         self._queue_lock_released(message, state, key, released.held)
 
@@ -347,6 +354,10 @@ class ProcessGuard:
         middleware = self.middleware
         if isinstance(outcome, Exception):
             middleware.backend_error("release", key, spec, message, outcome)
+            # Sent again off this thread until it lands or the lease has run out.
+            until = lease.expires_at if lease is not None else time.monotonic() * 1000 + middleware.settings.lease
+            landed = partial(self._released_again, broker, message, spec, key)
+            middleware.release_retries.submit(FailedRelease(key, owner, until, landed))
             return None
         if outcome.held:
             middleware.emit("released", spec, key, message)
@@ -354,6 +365,19 @@ class ProcessGuard:
             self.report_lost(spec.actor_name, key, owner)
         promoted = outcome.promoted
         if promoted is None:
+            return None
+        return lambda: self._promote(broker, key, promoted)
+
+    def _released_again(
+        self, broker: Optional["Broker"], message: Any, spec: ActorSpec, key: str, outcome: Release
+    ) -> Optional[Callable[[], None]]:
+        """Report a release that landed on a retry.  Its first send may
+        have been applied, so an owner found gone is no lost lock.
+        """
+        if outcome.held:
+            self.middleware.emit("released", spec, key, message)
+        promoted = outcome.promoted
+        if promoted is None or broker is None:
             return None
         return lambda: self._promote(broker, key, promoted)
 
@@ -394,6 +418,11 @@ class ProcessGuard:
             message_id_of(owner),
         )
         self.middleware.events.emit(LockEvent("lock_lost", actor, key, message_id_of(owner)))
+
+
+def _queue_lock_ttl(middleware: "GuardContext", spec: ActorSpec) -> int:
+    """The longest an enqueue lock of ``spec`` can live, in ms."""
+    return spec.lock_ttl if spec.lock_ttl is not None else middleware.settings.lock_ttl
 
 
 def _age_limit(stack: list[Any]) -> Optional[AgeLimit]:

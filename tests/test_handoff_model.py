@@ -8,7 +8,10 @@ hooks, in the order Dramatiq's worker fires them, on a ``StubBroker``
 with ``AgeLimit``, ``Retries`` and ``Results``, over a ``StubBackend``
 whose calls can time out before they are applied or after (a lost
 reply), and whose run lock calls can be broken by a time limit that
-strikes the worker thread mid-call.  The rules deliver any queued copy
+strikes the worker thread mid-call; the broker's enqueues made by the
+middleware (a delayed copy, a hand-off) can fail before or after they
+are applied too, and a release that failed is sent again by a rule,
+which a fault can fail again, for a while.  The rules deliver any queued copy
 in any order, and the invariants of ``docs/reliability.md`` ("The
 hand-off model") are checked after every step and once everything has
 drained.
@@ -22,6 +25,7 @@ interleaving of sends, starts, lost replies and interrupts is explored.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import Counter
 from typing import Any, Callable, Iterator, Optional
@@ -51,6 +55,7 @@ from dramatiq_unique.backend import LockBackend
 from dramatiq_unique.delivery import message_id_of
 from dramatiq_unique.events import LockEvent
 from dramatiq_unique.releaser import Releaser
+from dramatiq_unique.unreleased import ReleaseRetries
 
 MAX_RETRIES = 1
 KEYS = (1,)  # one key per actor: every send contends, which is where the bugs live
@@ -58,8 +63,9 @@ KEYS = (1,)  # one key per actor: every send contends, which is where the bugs l
 #: The actors under test: the seed's while_executing, and the
 #: documented "enqueue once, run serialized" lock.
 ACTORS = {
-    "work": {"lock": "while_executing"},
-    "sync": {"lock": "until_and_while_executing"},
+    "work": {"lock": "while_executing", "on_conflict": {"server": "reschedule"}},
+    "sync": {"lock": "until_and_while_executing", "on_conflict": {"server": "reschedule"}},
+    "once": {"lock": "until_executed"},
 }
 
 #: Calls that a fault may hit (renewals run on their own thread).
@@ -115,6 +121,15 @@ class SteppedReleaser(Releaser):
         self._send(batch, follow_ups)
 
 
+class SteppedRetries(ReleaseRetries):
+    """The retries of failed releases, with their thread's work done by
+    a rule of the model.
+    """
+
+    def _ensure_thread(self) -> None:
+        self._running = True
+
+
 def _faulty(name: str, applied: Callable[..., Any]) -> Callable[..., Any]:
     def call(self: FaultyBackend, *args: Any, **kwargs: Any) -> Any:
         if threading.get_ident() != self.model_thread:
@@ -140,6 +155,35 @@ for _name in FAULTY_CALLS:
     setattr(FaultyBackend, _name, _faulty(_name, getattr(StubBackend, _name)))
 for _name in ("release_many", "release_and_start"):
     setattr(BatchingBackend, _name, _faulty(_name, getattr(StubBackend, _name)))
+
+
+class FaultyBroker(StubBroker):
+    """A ``StubBroker`` whose next enqueue made by the middleware itself
+    (a reschedule's delayed copy, a hand-off) fails before it is
+    applied, or after (the message is queued, and the caller sees a
+    reset), as a Redis or RabbitMQ publish can.
+    """
+
+    fault: Optional[str] = None
+
+    def enqueue(self, message: Any, *, delay: Optional[int] = None) -> Any:
+        if self.fault is None or not _called_by_the_middleware():
+            return super().enqueue(message, delay=delay)
+        fault, self.fault = self.fault, None
+        if fault == "before":
+            raise ConnectionError("the enqueue failed before it reached the broker")
+        super().enqueue(message, delay=delay)
+        raise ConnectionError("the reply to the enqueue was lost")
+
+
+def _called_by_the_middleware() -> bool:
+    """Whether the enqueue under way comes from the middleware's own
+    code, not through its guard of ``broker.enqueue`` (Retries, a move).
+    """
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__") == "dramatiq_unique.enqueue":
+        frame = frame.f_back
+    return frame is not None and str(frame.f_globals.get("__name__", "")).startswith("dramatiq_unique")
 
 
 class RecordingResults(ResultsStub):
@@ -175,7 +219,7 @@ class HandoffModel(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.broker = StubBroker(middleware=[AgeLimit(), Callbacks(), Pipelines(), Retries(max_retries=MAX_RETRIES)])
+        self.broker = FaultyBroker(middleware=[AgeLimit(), Callbacks(), Pipelines(), Retries(max_retries=MAX_RETRIES)])
         self.results = RecordingResults()
         self.broker.add_middleware(Results(backend=self.results))
         self.locks = BatchingBackend() if self.batching else FaultyBackend()
@@ -184,6 +228,8 @@ class HandoffModel(RuleBasedStateMachine):
         if self.batching:
             self.releaser = SteppedReleaser(self.locks, on_stalled=self.unique._process.releases_stalled)
             self.unique._releaser = self.releaser
+        self.retries = SteppedRetries(self.locks)
+        self.unique._release_retries = self.retries
         self.broker.add_middleware(self.unique)
         self.actors = {
             name: dramatiq.actor(
@@ -191,7 +237,6 @@ class HandoffModel(RuleBasedStateMachine):
                 broker=self.broker,
                 actor_name=name,
                 queue_name="q",
-                on_conflict={"server": "reschedule"},
                 store_results=True,
                 max_age=3_600_000,
                 **options,
@@ -207,6 +252,7 @@ class HandoffModel(RuleBasedStateMachine):
         self.dead: Counter[str] = Counter()
         self.dead_of_backend_errors: Counter[str] = Counter()
         self.succeeded: set[str] = set()
+        self.failures: Counter[str] = Counter()  # runs whose actor raised: each may be retried
         self.aged = False
         self.failed_releases: set[tuple[str, Optional[str]]] = set()  # (key, message id): reported, left to the lease
         self.dead_owners: set[Optional[str]] = set()  # run lock owners whose worker died
@@ -306,6 +352,7 @@ class HandoffModel(RuleBasedStateMachine):
         proxy = self.flights.pop(index % len(self.flights)).proxy
         if fails:
             error = ValueError("the actor failed")
+            self.failures[proxy.message_id] += 1
             proxy.stuff_exception(error)
             self.broker.emit_after("process_message", proxy, exception=error)
         else:
@@ -369,6 +416,13 @@ class HandoffModel(RuleBasedStateMachine):
         """The next lock call times out, or a time limit breaks it."""
         self.locks.fault = fault
 
+    @rule(fault=st.sampled_from(("before", "after")))
+    def fail_next_enqueue(self, fault: str) -> None:
+        """The middleware's next enqueue fails before the broker applied
+        it, or after (its reply lost).
+        """
+        self.broker.fault = fault
+
     @precondition(lambda self: self.releaser is not None and self.releaser.busy() and self.queued(delayed=False))
     @rule(fault=st.sampled_from(FAULTS), index=st.integers(0, 50))
     def a_start_carrying_releases_fails(self, fault: str, index: int) -> None:
@@ -386,6 +440,15 @@ class HandoffModel(RuleBasedStateMachine):
         """
         assert self.releaser is not None
         self.releaser.step()
+        self.collect()
+
+    @precondition(lambda self: self.retries.pending())
+    @rule()
+    def failed_releases_are_sent_again(self) -> None:
+        """The retry thread wakes: it sends every failed release again
+        (a fault can fail it again, for a while).
+        """
+        self.retries.step(force=True)
         self.collect()
 
     @precondition(lambda self: not self.aged)
@@ -407,6 +470,11 @@ class HandoffModel(RuleBasedStateMachine):
             assert starts <= 1 + MAX_RETRIES + self.crashes[message_id], (message_id, starts)
 
     @invariant()
+    def a_message_starts_again_only_after_a_failure_or_a_crash(self) -> None:
+        for message_id, starts in self.starts.items():
+            assert starts <= 1 + self.failures[message_id] + self.crashes[message_id], (message_id, starts)
+
+    @invariant()
     def no_message_is_dead_lettered_twice(self) -> None:
         # ...unless its lock call failed on every attempt of a copy (see the docs)
         assert all(count <= 1 + self.dead_of_backend_errors[m] for m, count in self.dead.items()), self.dead
@@ -424,7 +492,7 @@ class HandoffModel(RuleBasedStateMachine):
     # Once everything has drained ----------------------------------------------------
 
     def drain(self) -> None:
-        self.locks.fault = None
+        self.locks.fault = self.broker.fault = None
         for step in range(500):
             if step % 50 == 49:
                 self.leases_run_out()
@@ -432,6 +500,8 @@ class HandoffModel(RuleBasedStateMachine):
                 self.finish(0, False)
             elif self.releaser is not None and self.releaser.busy():
                 self.releaser_sends()
+            elif self.retries.pending():
+                self.failed_releases_are_sent_again()
             elif self.queued(delayed=True):
                 self.move(0)
             elif self.pool:
@@ -444,6 +514,7 @@ class HandoffModel(RuleBasedStateMachine):
     def check_all(self) -> None:
         self.runs_of_one_key_never_overlap()
         self.no_message_starts_more_than_its_retries_allow()
+        self.a_message_starts_again_only_after_a_failure_or_a_crash()
         self.no_message_is_dead_lettered_twice()
         self.a_result_is_only_ever_a_real_one()
         self.a_run_lock_is_reported_lost_only_when_its_lease_ran_out()
@@ -457,7 +528,9 @@ class HandoffModel(RuleBasedStateMachine):
             # Every run lock still held is one whose release failed, and said so: only its lease frees it.
             held = {(key, message_id_of(owner)) for key, entry in self.locks._entries.items()
                     if key.endswith(":run") for owner in entry.holders if owner not in self.dead_owners}
-            assert held <= self.failed_releases, f"never released, and no error said so: {held - self.failed_releases}"
+            # Every release that failed was sent again until it landed: no run lock is left to its lease.
+            assert self.retries.pending() == 0
+            assert not held, f"never released: {held}"
             # No lock, waiter or hand-off body outlives the messages, once
             # the run locks whose release failed have reached their lease.
             self.leases_run_out()

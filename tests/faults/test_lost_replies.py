@@ -45,3 +45,31 @@ def test_a_reschedule_whose_enqueue_reply_is_lost_runs_each_message_once(make_ha
     assert proxy.replies_lost == WAITERS
     assert per_message == Counter({m.message_id: 1 for m in [holder, *waiters]}), per_message
     assert not overlaps(runs)
+
+
+def test_a_release_that_met_a_network_drop_frees_its_key_once_the_network_is_back(
+    make_harness, proxy, redis_url, figure
+):
+    # Given an until_executed job whose worker reaches the lock Redis through the proxy
+    h = make_harness("redis", FAULTS_LOCK_URL=through(proxy, redis_url))
+    h.workers(processes=1, threads=2)
+    first = h.app.once.send("k", gate="run")
+    h.started(first.message_id)
+    # When the network drops just as the job succeeds, so that its release and every resend fail
+    proxy.cut()
+    h.open_gate("run")
+    wait_for(lambda: h.events("backend_error"), timeout=30, what="the release to fail")
+    time.sleep(0.2)  # the drop lasts a while: the first retries fail too
+    proxy.heal()
+    healed = time.monotonic()
+    # Then, once the network is back, the key is freed and a new send of it is accepted within seconds
+    accepted = None
+    while time.monotonic() - healed < 10:
+        again = h.app.once.send("k")
+        if "unique_duplicate_of" not in again.options:
+            accepted = time.monotonic() - healed
+            break
+        time.sleep(0.05)
+    figure("accepted_again_after_s", None if accepted is None else round(accepted, 2))
+    assert accepted is not None, "the key was still held 10 s after the network came back"
+    assert h.finished(again.message_id).key == "k"

@@ -1,0 +1,61 @@
+"""Failed releases, sent again off the worker thread until they land."""
+
+from __future__ import annotations
+
+import time
+
+from dramatiq_unique import StubBackend
+from dramatiq_unique.unreleased import FailedRelease, ReleaseRetries
+from tests.conftest import wait_for
+
+
+class FlakyBackend(StubBackend):
+    """A stub backend whose releases fail while ``down`` is set."""
+
+    down = True
+
+    def release(self, key, owner, *, hand_over=True):  # type: ignore[no-untyped-def]
+        if self.down:
+            raise ConnectionError("the lock backend is unreachable")
+        return super().release(key, owner, hand_over=hand_over)
+
+
+def now_ms() -> float:
+    return time.monotonic() * 1000
+
+
+def test_a_failed_release_lands_once_the_backend_is_back() -> None:
+    backend = FlakyBackend()
+    assert backend.acquire("k", "m", ttl=60_000).acquired
+    landed = []
+    retries = ReleaseRetries(backend, first_retry=10, most_between=50)
+    retries.submit(FailedRelease("k", "m", now_ms() + 60_000, lambda outcome: landed.append(outcome)))
+    # While the backend is down the release keeps failing, and keeps waiting
+    wait_for(lambda: retries.pending() == 1 and backend.inspect("k") is not None, timeout=5, what="a retry")
+    time.sleep(0.1)
+    assert not landed and backend.inspect("k") is not None
+    # Once it is back, the release lands within a retry interval, and its outcome is reported once
+    backend.down = False
+    wait_for(lambda: landed, timeout=5, what="the release to land")
+    assert backend.inspect("k") is None
+    assert [outcome.held for outcome in landed] == [True]
+    assert retries.pending() == 0
+    retries.stop(timeout=100)
+
+
+def test_a_release_whose_lock_expired_meanwhile_is_dropped_and_the_thread_ends() -> None:
+    backend = FlakyBackend()
+    retries = ReleaseRetries(backend, first_retry=10, most_between=20)
+    retries.submit(FailedRelease("k", "m", now_ms() + 50, lambda outcome: None))
+    wait_for(lambda: retries.pending() == 0, timeout=5, what="the expired release to be dropped")
+    wait_for(lambda: not retries._running, timeout=5, what="the retry thread to end")
+
+
+def test_shutdown_waits_for_failed_releases_at_most_its_bound() -> None:
+    backend = FlakyBackend()
+    retries = ReleaseRetries(backend, first_retry=10, most_between=20)
+    retries.submit(FailedRelease("k", "m", now_ms() + 60_000, lambda outcome: None))
+    began = time.monotonic()
+    retries.stop(timeout=300)
+    assert 0.25 <= time.monotonic() - began < 2.0
+    assert retries.pending() == 0  # what was left is logged and left to expire
