@@ -75,6 +75,8 @@ def render(results: Results) -> str:
     m = results.meta
     return f"""# Performance
 
+{summary(results)}
+
 Written by `python -m benchmarks` (see the README); do not edit by hand, run it again.
 
 - **When:** {m['date']}, {m['duration']}
@@ -147,6 +149,20 @@ holds many locks through the middleware's real code path and reads
 
 {notes(results)}
 """
+
+
+def summary(results: Results) -> str:
+    """The page's opening, five lines at most: what the lock costs."""
+    def ratio(config: str, contender: str = "while_executing", against: str = BARE) -> str:
+        return number(results.ratio(figure_name("process", config), contender, against), 2)
+
+    return (f"**In short:** a `while_executing` lock processes {ratio('default')} × bare Dramatiq's rate at the "
+            f"defaults, and {ratio('prefetch 64')} × at prefetch 64;\n"
+            f"with a 1 ms job, {ratio('1 ms sleep job')} × (sleeping) and {ratio('1 ms CPU job')} × (on the CPU), "
+            f"against {ratio('1 ms sleep job', FLOOR_LOCK)} and {ratio('1 ms CPU job', FLOOR_LOCK)} for the lock "
+            f"floor, the least any client of its scripts can cost;\n"
+            f"an `until_executed` send enqueues at {number(results.ratio('enqueue', 'until_executed', BARE), 2)} × "
+            f"bare Dramatiq's rate.  The rest of the page says how that was measured, and why.")
 
 
 def notes(results: Results) -> str:

@@ -295,3 +295,13 @@ def test_every_event_metric_log_line_and_command_is_documented() -> None:
     commands = [name for action in parser()._actions if action.dest == "command" for name in action.choices or ()]
     assert "locks" in commands
     assert [name for name in commands if f"dramatiq-unique {name}" not in text and name != "demo"] == []
+
+
+def test_the_api_reference_names_every_public_name() -> None:
+    import dramatiq_unique
+
+    text = (DOCS / "api.md").read_text()
+    public = [f"dramatiq_unique.{name}" for name in dramatiq_unique.__all__ if name not in ("LOCK_TYPES", "STRATEGIES")]
+    public += [f"dramatiq_unique.testing.{name}" for name in ("disabled", "assert_duplicate", "wait_for_releases")]
+    assert [name for name in public if name not in text] == []
+    assert "`dramatiq_unique.LOCK_TYPES`" in text and "`dramatiq_unique.STRATEGIES`" in text
