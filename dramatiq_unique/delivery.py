@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
@@ -15,6 +16,45 @@ if TYPE_CHECKING:
     from dramatiq.broker import MessageProxy
 
 _fence: ContextVar[Optional[int]] = ContextVar("dramatiq_unique_fence", default=None)
+
+#: How many messages of one producer, made in one millisecond, keep
+#: their order among a key's waiters; a zset score stays exact (under
+#: 2**53) with timestamps in milliseconds times this.
+SENDS_PER_MS = 1000
+
+
+class _SendOrder:
+    """The place of each send among this process's sends of the same
+    millisecond: waiters of one key are handed the key in send order,
+    and message ids, the only other tie-breaker, are random.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ms, self._next = -1, 0
+
+    def stamp(self, message: Any) -> None:
+        """Stamp ``unique_seq`` on a new message (never on a re-enqueue:
+        a retry or a move keeps its place).
+        """
+        ms = int(message.message_timestamp)
+        with self._lock:
+            if ms != self._ms:
+                self._ms, self._next = ms, 0
+            seq, self._next = self._next, self._next + 1
+        message.options["unique_seq"] = min(seq, SENDS_PER_MS - 1)
+
+
+#: Stamps the send order of this process's new messages.
+send_sequence = _SendOrder()
+
+
+def send_order(message: Any) -> int:
+    """Where a waiting message stands among its key's waiters: the
+    millisecond its message was made, then its place among its
+    producer's messages of that millisecond.
+    """
+    return int(message.message_timestamp) * SENDS_PER_MS + int(message.options.get("unique_seq", 0))
 
 
 @dataclass(eq=False)

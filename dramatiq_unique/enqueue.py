@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from . import replace
 from .compat import ConsumerThread
 from .confirm import Confirmer, Pending
-from .delivery import copy_of
+from .delivery import copy_of, send_sequence
 from .errors import DuplicateMessage
 from .events import LockEvent
 from .results import store_failure
@@ -189,6 +189,8 @@ class EnqueueGuard:
         """
         if "unique_digest" not in message.options:
             message.options["unique_digest"] = spec.digest(message.args, message.kwargs)
+            if spec.lock.run_lock:
+                send_sequence.stamp(message)
         if spec.lock.run_lock and fresh and self.middleware.record_lock_args:
             # The worker's run lock records them from the message (see copy_of).
             message.options.setdefault("unique_lock_args", self._lock_args(message, spec, fresh))

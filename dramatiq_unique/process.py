@@ -25,7 +25,7 @@ from dramatiq.middleware import AgeLimit, SkipMessage
 from .backend import Copy, Release
 from .compat import age_limit_module
 from .coroutines import watch
-from .delivery import Delivery, attach, copy_of, message_id_of, set_fence
+from .delivery import Delivery, attach, copy_of, message_id_of, send_order, set_fence
 from .errors import CopySkipped, LockConflict, Rescheduled
 from .events import LockEvent
 from .forks import pid
@@ -228,18 +228,18 @@ class ProcessGuard:
         try:
             handed = message.copy(options={**options, "unique_via": "handoff"})
             waiting = Copy(key, message.message_id, attempt, "handoff")
-            order, ttl = int(message.message_timestamp), middleware.settings.lock_ttl
+            order, ttl = send_order(message), middleware.settings.lock_ttl
             self.backend.wait(waiting, handed.encode(), order=order, ttl=ttl)
         except Exception as e:
             # It may have been applied: a hand-off copy of the attempt may come.
-            self._stand_in(message, attempt)
+            self._stand_in(message, state, attempt)
             raise middleware.backend_error("register a message waiting for", key, spec, message, e) from e
         try:
             delayed = message.copy(options={**options, "unique_via": "delay"})
             broker.enqueue(delayed, delay=int(base * random.uniform(0.8, 1.2)))
         except Exception as e:
             # It may have been applied: the delayed copy may be queued.
-            self._stand_in(message, attempt)
+            self._stand_in(message, state, attempt)
             raise middleware.backend_error("reschedule a message waiting for", key, spec, message, e) from e
         state.keeps_queue_lock = state.quiet_skip = True
         store_nothing(message)
@@ -248,15 +248,18 @@ class ProcessGuard:
         raise Rescheduled(f"run lock {key!r} is held; rescheduled")
 
     @staticmethod
-    def _stand_in(message: "MessageProxy", attempt: int) -> None:
+    def _stand_in(message: "MessageProxy", state: Delivery, attempt: int) -> None:
         """Make this delivery's retry a third copy of ``attempt``, after
         a call of the reschedule whose outcome is unknown: the delayed
         and the hand-off copy may or may not exist, and of the three the
         first to arrive runs and the others are skipped (Retries
-        re-enqueues this very message, with these options).
+        re-enqueues this very message, with these options).  Should
+        Retries give up instead, this copy of the attempt is unclaimed:
+        its dead-letter claims it, so that no other copy runs.
         """
         message.options["unique_reschedules"] = attempt
         message.options["unique_via"] = "retry"
+        state.claimed = False
 
     def retire(self, message: "MessageProxy", state: Delivery) -> None:
         """A copy is dead-lettered: make sure no other copy of its
