@@ -140,7 +140,7 @@ class Lock:
             "fence": self.fence,
             "lock_args": _decoded(self.lock_args),
             "holders": [holder.as_dict() for holder in self.holders],
-            "waiting": [{"message_id": w.message_id, "since": w.order} for w in self.waiting],
+            "waiting": [{"message_id": w.message_id, "since": w.sent_at, "order": w.order} for w in self.waiting],
             "current": self.current,
             "superseded": self.superseded,
         }

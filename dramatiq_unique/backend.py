@@ -180,6 +180,12 @@ class LockInfo:
     records: dict[str, EnqueueRecord] = field(default_factory=dict)
 
 
+#: How many messages of one producer, made in one millisecond, keep
+#: their order among a key's waiters; a zset score stays exact (under
+#: 2**53) with timestamps in milliseconds times this.
+SENDS_PER_MS = 1000
+
+
 @dataclass(frozen=True)
 class Waiter:
     """A message waiting for a run lock, to be handed the key when a
@@ -187,12 +193,18 @@ class Waiter:
 
     Attributes:
       message_id(str): The waiting message.
-      order(int): Its place in line, the lowest first: when the message
-        was first sent, in Unix milliseconds.
+      order(int): Its place in line, the lowest first: the Unix
+        millisecond its message was made times :data:`SENDS_PER_MS`,
+        plus its place among its producer's sends of that millisecond.
     """
 
     message_id: str
     order: int
+
+    @property
+    def sent_at(self) -> int:
+        """When the message was first sent, in Unix milliseconds."""
+        return self.order // SENDS_PER_MS
 
 
 class LockBackend(abc.ABC):

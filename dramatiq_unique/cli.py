@@ -153,7 +153,7 @@ def _print_lock(lock: "Lock") -> None:
     if lock.phase == "run":
         print(f"waiting    {len(lock.waiting)}")
         for waiter in lock.waiting:
-            print(f"  message {waiter.message_id}  sent {_timestamp(waiter.order)} ({_ago(waiter.order)} ago)")
+            print(f"  message {waiter.message_id}  sent {_timestamp(waiter.sent_at)} ({_ago(waiter.sent_at)} ago)")
 
 
 def _inspect(args: argparse.Namespace) -> int:

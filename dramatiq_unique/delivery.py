@@ -7,7 +7,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from .backend import Copy
+from .backend import SENDS_PER_MS, Copy
 from .coroutines import CoroutineWatch
 from .leases import Lease
 from .spec import ActorSpec
@@ -16,11 +16,6 @@ if TYPE_CHECKING:
     from dramatiq.broker import MessageProxy
 
 _fence: ContextVar[Optional[int]] = ContextVar("dramatiq_unique_fence", default=None)
-
-#: How many messages of one producer, made in one millisecond, keep
-#: their order among a key's waiters; a zset score stays exact (under
-#: 2**53) with timestamps in milliseconds times this.
-SENDS_PER_MS = 1000
 
 
 class _SendOrder:
