@@ -1,9 +1,9 @@
 """The package's background threads, on one base.
 
-Each background task of a process (the lease keeper, the confirmer, the
-periodic reaper, the hand-off timer) runs a loop on a
-:class:`BackgroundThread`, which gives every one of them the same
-life cycle:
+Each background task of a process (the lease keeper, the releaser,
+the confirmer, the retries of failed releases, the periodic reaper, the
+hand-off timer) runs a loop on a :class:`BackgroundThread`, which gives
+every one of them the same life cycle:
 
 * **lazy start**: the thread starts with the first call that needs it
   (:meth:`~BackgroundThread.ensure_started`, one field read when it
@@ -14,6 +14,12 @@ life cycle:
 * **stop** and a **bounded drain**: :meth:`~BackgroundThread.stop` wakes
   the loop and waits for it at most a given time;
   :meth:`~BackgroundThread.drain` waits, bounded, for a condition;
+* **generations**: a loop that decides, under its owner's lock, to end
+  (nothing left to do) or that its owner gives up on (stuck in a call)
+  is retired at once (:meth:`~BackgroundThread.retire`), so that the next use
+  starts a new thread without waiting for the old one to return; each
+  start has its own generation, and an old thread's exit never clears
+  the running mark of a newer one;
 * **errors are logged, not lost**: an exception that ends a loop is
   logged with its traceback, and the next use starts a new thread;
 * **gevent**: under ``dramatiq-gevent``'s monkey-patching a thread is a
@@ -27,6 +33,7 @@ life cycle:
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time as mod_time
@@ -35,6 +42,7 @@ from typing import Any, Callable, Optional, Union
 
 from dramatiq.logging import get_logger
 
+from .clock import now_ms
 from .compat import hub_caller, native_lock, start_native_thread, threads_are_green
 from .forks import pid
 
@@ -49,10 +57,6 @@ DEFAULT_POLL = 10
 #: The loop of a background thread: called with its thread, it returns
 #: once ``thread.stopping`` is set (or whenever it is done).
 Loop = Callable[["BackgroundThread"], None]
-
-
-def _now_ms() -> float:
-    return mod_time.monotonic() * 1000
 
 
 class Wakeup:
@@ -95,6 +99,9 @@ class BackgroundThread:
         so a callable can say whether it can); ignored otherwise.
       on_fork(callable): Called in a forked child, before any of its
         code runs, to drop what the parent's thread had under way.
+      on_wake(callable): Called by :meth:`wake` and :meth:`stop`, for a
+        loop that waits on its owner's own condition rather than with
+        :meth:`wait`: it notifies that condition, under its lock.
     """
 
     def __init__(
@@ -104,13 +111,20 @@ class BackgroundThread:
         loop: Loop,
         native: Union[bool, Callable[[], bool]] = False,
         on_fork: Optional[Callable[[], None]] = None,
+        on_wake: Optional[Callable[[], None]] = None,
     ) -> None:
         self.logger = get_logger(__name__, type(self))
         self.name = name
         self.loop = loop
         self.wants_native = native
         self.on_fork = on_fork
+        self.on_wake = on_wake
         self._start_lock = threading.Lock()
+        #: Bumped by every start; the generation of the newest thread.
+        self.generation = 0
+        #: The newest generation that ended or was retired: its thread
+        #: no longer owns the running mark.
+        self._retired = 0
         self._reset()
         _LIVE.add(self)
 
@@ -146,44 +160,71 @@ class BackgroundThread:
             self._wakeup = Wakeup(native_lock() if self.native else threading.Lock())
             self._to_hub = hub_caller() if self.native else _call
             self._finished = False
+            self.generation += 1
             # Before the start: a loop that ends at once clears it after.
             self.running_in = pid()
             try:
-                self._start()
+                self._start(self.generation)
             except BaseException:
-                self.running_in, self._finished = None, True  # a thread that failed to start is tried again
+                self._clear(self.generation)  # a thread that failed to start is tried again
                 raise
 
-    def _start(self) -> None:
+    def _start(self, generation: int) -> None:
+        main = functools.partial(self._main, generation)
         if self.native:
-            start_native_thread(self._main)
+            start_native_thread(main)
         else:
-            self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
+            self._thread = threading.Thread(target=main, name=self.name, daemon=True)
             self._thread.start()
 
     def _wants_native(self) -> bool:
         wants = self.wants_native
         return bool(wants() if callable(wants) else wants)
 
-    def _main(self) -> None:
+    def _main(self, generation: int) -> None:
         try:
             self.loop(self)
         except Exception as error:
             self._stopped_by(error)
         finally:
-            # Under the start lock would block a native thread on a
-            # greenlet's lock: the two fields are set in this order, and
-            # a start that reads the old pid waits for nothing.
-            self.running_in = None
-            self._finished = True
+            # Only while this thread still owns the mark: once retired, a
+            # newer thread may hold it, and clearing it would let a third
+            # start beside that one (or leave a stop() nothing to wait for).
+            if self._retired != generation and self.generation == generation:
+                self._clear(generation)
+
+    def retire(self) -> None:
+        """Give up the running mark of the newest thread now: the next
+        :meth:`ensure_started` starts a new thread, whatever the old one
+        still does before it returns.
+
+        Called by a loop, under its owner's lock, as it decides to end
+        (a submission made after that decision then starts a new
+        thread, where it would otherwise find the old one still marked
+        running), or by the owner to give up on a thread stuck in a call
+        (the owner then ignores what that thread still reports).
+        """
+        if self.generation != self._retired:
+            self._clear(self.generation)
+
+    def _clear(self, generation: int) -> None:
+        # Under the start lock would block a native thread on a
+        # greenlet's lock.  No start can come between the check of the
+        # caller and these writes: a start waits for the mark to clear,
+        # and the generation is marked retired before it does.
+        self._retired = generation
+        self._finished = True
+        self.running_in = None
 
     def _stopped_by(self, error: Exception) -> None:
         self.report(lambda: self.logger.error(
             "%s stopped on an error; the next use starts it again.", self.name, exc_info=error))
 
     def wake(self) -> None:
-        """Have the loop look again now; never blocks."""
+        """Have the loop look again now; never blocks on the loop."""
         self._wakeup.set()
+        if self.on_wake is not None:
+            self.on_wake()
 
     def wait(self, timeout: float) -> bool:
         """In the loop: sleep until :meth:`wake`, :meth:`stop` or
@@ -202,7 +243,7 @@ class BackgroundThread:
           bool: True when it ended (or never ran).
         """
         self.stopping = True
-        self._wakeup.set()
+        self.wake()
         thread = self._thread
         if thread is not None and not self.native:
             if thread is not threading.current_thread():
@@ -220,9 +261,9 @@ class BackgroundThread:
         Returns:
           bool: whether it became true.
         """
-        deadline = _now_ms() + timeout
+        deadline = now_ms() + timeout
         while not done():
-            left = deadline - _now_ms()
+            left = deadline - now_ms()
             if left <= 0:
                 return False
             mod_time.sleep(min(left, poll) / 1000)

@@ -22,7 +22,6 @@ ran the message first) or that lapsed and was taken by someone else.
 from __future__ import annotations
 
 import atexit
-import os
 import threading
 import time as mod_time
 import weakref
@@ -32,6 +31,9 @@ from typing import Callable, Iterable, NamedTuple, Optional
 from dramatiq.logging import get_logger
 
 from .backend import LockBackend
+from .background import BackgroundThread
+from .clock import now_ms
+from .forks import pid
 
 #: How many locks one round trip confirms at most.
 DEFAULT_BATCH = 500
@@ -57,9 +59,9 @@ MAX_WAITING = 100_000
 #: How long a process that exits waits for its confirmations, in seconds.
 EXIT_TIMEOUT = 5.0
 
-
-def _now_ms() -> float:
-    return mod_time.monotonic() * 1000
+#: How long :meth:`Confirmer.stop` waits for the thread to end once it
+#: has confirmed what it could, in milliseconds.
+STOP_TIMEOUT = 1_000
 
 
 class Pending(NamedTuple):
@@ -82,7 +84,9 @@ class Pending(NamedTuple):
 
 
 class Confirmer:
-    """One daemon thread per process that confirms provisional locks.
+    """One background thread per process that confirms provisional locks
+    (a :class:`~.background.BackgroundThread`; a greenlet under gevent,
+    which confirms with the backend's own client).
 
     Parameters:
       backend(LockBackend): Where the locks live.
@@ -95,22 +99,28 @@ class Confirmer:
         self.backend = backend
         self.on_lapsed = on_lapsed
         self._reset()
+        # Each start is a generation of its own: a thread stuck in a call
+        # is retired and replaced, and exits, reporting nothing, once it
+        # finds a newer generation.
+        self._thread = BackgroundThread(
+            name="dramatiq-unique-confirm", loop=self._loop, on_fork=self._reset, on_wake=self._notify
+        )
         _LIVE.add(self)
 
     def _reset(self) -> None:
-        # Also run in a forked child: the parent's thread is not there,
-        # and its condition may have been held at the fork.
-        self._pid = os.getpid()
+        # Also run in a forked child: the parent's locks are the parent's
+        # to confirm, and its condition may have been held at the fork.
+        self._pid = pid()
         self._wakeup = threading.Condition(threading.Lock())
         self._waiting: deque[Pending] = deque()
         #: The batch being confirmed, and since when (monotonic ms).
         self._inflight: list[Pending] = []
         self._busy_since: Optional[float] = None
-        #: Bumped to abandon a thread stuck in a call; it then exits.
-        self._generation = 0
-        self._thread: Optional[threading.Thread] = None
-        self._stopping = False
         self._hurry = False
+
+    def _notify(self) -> None:
+        with self._wakeup:
+            self._wakeup.notify_all()
 
     def submit(self, locks: Iterable[Pending]) -> None:
         """Queue ``locks`` for confirmation; never blocks on the backend."""
@@ -126,7 +136,7 @@ class Confirmer:
                 )
                 while len(waiting) > MAX_WAITING:
                     waiting.pop()
-            if self._thread is None or self._busy_since is not None:
+            if self._thread.running_in != pid() or self._busy_since is not None:
                 self._check_thread()
             if was_empty:
                 self._wakeup.notify()
@@ -137,21 +147,16 @@ class Confirmer:
         silent network can hold a call for minutes).  Called with the
         condition held.
         """
-        if self._busy_since is not None and _now_ms() - self._busy_since > CALL_TIMEOUT:
+        if self._busy_since is not None and now_ms() - self._busy_since > CALL_TIMEOUT:
             self.logger.warning(
                 "Could not confirm %d enqueue lock(s): %r. Trying again.",
                 len(self._inflight),
                 TimeoutError(f"the lock backend did not answer within {CALL_TIMEOUT} ms"),
             )
             self._waiting.extendleft(reversed(self._inflight))
-            self._inflight, self._busy_since, self._thread = [], None, None
-            self._generation += 1
-        if self._thread is None or not self._thread.is_alive():
-            self._stopping = False
-            self._thread = threading.Thread(
-                target=self._run, args=(self._generation,), name="dramatiq-unique-confirm", daemon=True
-            )
-            self._thread.start()
+            self._inflight, self._busy_since = [], None
+            self._thread.retire()  # what the stuck call still does is ignored
+        self._thread.ensure_started()
 
     def waiting(self) -> int:
         """How many locks wait for confirmation, or are being confirmed."""
@@ -185,45 +190,38 @@ class Confirmer:
         stop the thread.
         """
         self.flush(timeout)
-        with self._wakeup:
-            self._stopping = True
-            self._wakeup.notify_all()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=1)
+        self._thread.stop(timeout=STOP_TIMEOUT)
 
-    def _run(self, generation: int) -> None:
-        try:
-            self._loop(generation)
-        finally:
-            with self._wakeup:
-                if self._generation == generation:
-                    self._thread = None
-
-    def _loop(self, generation: int) -> None:
+    def _loop(self, thread: BackgroundThread) -> None:
+        # Read once, as the thread starts: a newer generation comes only
+        # after this one was retired, stuck in a call it made later.
+        generation = thread.generation
         while True:
             with self._wakeup:
-                while not self._waiting and not self._stopping and self._generation == generation:
+                while not self._waiting and not thread.stopping and thread.generation == generation:
                     self._wakeup.wait()
-                if not self._hurry and self._generation == generation:
+                if not self._hurry and thread.generation == generation:
                     # Gather what the next moments bring into one round
                     # trip: every wake-up of this thread costs the sending
                     # thread a hand-over of the GIL.
                     self._wakeup.wait(DEFAULT_LINGER / 1000)
-                if self._generation != generation or not self._waiting:
+                if thread.generation != generation:
+                    return  # retired and replaced: the newer thread has its locks
+                if not self._waiting:
+                    thread.retire()  # stopped, under the lock: a submission from now on starts a new thread
                     return
                 batch = [self._waiting.popleft() for _ in range(min(DEFAULT_BATCH, len(self._waiting)))]
-                self._inflight, self._busy_since = batch, _now_ms()
+                self._inflight, self._busy_since = batch, now_ms()
             try:
-                self._confirm(batch, generation)
+                self._confirm(batch, thread, generation)
             finally:
                 with self._wakeup:
-                    if self._generation == generation:
+                    if thread.generation == generation:
                         self._inflight, self._busy_since = [], None
                     self._wakeup.notify_all()
 
-    def _confirm(self, batch: list[Pending], generation: int) -> None:
-        now = _now_ms()
+    def _confirm(self, batch: list[Pending], thread: BackgroundThread, generation: int) -> None:
+        now = now_ms()
         due = [lock for lock in batch if lock.lapses_at > now]
         for lock in batch:
             if lock.lapses_at <= now:
@@ -236,9 +234,9 @@ class Confirmer:
             self.backend.confirm([(lock.key, lock.owner, lock.ttl) for lock in due])
         except Exception as e:
             self.logger.warning("Could not confirm %d enqueue lock(s): %r. Trying again.", len(due), e)
-            mod_time.sleep(min(RETRY_INTERVAL, max(0.0, min(lock.lapses_at for lock in due) - _now_ms())) / 1000)
+            mod_time.sleep(min(RETRY_INTERVAL, max(0.0, min(lock.lapses_at for lock in due) - now_ms())) / 1000)
             with self._wakeup:
-                if self._generation == generation:
+                if thread.generation == generation:
                     self._waiting.extendleft(reversed(due))
 
     def _lapsed(self, lock: Pending) -> None:
@@ -254,18 +252,12 @@ class Confirmer:
 _LIVE: "weakref.WeakSet[Confirmer]" = weakref.WeakSet()
 
 
-def _after_fork() -> None:
-    for confirmer in list(_LIVE):
-        confirmer._reset()
-
-
 def _at_exit() -> None:
     # A script that sends and exits must not leave its locks provisional.
     deadline = mod_time.monotonic() + EXIT_TIMEOUT
     for confirmer in list(_LIVE):
-        if confirmer._pid == os.getpid():
+        if confirmer._pid == pid():
             confirmer.flush(max(0.0, deadline - mod_time.monotonic()))
 
 
-os.register_at_fork(after_in_child=_after_fork)
 atexit.register(_at_exit)

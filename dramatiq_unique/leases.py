@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import threading
-import time as mod_time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -31,15 +30,12 @@ from dramatiq.logging import get_logger
 
 from .backend import LockBackend
 from .background import BackgroundThread
+from .clock import now_ms
 from .compat import original
 from .forks import pid
 
 #: How soon a failed renewal is tried again, in milliseconds.
 RETRY_INTERVAL = 1_000
-
-
-def _now_ms() -> float:
-    return mod_time.monotonic() * 1000
 
 
 class _Renewal:
@@ -175,7 +171,7 @@ class LeaseKeeper:
 
     def _serve(self, thread: BackgroundThread) -> None:
         while not thread.stopping:
-            now = _now_ms()
+            now = now_ms()
             held = self._held()
             following = min((lease.renew_at for lease in held), default=None)
             if following is None or following > now:
@@ -189,7 +185,7 @@ class LeaseKeeper:
 
     def renew(self, due: list[Lease]) -> None:
         """Renew ``due`` leases now, in one round trip."""
-        started = _now_ms()
+        started = now_ms()
         try:
             held = self._extend(due)
         except Exception as e:
@@ -207,8 +203,8 @@ class LeaseKeeper:
         for lease in due:
             if self.on_error is not None:
                 self._report(lambda lease=lease: self.on_error(lease))  # type: ignore[misc]
-            lease.renew_at = min(_now_ms() + RETRY_INTERVAL, lease.expires_at)
-            if _now_ms() >= lease.expires_at:
+            lease.renew_at = min(now_ms() + RETRY_INTERVAL, lease.expires_at)
+            if now_ms() >= lease.expires_at:
                 self._lose(lease)
 
     def _extend(self, due: list[Lease]) -> list[bool]:
@@ -216,7 +212,7 @@ class LeaseKeeper:
         the first of their deadlines.
         """
         locks = [(lease.key, lease.owner) for lease in due]
-        timeout = min(lease.expires_at for lease in due) - _now_ms()
+        timeout = min(lease.expires_at for lease in due) - now_ms()
         if self._thread.native and self._native_extend is not None:
             # On this native thread, its own socket times the wait.
             return self._native_extend(locks, self.lease, timeout=timeout)

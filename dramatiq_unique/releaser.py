@@ -5,8 +5,8 @@ lock here and moves on to its next message.  The releases pending when
 a worker thread takes its next run lock ride in front of that call, in
 the same round trip (:meth:`LockBackend.release_and_start`): under load
 a release costs no round trip of its own.  What no worker thread has
-carried within ``linger`` milliseconds, one daemon thread per process
-sends in one round trip (:meth:`LockBackend.release_many`).  Each
+carried within ``linger`` milliseconds, one background thread per
+process (a :class:`~.background.BackgroundThread`) sends in one round trip (:meth:`LockBackend.release_many`).  Each
 outcome is reported where it arrived, in order with the call it rode
 with; the work a report leaves to do (enqueueing the waiter a release
 handed its key to) is done on the releaser thread.
@@ -35,13 +35,14 @@ What stays true:
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
 from dramatiq.logging import get_logger
 
 from .backend import Copy, LockBackend, Release, Start
+from .background import DEFAULT_STOP_TIMEOUT, BackgroundThread
+from .clock import now_ms
 from .forks import pid
 
 #: The most releases sent in one round trip.
@@ -67,10 +68,6 @@ QUIET_AFTER = 50
 Outcome = Union[Release, Exception]
 
 
-def _now_ms() -> float:
-    return time.monotonic() * 1000
-
-
 @dataclass(eq=False)
 class PendingRelease:
     """One run lock to release, and what to do with the outcome.
@@ -89,7 +86,7 @@ class PendingRelease:
     owner: str
     actor: str
     done: Callable[[Outcome], Optional[Callable[[], None]]]
-    submitted_at: float = field(default_factory=_now_ms)
+    submitted_at: float = field(default_factory=now_ms)
     resent: bool = False  # sent again after a call that may have applied it was broken
 
 
@@ -129,6 +126,16 @@ class Releaser:
         self.stall_after = stall_after
         self.drain_timeout = drain_timeout
         self.linger = linger
+        self._reset()
+        # A greenlet under gevent: it sends with the backend's own client,
+        # whose patched sockets and pool belong to the hub's thread.
+        self._thread = BackgroundThread(
+            name="dramatiq-unique-releaser", loop=self._serve, on_fork=self._reset, on_wake=self._notify
+        )
+
+    def _reset(self) -> None:
+        # Also run in a forked child, before its code runs: the parent
+        # releases what it queued, and its lock may have been held.
         self._pending: list[PendingRelease] = []
         self._sending: list[PendingRelease] = []
         self._riding = 0  # releases sent by worker threads, not yet reported
@@ -141,22 +148,18 @@ class Releaser:
         # directly, without the condition's Python-level __enter__.
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
-        self._thread: Optional[threading.Thread] = None
-        self._running = False  # the thread runs: a flag, where is_alive() costs two calls per release
-        self._pid = pid()
-        self._stopping = False
         self._idle = False
+
+    def _notify(self) -> None:
+        with self._wakeup:
+            self._wakeup.notify_all()
 
     def submit(self, pending: PendingRelease) -> None:
         """Queue one release; never waits for the backend."""
         with self._lock:
-            if self._pid != pid():
-                # A forked child: the parent releases what it queued.
-                self._pending, self._sending, self._follow_ups, self._riding = [], [], [], 0
-                self._pid, self._running = pid(), False
             self._pending.append(pending)
             self._last_submitted = pending.submitted_at
-            if not self._running:
+            if self._thread.running_in != pid():
                 self._ensure_thread()
             if self._idle:
                 self._wakeup.notify()  # only an idle releaser needs waking; a busy one looks again
@@ -200,7 +203,7 @@ class Releaser:
         return started
 
     def _board(self) -> list[PendingRelease]:
-        if not self._pending or self._pid != pid():
+        if not self._pending:
             return []  # read without the lock: a release missed here goes with the next call
         with self._lock:
             riders, self._pending = self._pending[: self.batch], self._pending[self.batch :]
@@ -243,15 +246,11 @@ class Releaser:
 
     def _ensure_thread(self) -> None:
         """Start the releaser thread unless it runs; the lock is held."""
-        if not self._running:
-            self._stopping = False
-            self._thread = threading.Thread(target=self._run, name="dramatiq-unique-releaser", daemon=True)
-            self._thread.start()
-            self._running = True  # after start(): a thread that failed to start is tried again
+        self._thread.ensure_started()
 
     def _stalled(self) -> list[PendingRelease]:
         """The batch in flight, once, when it has waited too long."""
-        if not self._sending or self._stall_reported or _now_ms() - self._sending_since < self.stall_after:
+        if not self._sending or self._stall_reported or now_ms() - self._sending_since < self.stall_after:
             return []
         self._stall_reported = True
         return list(self._sending)
@@ -271,15 +270,15 @@ class Releaser:
         Returns:
           bool: True when nothing is left.
         """
-        deadline = _now_ms() + (self.drain_timeout if timeout is None else timeout)
+        deadline = now_ms() + (self.drain_timeout if timeout is None else timeout)
         with self._wakeup:
             self._draining += 1
             self._wakeup.notify_all()  # a lingering releaser sends at once
             try:
                 while self._left():
-                    if not (self._running and self._pid == pid()) and not self._riding:
+                    if self._thread.running_in != pid() and not self._riding:
                         return False
-                    left = deadline - _now_ms()
+                    left = deadline - now_ms()
                     if left <= 0:
                         return False
                     self._wakeup.wait(timeout=left / 1000)
@@ -292,31 +291,28 @@ class Releaser:
         milliseconds is logged and left to expire with its lease.
         """
         drained = self.drain(timeout)
+        # A thread stuck in a call is not waited for again: the drain did.
+        self._thread.stop(timeout=DEFAULT_STOP_TIMEOUT if drained else 0)
         with self._wakeup:
-            self._stopping = True
-            self._wakeup.notify_all()
             left = self._left()
         if not drained and left:
             self.logger.warning("%d run lock(s) were not released before shutdown; their leases expire.", left)
 
-    def _run(self) -> None:
+    def _serve(self, thread: BackgroundThread) -> None:
         try:
-            self._serve()
+            while True:
+                with self._wakeup:
+                    batch, follow_ups = self._next(thread)
+                    if batch is None:
+                        thread.retire()  # under the lock: a submission from now on starts a new thread
+                        return
+                    self._sending, self._sending_since, self._stall_reported = batch, now_ms(), False
+                self._send(batch, follow_ups)
         except BaseException:
             with self._wakeup:
-                self._running = False  # the next submission starts a new thread
-                self._wakeup.notify_all()
+                thread.retire()  # the next submission starts a new thread (the base logs the error)
+                self._wakeup.notify_all()  # and a drain waiting for this one stops waiting
             raise
-
-    def _serve(self) -> None:
-        while True:
-            with self._wakeup:
-                batch, follow_ups = self._next()
-                if batch is None:
-                    self._running = False  # under the lock: a submission from now on starts a new thread
-                    return
-                self._sending, self._sending_since, self._stall_reported = batch, _now_ms(), False
-            self._send(batch, follow_ups)
 
     def _send(self, batch: list[PendingRelease], follow_ups: list[FollowUp]) -> None:
         """Do the hand-offs left to do, then send ``batch`` in one round
@@ -334,7 +330,7 @@ class Releaser:
             self._riding -= len(follow_ups)
             self._wakeup.notify_all()
 
-    def _next(self) -> tuple[Optional[list[PendingRelease]], list[FollowUp]]:
+    def _next(self, thread: BackgroundThread) -> tuple[Optional[list[PendingRelease]], list[FollowUp]]:
         """Wait, holding the lock, for hand-offs to do or releases that
         no worker thread carried within ``linger``; None to end.
         """
@@ -342,14 +338,14 @@ class Releaser:
             if self._follow_ups:
                 follow_ups, self._follow_ups = self._follow_ups, []
                 return self._due(force=True), follow_ups
-            due = self._due(force=self._stopping or self._draining > 0)
+            due = self._due(force=thread.stopping or self._draining > 0)
             if due:
                 return due, []
-            if self._stopping and not self._pending:
+            if thread.stopping and not self._pending:
                 return None, []
             # Idle (woken by the next submission) when there is nothing to
             # send and either nothing to linger for or nothing submitted lately.
-            self._idle = not self._pending and (self.linger <= 0 or _now_ms() - self._last_submitted > QUIET_AFTER)
+            self._idle = not self._pending and (self.linger <= 0 or now_ms() - self._last_submitted > QUIET_AFTER)
             look_again = self._linger_left() if self._pending else self.linger
             self._wakeup.wait(timeout=1.0 if self._idle else look_again / 1000)
             self._idle = False
@@ -362,7 +358,7 @@ class Releaser:
 
     def _linger_left(self) -> float:
         first = self._pending[0]
-        return 0.0 if first.resent else first.submitted_at + self.linger - _now_ms()
+        return 0.0 if first.resent else first.submitted_at + self.linger - now_ms()
 
     def _release(self, batch: list[PendingRelease]) -> list[Outcome]:
         if not batch:
@@ -373,7 +369,7 @@ class Releaser:
             return [e] * len(batch)
         if self._stall_reported:
             self.logger.warning("The lock backend answered %d release(s) after %.0f ms.",
-                                len(batch), _now_ms() - self._sending_since)
+                                len(batch), now_ms() - self._sending_since)
         return outcomes
 
     def _report(self, pending: PendingRelease, outcome: Outcome) -> Optional[Callable[[], None]]:

@@ -3,8 +3,9 @@
 A release that fails (a dropped connection, a timeout, Redis down for
 a while) would leave its key held until the lock expires: 60 s for a
 run lease, 24 h for an ``until_executed`` enqueue lock.  Instead it is
-queued here, and one daemon thread per process sends it again, with
-backoff, until it is applied, or until the lock would have expired
+queued here, and one background thread per process (a
+:class:`~.background.BackgroundThread`, a greenlet under gevent) sends
+it again, with backoff, until it is applied, or until the lock would have expired
 anyway, when there is nothing left to free.
 
 A failed release may have been applied (its reply was lost), so a
@@ -18,13 +19,14 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 from dramatiq.logging import get_logger
 
 from .backend import LockBackend, Release
+from .background import DEFAULT_STOP_TIMEOUT, BackgroundThread
+from .clock import now_ms
 from .forks import pid
 
 #: Milliseconds before the first retry of a failed release; each retry
@@ -40,10 +42,6 @@ DEFAULT_DRAIN_TIMEOUT = 5_000
 
 #: The most releases sent in one round trip.
 BATCH = 256
-
-
-def _now_ms() -> float:
-    return time.monotonic() * 1000
 
 
 @dataclass(eq=False)
@@ -91,24 +89,31 @@ class ReleaseRetries:
         self.first_retry = first_retry
         self.most_between = most_between
         self.drain_timeout = drain_timeout
+        self._reset()
+        # A greenlet under gevent: it sends with the backend's own client.
+        self._thread = BackgroundThread(
+            name="dramatiq-unique-release-retries", loop=self._run, on_fork=self._reset, on_wake=self._notify
+        )
+
+    def _reset(self) -> None:
+        # Also run in a forked child: what the parent failed to release is
+        # the parent's, and its lock may have been held at the fork.
         self._failed: list[FailedRelease] = []
         self._sending = 0
-        self._lock = threading.Lock()
-        self._wakeup = threading.Condition(self._lock)
-        self._running = False
-        self._stopping = False
-        self._pid = pid()
+        self._wakeup = threading.Condition(threading.Lock())
+
+    def _notify(self) -> None:
+        with self._wakeup:
+            self._wakeup.notify_all()
 
     def submit(self, failed: FailedRelease) -> None:
         """Queue a release that failed; never waits for the backend."""
         failed.wait = self.first_retry
-        failed.due = _now_ms() + self._jittered(failed.wait)
+        failed.due = now_ms() + self._jittered(failed.wait)
         with self._wakeup:
-            if self._pid != pid():
-                # A forked child: what the parent failed to release is the parent's.
-                self._failed, self._sending, self._pid, self._running = [], 0, pid(), False
             self._failed.append(failed)
-            self._ensure_thread()
+            if self._thread.running_in != pid():
+                self._ensure_thread()
             self._wakeup.notify_all()
 
     def pending(self) -> int:
@@ -132,14 +137,14 @@ class ReleaseRetries:
         Returns:
           bool: True when nothing is left.
         """
-        deadline = _now_ms() + (self.drain_timeout if timeout is None else timeout)
+        deadline = now_ms() + (self.drain_timeout if timeout is None else timeout)
         while self.pending():
-            if _now_ms() >= deadline:
+            if now_ms() >= deadline:
                 return False
             self.step(force=True)
             with self._wakeup:
                 if self._failed or self._sending:
-                    self._wakeup.wait(timeout=min(self.first_retry, max(deadline - _now_ms(), 0)) / 1000)
+                    self._wakeup.wait(timeout=min(self.first_retry, max(deadline - now_ms(), 0)) / 1000)
         return True
 
     def stop(self, timeout: Optional[float] = None) -> None:
@@ -148,9 +153,9 @@ class ReleaseRetries:
         """
         drained = self.drain(timeout)
         with self._wakeup:
-            self._stopping = True
             left, self._failed = self._failed, []
-            self._wakeup.notify_all()
+        # A thread stuck in a call is not waited for again: the drain did.
+        self._thread.stop(timeout=DEFAULT_STOP_TIMEOUT if drained else 0)
         if not drained and left:
             self.logger.warning(
                 "%d lock(s) could not be released before shutdown; they expire with their lease or lock_ttl.",
@@ -160,39 +165,37 @@ class ReleaseRetries:
     # The thread ---------------------------------------------------------
 
     def _ensure_thread(self) -> None:
-        if not self._running:
-            self._stopping = False
-            threading.Thread(target=self._run, name="dramatiq-unique-release-retries", daemon=True).start()
-            self._running = True
+        """Start the retry thread unless it runs; the lock is held."""
+        self._thread.ensure_started()
 
-    def _run(self) -> None:
+    def _run(self, thread: BackgroundThread) -> None:
         try:
             while True:
                 with self._wakeup:
-                    batch = self._next()
+                    batch = self._next(thread)
                     if batch is None:
-                        self._running = False
+                        thread.retire()  # under the lock: a submission from now on starts a new thread
                         return
                 self._send(batch)
         except BaseException:
             with self._wakeup:
-                self._running = False
+                thread.retire()  # the next submission starts a new thread (the base logs the error)
             raise
 
-    def _next(self) -> Optional[list[FailedRelease]]:
+    def _next(self, thread: BackgroundThread) -> Optional[list[FailedRelease]]:
         """Wait, holding the lock, for releases due; None to end."""
         while True:
-            if self._stopping or not self._failed:
+            if thread.stopping or not self._failed:
                 return None
             batch = self._take_due(force=False)
             if batch:
                 return batch
             if not self._failed:
                 continue  # every one left had expired: the thread ends
-            self._wakeup.wait(timeout=max(min(f.due for f in self._failed) - _now_ms(), 1) / 1000)
+            self._wakeup.wait(timeout=max(min(f.due for f in self._failed) - now_ms(), 1) / 1000)
 
     def _take_due(self, *, force: bool) -> list[FailedRelease]:
-        now = _now_ms()
+        now = now_ms()
         expired = [f for f in self._failed if f.until <= now]
         due = [f for f in self._failed if f.until > now and (force or f.due <= now)][:BATCH]
         self._failed = [f for f in self._failed if f not in expired and f not in due]
@@ -211,7 +214,7 @@ class ReleaseRetries:
             if isinstance(outcome, Exception):
                 self.logger.debug("Sending the release of %r again failed too: %r", failed.key, outcome)
                 failed.wait = min(failed.wait * 2, self.most_between)
-                failed.due = _now_ms() + self._jittered(failed.wait)
+                failed.due = now_ms() + self._jittered(failed.wait)
                 again.append(failed)
             else:
                 self._land(failed, outcome)

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -59,6 +60,47 @@ def test_an_error_that_ends_the_loop_is_logged_and_the_next_use_starts_it_again(
     assert "ValueError: boom" in caplog.text
     thread.ensure_started()
     wait_for(lambda: len(runs) == 2, what="a second start")
+
+
+def test_an_old_threads_exit_never_clears_the_running_mark_of_a_newer_one():
+    # Given a loop that, told to end, retires under its owner's lock and then takes a while to return
+    owner = threading.Lock()
+    live: list[int] = []
+    starts: list[int] = []
+    idents: list[int] = []
+    end = [threading.Event() for _ in range(3)]
+    returned = [threading.Event() for _ in range(3)]
+
+    def loop(thread: BackgroundThread) -> None:
+        run = len(starts)
+        starts.append(thread.generation)
+        idents.append(threading.get_ident())
+        live.append(run)
+        end[run].wait(10)
+        with owner:
+            thread.retire()  # decided to end: a use from now on starts a new thread
+        live.remove(run)
+        returned[run].wait(10)  # still on its way out
+
+    thread = BackgroundThread(name="test-generations", loop=loop)
+    thread.ensure_started()
+    wait_for(lambda: live == [0], what="the first thread")
+    # When the first one retires, and a use starts a second before the first has returned
+    end[0].set()
+    wait_for(lambda: not live and thread.running_in is None, what="the first thread to retire")
+    thread.ensure_started()
+    wait_for(lambda: live == [1], what="the second thread")
+    # And the first one returns then
+    returned[0].set()
+    wait_for(lambda: idents[0] not in {t.ident for t in threading.enumerate()}, what="the first thread to end")
+    # Then the second is still marked running, and a use starts no third beside it
+    assert thread.running_in == pid()
+    thread.ensure_started()
+    assert thread.generation == 2 and starts == [1, 2] and live == [1]
+    end[1].set()
+    returned[1].set()
+    assert thread.stop(timeout=1_000)
+    assert thread.running_in is None
 
 
 def test_a_forked_child_has_no_thread_until_it_needs_one():

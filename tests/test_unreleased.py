@@ -48,7 +48,7 @@ def test_a_release_whose_lock_expired_meanwhile_is_dropped_and_the_thread_ends()
     retries = ReleaseRetries(backend, first_retry=10, most_between=20)
     retries.submit(FailedRelease("k", "m", now_ms() + 50, lambda outcome: None))
     wait_for(lambda: retries.pending() == 0, timeout=5, what="the expired release to be dropped")
-    wait_for(lambda: not retries._running, timeout=5, what="the retry thread to end")
+    wait_for(lambda: retries._thread.running_in is None, timeout=5, what="the retry thread to end")
 
 
 def test_shutdown_waits_for_failed_releases_at_most_its_bound() -> None:
