@@ -27,6 +27,7 @@ from .backend import EnqueueRecord, LockBackend, LockInfo, Waiter
 from .delivery import message_id_of
 from .errors import LockBackendError, UniqueError
 from .settings import DEFAULT_PREFIX
+from .spec import actor_scope
 
 #: The two kinds of lock key: taken at enqueue, or around a run.
 PHASES = ("queue", "run")
@@ -73,9 +74,7 @@ class Holder:
         """The queue an enqueue-lock holder's message was last
         published to (without ``.DQ``), if recorded.
         """
-        from .reap import queue_of
-
-        return (queue_of(self.record) or None) if self.record is not None else None
+        return (self.record.queue or None) if self.record is not None else None
 
     @property
     def provisional(self) -> bool:
@@ -153,13 +152,6 @@ def _decoded(lock_args: Optional[str]) -> Any:
         return json.loads(lock_args)
     except ValueError:
         return lock_args
-
-
-def actor_scope(actor: str) -> str:
-    """The actor part of the keys of ``actor``: braces would clash with
-    the Cluster hash tag, so the middleware writes them as parentheses.
-    """
-    return actor.replace("{", "(").replace("}", ")")
 
 
 def _wildcard(text: str) -> str:
@@ -302,13 +294,11 @@ class LockAdmin:
         Returns:
           list[str]: ``"key owner"`` for each released slot.
         """
-        from .reap import queue_of
-
         slots = [
             (lock.key, h.owner)
             for lock in self.locks(phase="queue")
             for h in lock.holders
-            if h.record is not None and queue_of(h.record) == queue
+            if h.record is not None and h.record.queue == queue
         ]
         release = functools.partial(self.backend.release, hand_over=False)
         return [f"{key} {owner}" for key, owner in slots if self._call(f"release {key!r}", release, key, owner).held]

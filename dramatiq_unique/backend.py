@@ -131,6 +131,52 @@ class EnqueueRecord:
         except ValueError:
             return None
 
+    @property
+    def queue(self) -> str:
+        """The queue ``where`` names, without a delay queue's ``.DQ``;
+        "" if none.
+        """
+        return Place.queue_in(self.where)
+
+
+def _canonical_queue(queue: str) -> str:
+    """``queue`` without a delay queue's ``.DQ``."""
+    return queue[:-3] if queue.endswith(".DQ") else queue
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a message was published, as an :class:`EnqueueRecord`
+    writes it: ``namespace\tqueue\tredis_message_id`` (namespace and id
+    empty on brokers other than Redis).
+    """
+
+    namespace: str
+    queue: str
+    redis_id: str
+
+    @classmethod
+    def parse(cls, where: str) -> Optional["Place"]:
+        """The place in a record's ``where``; None when it names none
+        that can be looked up (another broker, or nothing recorded).
+        """
+        parts = where.split("\t")
+        if len(parts) != 3 or not parts[0] or not parts[2]:
+            return None
+        return cls(*parts)
+
+    @staticmethod
+    def queue_in(where: str) -> str:
+        """The queue a ``where`` names, on any broker, without a delay
+        queue's ``.DQ``; "" if none.
+        """
+        parts = where.split("\t")
+        return _canonical_queue(parts[1]) if len(parts) == 3 else ""
+
+    @property
+    def canonical_queue(self) -> str:
+        return _canonical_queue(self.queue)
+
 
 @dataclass(frozen=True)
 class Replacement:

@@ -33,15 +33,17 @@ from dramatiq.middleware import (
 from . import settings as config
 from .backend import LockBackend
 from .backends.stub import StubBackend
+from .admin import LockAdmin
 from .compat import Prometheus
+from .context import LockService
 from .coroutines import track
-from .delivery import Delivery, attach, delivery, message_id_of
+from .delivery import Delivery, attach, delivery
 from .enqueue import EnqueueGuard
 from .errors import ConfigurationError, LockBackendError
-from .events import EventHub, Listener, LockEvent
+from .events import EventHub, Listener
 from .leases import LeaseKeeper
-from .process import ProcessGuard
-from .reap import PeriodicReaper, start_periodic_reaper
+from .process import ProcessGuard, RunHelpers
+from .reap import PeriodicReaper, RedisQueues
 from .quiet import install as quiet_our_skips
 from .releaser import Releaser
 from .unreleased import ReleaseRetries
@@ -146,20 +148,26 @@ class UniqueMiddleware(Middleware):
             raise ConfigurationError(
                 f"backend={backend!r} is invalid: expected a LockBackend, e.g. RedisBackend(url=...)."
             )
-        self.enabled = self.settings.enabled
-        self.record_lock_args = self.settings.record_lock_args
         self.events = EventHub()
         for listener in listeners:
             self.events.subscribe(listener)
         self.specs: dict[str, ActorSpec] = {}
+        #: What the guards use: the backend, keys, events and errors.
+        self.service = LockService(settings=self.settings, logger=self.logger, events=self.events, specs=self.specs)
         #: Async actors with a run lock, whose coroutines are tracked.
         self.async_actors: set[str] = set()
         self._leases: Optional[LeaseKeeper] = None
         self._releaser: Optional[Releaser] = None
         self._release_retries: Optional[ReleaseRetries] = None
         self.backend = backend if backend is not None else self._backend_from_url()
-        self._guard = EnqueueGuard(self)
-        self._process = ProcessGuard(self)
+        self._guard = EnqueueGuard(self.service, middleware=self)
+        run = RunHelpers(
+            leases=lambda: self.leases,
+            releaser=lambda: self.releaser,
+            release_retries=lambda: self.release_retries,
+            async_actors=self.async_actors,
+        )
+        self._process = ProcessGuard(self.service, run=run)
         self._retries = True
         self._reaper: Optional["PeriodicReaper"] = None
 
@@ -210,7 +218,7 @@ class UniqueMiddleware(Middleware):
     @property
     def backend(self) -> Optional[LockBackend]:
         """Where the locks live; None until a broker picks the default."""
-        return self._backend
+        return self.service.backend
 
     @backend.setter
     def backend(self, backend: Optional[LockBackend]) -> None:
@@ -224,7 +232,25 @@ class UniqueMiddleware(Middleware):
         if self._release_retries is not None:
             self._release_retries.stop()
             self._release_retries = None
-        self._backend = backend
+        self.service.backend = backend
+
+    @property
+    def enabled(self) -> bool:
+        """False turns all locking off."""
+        return self.service.enabled
+
+    @enabled.setter
+    def enabled(self, enabled: bool) -> None:
+        self.service.enabled = enabled
+
+    @property
+    def record_lock_args(self) -> bool:
+        """Store the lock args JSON with each enqueue lock, for operators."""
+        return self.service.record_lock_args
+
+    @record_lock_args.setter
+    def record_lock_args(self, record: bool) -> None:
+        self.service.record_lock_args = record
 
     @property
     def leases(self) -> LeaseKeeper:
@@ -273,22 +299,15 @@ class UniqueMiddleware(Middleware):
         """The backend key of one lock: prefix, actor in clear text, and
         the digest inside a Cluster hash tag.
         """
-        return f"{self.settings.prefix}:{spec.scope}:{{{digest}}}:{phase}"
+        return self.service.key(spec, digest, phase)
 
     def emit(self, name: str, spec: ActorSpec, key: str, message: Any, holder: Optional[str] = None) -> None:
-        listeners = self.events.tally(name, spec.actor_name)
-        if listeners:  # two events a job: built only for someone
-            message_id = getattr(message, "message_id", None)
-            event = LockEvent(name, spec.actor_name, key, message_id, message_id_of(holder) if holder else None)
-            self.events.tell(listeners, event)
+        """Count a lock event and pass it to the listeners."""
+        self.service.emit(name, spec, key, message, holder)
 
     def backend_error(self, action: str, key: str, spec: ActorSpec, message: Any, error: Exception) -> LockBackendError:
         """Log, count and wrap a backend failure."""
-        assert self.backend is not None
-        self.emit("backend_error", spec, key, message)
-        where = self.backend.describe()
-        self.logger.error("Lock backend %s failed to %s %r: %r", where, action, key, error)
-        return LockBackendError(f"Lock backend {where} failed to {action} {key!r}: {error!r}", backend=where)
+        return self.service.backend_error(action, key, spec, message, error)
 
     # Declaration and boot ---------------------------------------------
 
@@ -310,7 +329,26 @@ class UniqueMiddleware(Middleware):
             self._move_before_interrupters(broker, worker)
             quiet_our_skips()
         if self._reaper is None:
-            self._reaper = start_periodic_reaper(self, broker)
+            self._reaper = self._start_reaper(broker)
+
+    def _start_reaper(self, broker: "Broker") -> Optional[PeriodicReaper]:
+        """Start the periodic reaper in this worker process, when
+        ``reap_interval`` asks for one and the broker is a Redis one.
+        """
+        interval = self.settings.reap_interval
+        if not interval or self.backend is None:
+            return None
+        client, namespace = getattr(broker, "client", None), getattr(broker, "namespace", None)
+        if client is None or not isinstance(namespace, str):
+            self.logger.warning(
+                "reap_interval is set, but a %s cannot look messages up by id: no periodic reaper.",
+                type(broker).__name__,
+            )
+            return None
+        admin = LockAdmin(self.backend, prefix=self.settings.prefix)
+        reaper = PeriodicReaper(admin, RedisQueues(client), interval=interval)
+        reaper.start()
+        return reaper
 
     def _move_before_interrupters(self, broker: "Broker", worker: "Worker") -> None:
         # Called while emit_before iterates over the stack: the new order

@@ -17,13 +17,14 @@ import itertools
 import random
 import time
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, NoReturn, Optional
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, NoReturn, Optional
 
 from dramatiq import Message
 from dramatiq.middleware import AgeLimit, SkipMessage
 
 from .backend import Copy, Release
 from .compat import age_limit_module
+from .context import LockService
 from .coroutines import watch
 from .delivery import Delivery, attach, copy_of, message_id_of, send_order, set_fence
 from .errors import CopySkipped, LockConflict, Rescheduled
@@ -42,7 +43,9 @@ if TYPE_CHECKING:
     from dramatiq.broker import MessageProxy
 
     from .backend import LockBackend
-    from .context import GuardContext
+    from .leases import LeaseKeeper
+    from .releaser import Releaser
+    from .unreleased import ReleaseRetries
 
 #: Why a copy of a message may not run, by the claim's verdict.
 SKIP_REASONS = {
@@ -51,11 +54,25 @@ SKIP_REASONS = {
 }
 
 
+class RunHelpers(NamedTuple):
+    """The worker-side helpers of one middleware.  Each is bound to the
+    middleware's current backend and made on first use, so they are
+    passed as getters.
+    """
+
+    leases: Callable[[], "LeaseKeeper"]
+    releaser: Callable[[], Optional["Releaser"]]
+    release_retries: Callable[[], "ReleaseRetries"]
+    #: Async actors with a run lock, whose coroutines are tracked.
+    async_actors: set[str]
+
+
 class ProcessGuard:
     """The worker side of one middleware."""
 
-    def __init__(self, middleware: "GuardContext") -> None:
-        self.middleware = middleware
+    def __init__(self, service: LockService, *, run: "RunHelpers") -> None:
+        self.service = service
+        self.run = run
         # Owner tokens must differ between executions of one message,
         # even in two processes forked from one parent.
         self._tokens = itertools.count()
@@ -67,7 +84,7 @@ class ProcessGuard:
 
     @property
     def backend(self) -> "LockBackend":
-        backend = self.middleware.backend
+        backend = self.service.backend
         assert backend is not None
         return backend
 
@@ -81,7 +98,7 @@ class ProcessGuard:
         options["unique_digest"] = digest  # so a retry re-enters, even if the sender had no middleware
         # An unstamped message took no enqueue lock (sent while disabled, or without the middleware).
         state = attach(message, Delivery(spec, digest, queue_released=not stamped))
-        skip_if_superseded(self.middleware, broker, message, state)
+        skip_if_superseded(self.service, broker, message, state)
         if not spec.lock.run_lock:
             if spec.lock.queue_release == "run_start":
                 self.release_queue_lock(message, state, strict=True)
@@ -126,31 +143,31 @@ class ProcessGuard:
         return f"{message.message_id}/{self._token_prefix}.{pid():x}.{next(self._tokens):x}"
 
     def _take_run_lock(self, broker: "Broker", message: "MessageProxy", raw: Message, state: Delivery) -> None:
-        middleware, spec = self.middleware, state.spec
-        key = middleware.key(spec, state.digest, "run")
+        service, spec = self.service, state.spec
+        key = service.key(spec, state.digest, "run")
         queue_key = None
         if spec.lock.queue_release == "run_start" and not state.queue_released:
-            queue_key = middleware.key(spec, state.digest, "queue")
+            queue_key = service.key(spec, state.digest, "queue")
         owner = self._owner(raw)
         taken_at = time.monotonic() * 1000
         # Set before the call: one whose reply is lost may have taken it.
         state.run_key, state.run_owner = key, owner
         # Releases pending in this process ride in front of the call.
-        starter = middleware.releaser or self.backend
+        starter = self.run.releaser() or self.backend
         try:
             started = starter.start(
                 key,
                 owner,
-                ttl=middleware.settings.lease,
+                ttl=service.settings.lease,
                 limit=spec.lock_limit,
                 lock=spec.lock.name,
                 copy=copy_of(raw, key),
                 queue_key=queue_key,
             )
         except Exception as e:
-            error = middleware.backend_error("take the run lock", key, spec, message, e)
-            if middleware.settings.on_backend_error == "run_unlocked":
-                middleware.logger.warning("Running %s without its lock %r.", message, key)
+            error = service.backend_error("take the run lock", key, spec, message, e)
+            if service.settings.on_backend_error == "run_unlocked":
+                service.logger.warning("Running %s without its lock %r.", message, key)
                 self.release_queue_lock(message, state)
                 return
             raise error from e
@@ -163,11 +180,11 @@ class ProcessGuard:
         if queue_key is not None:
             self._queue_lock_released(message, state, queue_key, started.queue_released)
         state.run_confirmed, state.fence = True, got.fence
-        if spec.actor_name in middleware.async_actors:
+        if spec.actor_name in self.run.async_actors:
             state.coroutine = watch()
-        state.lease = middleware.leases.hold(key, owner, taken_at, actor=spec.actor_name)
+        state.lease = self.run.leases().hold(key, owner, taken_at, actor=spec.actor_name)
         set_fence(got.fence)
-        middleware.emit("locked", spec, key, raw)
+        service.emit("locked", spec, key, raw)
 
     def _settle(self, message: "MessageProxy", state: Delivery, strict: bool = False) -> None:
         """Claim a copy that will not start, so that no other copy of
@@ -175,15 +192,15 @@ class ProcessGuard:
         ``strict`` raises on a backend failure, so that the delivery is
         retried rather than dead-lettered beside a copy that won.
         """
-        middleware = self.middleware
-        copy = copy_of(message, middleware.key(state.spec, state.digest, "run"))
+        service = self.service
+        copy = copy_of(message, service.key(state.spec, state.digest, "run"))
         if state.claimed or not copy.attempt:
             return
         try:
             may_run = self.backend.claim(copy)
         except Exception as e:
-            error = middleware.backend_error("settle the copies of", copy.key, state.spec, message, e)
-            if strict and middleware.settings.on_backend_error == "fail":
+            error = service.backend_error("settle the copies of", copy.key, state.spec, message, e)
+            if strict and service.settings.on_backend_error == "fail":
                 raise error from e
             return
         state.claimed = True
@@ -195,56 +212,56 @@ class ProcessGuard:
         state.keeps_queue_lock = state.quiet_skip = True  # the copy that runs owns the message's locks
         store_nothing(message)
         reason = SKIP_REASONS.get(verdict, verdict)
-        self.middleware.emit("skipped", state.spec, self.middleware.key(state.spec, state.digest, "run"), message)
-        self.middleware.logger.debug("Skipped %s: %s.", message, reason)
+        self.service.emit("skipped", state.spec, self.service.key(state.spec, state.digest, "run"), message)
+        self.service.logger.debug("Skipped %s: %s.", message, reason)
         raise CopySkipped(f"skipped: {reason}")
 
     def _on_conflict(
         self, broker: "Broker", message: "MessageProxy", state: Delivery, key: str, holder: Optional[str]
     ) -> NoReturn:
-        middleware, spec = self.middleware, state.spec
+        service, spec = self.service, state.spec
         if spec.server == "reschedule":
             self._reschedule(broker, message, state, key)
-        middleware.emit("conflict", spec, key, message, holder)
+        service.emit("conflict", spec, key, message, holder)
         holder_id = message_id_of(holder)
         error = LockConflict(f"Run lock {key!r} is held by message {holder_id}.", key=key, holder=holder_id)
         if spec.server == "raise":
             raise error
         store_failure(broker, message, error)
         if spec.server == "reject":
-            middleware.logger.warning("Dead-lettering %s: run lock %r is held by message %s.", message, key, holder_id)
+            service.logger.warning("Dead-lettering %s: run lock %r is held by message %s.", message, key, holder_id)
             message.fail()
         else:
-            middleware.logger.warning("Dropping %s: run lock %r is held by message %s.", message, key, holder_id)
+            service.logger.warning("Dropping %s: run lock %r is held by message %s.", message, key, holder_id)
         raise SkipMessage(f"run lock {key!r} is held")
 
     def _reschedule(self, broker: "Broker", message: "MessageProxy", state: Delivery, key: str) -> NoReturn:
-        middleware, spec = self.middleware, state.spec
+        service, spec = self.service, state.spec
         attempt = message.options.get("unique_reschedules", 0) + 1
-        base = spec.reschedule_delay if spec.reschedule_delay is not None else middleware.settings.reschedule_delay
+        base = spec.reschedule_delay if spec.reschedule_delay is not None else service.settings.reschedule_delay
         options = {"unique_reschedules": attempt, "unique_digest": state.digest}
         # Register before enqueueing: a delayed copy that arrived first
         # would find no record, and the hand-off would run it again.
         try:
             handed = message.copy(options={**options, "unique_via": "handoff"})
             waiting = Copy(key, message.message_id, attempt, "handoff")
-            order, ttl = send_order(message), middleware.settings.lock_ttl
+            order, ttl = send_order(message), service.settings.lock_ttl
             self.backend.wait(waiting, handed.encode(), order=order, ttl=ttl)
         except Exception as e:
             # It may have been applied: a hand-off copy of the attempt may come.
             self._stand_in(message, state, attempt)
-            raise middleware.backend_error("register a message waiting for", key, spec, message, e) from e
+            raise service.backend_error("register a message waiting for", key, spec, message, e) from e
         try:
             delayed = message.copy(options={**options, "unique_via": "delay"})
             broker.enqueue(delayed, delay=int(base * random.uniform(0.8, 1.2)))
         except Exception as e:
             # It may have been applied: the delayed copy may be queued.
             self._stand_in(message, state, attempt)
-            raise middleware.backend_error("reschedule a message waiting for", key, spec, message, e) from e
+            raise service.backend_error("reschedule a message waiting for", key, spec, message, e) from e
         state.keeps_queue_lock = state.quiet_skip = True
         store_nothing(message)
-        middleware.emit("rescheduled", spec, key, message)
-        middleware.logger.debug("Rescheduled %s: run lock %r is held.", message, key)
+        service.emit("rescheduled", spec, key, message)
+        service.logger.debug("Rescheduled %s: run lock %r is held.", message, key)
         raise Rescheduled(f"run lock {key!r} is held; rescheduled")
 
     @staticmethod
@@ -279,31 +296,31 @@ class ProcessGuard:
         """
         if state.queue_released or state.spec.lock.queue_release in (None, "expiry"):
             return
-        middleware = self.middleware
-        key = middleware.key(state.spec, state.digest, "queue")
+        service = self.service
+        key = service.key(state.spec, state.digest, "queue")
         try:
             released = self.backend.release(key, message.message_id)
         except Exception as e:
-            error = middleware.backend_error("release", key, state.spec, message, e)
+            error = service.backend_error("release", key, state.spec, message, e)
             if strict:
                 raise error from e
             state.queue_released = True
-            until = time.monotonic() * 1000 + _queue_lock_ttl(middleware, state.spec)
+            until = time.monotonic() * 1000 + service.queue_lock_ttl(state.spec)
             landed = partial(self._released_again, None, message, state.spec, key)
-            middleware.release_retries.submit(FailedRelease(key, message.message_id, until, landed))
+            self.run.release_retries().submit(FailedRelease(key, message.message_id, until, landed))
             return
         self._queue_lock_released(message, state, key, released.held)
 
     def _queue_lock_released(self, message: "MessageProxy", state: Delivery, key: str, held: bool) -> None:
-        middleware = self.middleware
+        service = self.service
         state.queue_released = True
         if held:
-            middleware.emit("released", state.spec, key, message)
+            service.emit("released", state.spec, key, message)
             return
-        middleware.logger.warning(
+        service.logger.warning(
             "Lock %r of message %s lapsed before it was released: raise its lock_ttl.", key, message.message_id
         )
-        middleware.emit("lock_lost", state.spec, key, message)
+        service.emit("lock_lost", state.spec, key, message)
 
     def end_run(self, broker: "Broker", message: "MessageProxy", state: Delivery) -> None:
         """Release the run lock of this delivery, once, and hand the key
@@ -312,9 +329,9 @@ class ProcessGuard:
         """
         if state.run_key is None or state.run_owner is None:
             return
-        middleware = self.middleware
+        service = self.service
         if state.coroutine is not None and state.coroutine.defer(lambda: self.end_run(broker, message, state)):
-            middleware.logger.error(
+            service.logger.error(
                 "Message %s is still running after it was interrupted: its run lock %r is kept until it ends.",
                 message,
                 state.run_key,
@@ -325,10 +342,10 @@ class ProcessGuard:
         state.run_key = state.run_owner = state.lease = None
         set_fence(None)
         if lease is not None:
-            middleware.leases.drop(lease)
+            self.run.leases().drop(lease)
         # A partial, not a closure: one Python frame less per release.
         done = partial(self._released, broker, message, spec, key, owner, lease, confirmed)
-        releaser = middleware.releaser
+        releaser = self.run.releaser()
         if releaser is not None:
             releaser.submit(PendingRelease(key, owner, spec.actor_name, done))
             return
@@ -354,16 +371,16 @@ class ProcessGuard:
         """Report a release; return the hand-off to do, if it handed the
         key to a waiter: the caller does it where no job waits for it.
         """
-        middleware = self.middleware
+        service = self.service
         if isinstance(outcome, Exception):
-            middleware.backend_error("release", key, spec, message, outcome)
+            service.backend_error("release", key, spec, message, outcome)
             # Sent again off this thread until it lands or the lease has run out.
-            until = lease.expires_at if lease is not None else time.monotonic() * 1000 + middleware.settings.lease
+            until = lease.expires_at if lease is not None else time.monotonic() * 1000 + service.settings.lease
             landed = partial(self._released_again, broker, message, spec, key)
-            middleware.release_retries.submit(FailedRelease(key, owner, until, landed))
+            self.run.release_retries().submit(FailedRelease(key, owner, until, landed))
             return None
         if outcome.held:
-            middleware.emit("released", spec, key, message)
+            service.emit("released", spec, key, message)
         elif confirmed and (lease is None or not lease.lost):
             self.report_lost(spec.actor_name, key, owner)
         promoted = outcome.promoted
@@ -378,7 +395,7 @@ class ProcessGuard:
         have been applied, so an owner found gone is no lost lock.
         """
         if outcome.held:
-            self.middleware.emit("released", spec, key, message)
+            self.service.emit("released", spec, key, message)
         promoted = outcome.promoted
         if promoted is None or broker is None:
             return None
@@ -386,7 +403,7 @@ class ProcessGuard:
 
     def releases_stalled(self, batch: list[PendingRelease]) -> None:
         """Report releases still waiting for the backend."""
-        self.middleware.logger.error(
+        self.service.logger.error(
             "Lock backend %s has not answered %d release(s) for %.0f ms; the keys stay held until it does "
             "or their leases expire.",
             self.backend.describe(),
@@ -394,7 +411,7 @@ class ProcessGuard:
             time.monotonic() * 1000 - min(pending.submitted_at for pending in batch),
         )
         for pending in batch:
-            self.middleware.events.emit(
+            self.service.events.emit(
                 LockEvent("backend_error", pending.actor, pending.key, message_id_of(pending.owner))
             )
 
@@ -402,7 +419,7 @@ class ProcessGuard:
         try:
             promoted = broker.enqueue(Message.decode(encoded))
         except Exception as e:
-            self.middleware.logger.warning(
+            self.service.logger.warning(
                 "Could not hand %r to its next waiter (%r); it runs after its delay.", key, e
             )
             return
@@ -412,20 +429,15 @@ class ProcessGuard:
         self.report_lost(lease.actor, lease.key, lease.owner)
 
     def renewal_failed(self, lease: Lease) -> None:
-        self.middleware.events.emit(LockEvent("backend_error", lease.actor, lease.key, message_id_of(lease.owner)))
+        self.service.events.emit(LockEvent("backend_error", lease.actor, lease.key, message_id_of(lease.owner)))
 
     def report_lost(self, actor: str, key: str, owner: str) -> None:
-        self.middleware.logger.error(
+        self.service.logger.error(
             "Lock %r was lost: message %s no longer holds it (its lease expired or it was taken over).",
             key,
             message_id_of(owner),
         )
-        self.middleware.events.emit(LockEvent("lock_lost", actor, key, message_id_of(owner)))
-
-
-def _queue_lock_ttl(middleware: "GuardContext", spec: ActorSpec) -> int:
-    """The longest an enqueue lock of ``spec`` can live, in ms."""
-    return spec.lock_ttl if spec.lock_ttl is not None else middleware.settings.lock_ttl
+        self.service.events.emit(LockEvent("lock_lost", actor, key, message_id_of(owner)))
 
 
 def _age_limit(stack: list[Any]) -> Optional[AgeLimit]:

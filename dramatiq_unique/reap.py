@@ -25,18 +25,14 @@ import os
 import random
 import time as mod_time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, TypeVar
 
 from dramatiq.logging import get_logger
 
-from .backend import EnqueueRecord, LockBackend
+from .backend import EnqueueRecord, LockBackend, Place
 from .background import BackgroundThread
 
-if TYPE_CHECKING:
-    from dramatiq import Broker
-
-    from .admin import Lock, LockAdmin
-    from .context import GuardContext
+T = TypeVar("T")
 
 #: How many enqueue locks one transaction on the broker checks.
 DEFAULT_BATCH = 100
@@ -53,36 +49,59 @@ DEFAULT_PASS_KEYS = 10_000
 KEPT_AFTER_RUN = ("until_expired",)
 
 
-@dataclass(frozen=True)
-class Place:
-    """Where a message was published on the Redis broker."""
-
-    namespace: str
-    queue: str
-    redis_id: str
-
-    @classmethod
-    def parse(cls, where: str) -> Optional["Place"]:
-        """The place in a record's ``where``; None when it names none
-        that can be looked up (another broker, or nothing recorded).
-        """
-        parts = where.split("\t")
-        if len(parts) != 3 or not parts[0] or not parts[2]:
-            return None
-        return cls(*parts)
+class ListedHolder(Protocol):
+    """One holder of a listed lock, as the reaper reads it (an
+    :class:`~.admin.Holder`).
+    """
 
     @property
-    def canonical_queue(self) -> str:
-        return self.queue[:-3] if self.queue.endswith(".DQ") else self.queue
+    def owner(self) -> str: ...
+
+    @property
+    def record(self) -> Optional[EnqueueRecord]: ...
+
+
+class ListedLock(Protocol):
+    """One listed lock, as the reaper reads it (an :class:`~.admin.Lock`)."""
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def actor(self) -> str: ...
+
+    @property
+    def lock(self) -> Optional[str]: ...
+
+    @property
+    def lock_args(self) -> Optional[str]: ...
+
+    @property
+    def holders(self) -> Sequence[ListedHolder]: ...
+
+
+class LockListing(Protocol):
+    """What the reaper reads locks through: a :class:`~.admin.LockAdmin`,
+    which imports this module (its ``reap``), so it is named here by
+    what it does.
+    """
+
+    @property
+    def backend(self) -> LockBackend: ...
+
+    @property
+    def prefix(self) -> str: ...
+
+    def locks(self, *, actor: Optional[str] = None, phase: Optional[str] = None) -> Iterator[ListedLock]: ...
+
+    def call(self, doing: str, call: Callable[..., T], *args: Any) -> T: ...
 
 
 def queue_of(record: EnqueueRecord) -> str:
     """The queue a record names, without a delay queue's ``.DQ``; "" if
-    none.
+    none (:attr:`EnqueueRecord.queue`).
     """
-    parts = record.where.split("\t")
-    queue = parts[1] if len(parts) == 3 else ""
-    return queue[:-3] if queue.endswith(".DQ") else queue
+    return record.queue
 
 
 class RedisQueues:
@@ -105,7 +124,9 @@ class RedisQueues:
         """
         places = [[p for p in map(Place.parse, (r.where, r.before)) if p is not None] for r in records]
         namespaces = {place.namespace for found in places for place in found}
-        workers = {ns: [_text(w) for w in self.client.zrange(f"{ns}:__heartbeats__", 0, -1)] for ns in namespaces}
+        from .backends.redis import as_text  # a Redis broker's client: redis-py is there
+
+        workers = {ns: [as_text(w) for w in self.client.zrange(f"{ns}:__heartbeats__", 0, -1)] for ns in namespaces}
         pipe = self.client.pipeline(transaction=True)
         counts = []
         for found in places:
@@ -124,10 +145,6 @@ class RedisQueues:
         # A queue purged while its message runs: only the worker's ack set has it.
         for worker in workers:
             pipe.sismember(f"{ns}:__acks__.{worker}.{queue}", rid)
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 @dataclass(frozen=True)
@@ -181,14 +198,14 @@ class Reaper:
     gone.
 
     Parameters:
-      admin(LockAdmin): The locks.
+      admin(LockListing): The locks: a :class:`~.admin.LockAdmin`.
       queues(RedisQueues): The broker to look messages up in.
       min_age(int): Leave locks younger than this alone, in ms.
       batch(int): Holders per broker transaction.
     """
 
     def __init__(
-        self, admin: "LockAdmin", queues: RedisQueues, *, min_age: int = DEFAULT_MIN_AGE, batch: int = DEFAULT_BATCH
+        self, admin: LockListing, queues: RedisQueues, *, min_age: int = DEFAULT_MIN_AGE, batch: int = DEFAULT_BATCH
     ) -> None:
         self.admin = admin
         self.queues = queues
@@ -211,7 +228,7 @@ class Reaper:
           budget(float): Stop after this many seconds.
         """
         report = ReapReport()
-        pending: list[tuple["Lock", str, EnqueueRecord]] = []
+        pending: list[tuple[ListedLock, str, EnqueueRecord]] = []
         stop_at = None if budget is None else mod_time.monotonic() + budget
         for n, lock in enumerate(self.admin.locks(actor=actor, phase="queue")):
             if (max_keys is not None and n >= max_keys) or (stop_at is not None and mod_time.monotonic() > stop_at):
@@ -225,7 +242,7 @@ class Reaper:
             self._check(pending, report, release)
         return report
 
-    def _candidates(self, lock: "Lock", report: ReapReport) -> Iterator[tuple["Lock", str, EnqueueRecord]]:
+    def _candidates(self, lock: ListedLock, report: ReapReport) -> Iterator[tuple[ListedLock, str, EnqueueRecord]]:
         now = int(mod_time.time() * 1000)
         for holder in lock.holders:
             record = holder.record
@@ -237,7 +254,7 @@ class Reaper:
                 report.checked += 1
                 yield lock, holder.owner, record
 
-    def _check(self, pending: list[tuple["Lock", str, EnqueueRecord]], report: ReapReport, release: bool) -> None:
+    def _check(self, pending: list[tuple[ListedLock, str, EnqueueRecord]], report: ReapReport, release: bool) -> None:
         found = self.admin.call("look messages up on the broker", self.queues.find, [r for _, _, r in pending])
         now = int(mod_time.time() * 1000)
         for (lock, owner, record), present in zip(pending, found):
@@ -248,7 +265,7 @@ class Reaper:
             )
             age = now - record.taken_at
             report.suspects.append(
-                Suspect(lock.key, lock.actor, owner, lock.lock_args, queue_of(record), age, record, released)
+                Suspect(lock.key, lock.actor, owner, lock.lock_args, record.queue, age, record, released)
             )
 
 
@@ -264,7 +281,7 @@ class PeriodicReaper:
 
     def __init__(
         self,
-        admin: "LockAdmin",
+        admin: LockListing,
         queues: RedisQueues,
         *,
         interval: int,
@@ -316,24 +333,3 @@ class PeriodicReaper:
                     "Reaped enqueue lock %r of message %s: its message is in no queue.", suspect.key, suspect.message_id
                 )
         return report
-
-
-def start_periodic_reaper(middleware: "GuardContext", broker: "Broker") -> Optional[PeriodicReaper]:
-    """Start the middleware's periodic reaper in this worker process,
-    when ``reap_interval`` asks for one and the broker is a Redis one.
-    """
-    interval = middleware.settings.reap_interval
-    if not interval or middleware.backend is None:
-        return None
-    client, namespace = getattr(broker, "client", None), getattr(broker, "namespace", None)
-    if client is None or not isinstance(namespace, str):
-        middleware.logger.warning(
-            "reap_interval is set, but a %s cannot look messages up by id: no periodic reaper.", type(broker).__name__
-        )
-        return None
-    from .admin import LockAdmin
-
-    admin = LockAdmin(middleware.backend, prefix=middleware.settings.prefix)
-    reaper = PeriodicReaper(admin, RedisQueues(client), interval=interval)
-    reaper.start()
-    return reaper

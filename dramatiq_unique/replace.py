@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from dramatiq.common import current_millis
 from dramatiq.middleware import MiddlewareError, SkipMessage
 
+from .context import EnqueueLocks, LockService, is_fresh
 from .delivery import Delivery, copy_of
 from .errors import Superseded
 from .results import store_failure
@@ -30,48 +31,44 @@ if TYPE_CHECKING:
     from dramatiq import Broker
     from dramatiq.broker import MessageProxy
 
-    from .context import GuardContext
-    from .enqueue import EnqueueGuard
-
 #: ``LockBackend.current`` says the message was superseded.
 SUPERSEDED = -2
 
 
-def debounce_delay(guard: "EnqueueGuard", message: Any, delay: Optional[int]) -> Optional[int]:
+def debounce_delay(service: LockService, message: Any, delay: Optional[int]) -> Optional[int]:
     """The delay to enqueue ``message`` with: for a new send of a
     debounced actor, at least its quiet window, so that the broker puts
     it on the delay queue; ``before_enqueue`` then sets its due time.
     """
-    middleware = guard.middleware
-    spec = middleware.specs.get(message.actor_name)
-    if spec is None or spec.debounce is None or not middleware.enabled or not guard.is_fresh(message):
+    spec = service.specs.get(message.actor_name)
+    if spec is None or spec.debounce is None or not service.enabled or not is_fresh(message):
         return delay
     return max(delay or 0, spec.debounce)
 
 
-def take(guard: "EnqueueGuard", message: Any, delay: Optional[int], spec: ActorSpec, fresh: bool) -> None:
+def take(locks: EnqueueLocks, message: Any, delay: Optional[int], spec: ActorSpec, fresh: bool) -> None:
     """Take the enqueue lock of a message of a replacing actor: a new
     send replaces the current holder; a re-enqueue re-enters, unless its
     message was superseded.
     """
-    middleware = guard.middleware
-    key = middleware.key(spec, message.options["unique_digest"], "queue")
-    ttl = (delay or 0) + (spec.lock_ttl or middleware.settings.lock_ttl)
+    service = locks.service
+    key = service.key(spec, message.options["unique_digest"], "queue")
+    ttl = service.enqueue_ttl(spec, delay)
     try:
         if fresh:
-            _replace(guard, message, delay, spec, key, ttl)
+            _replace(locks, message, delay, spec, key, ttl)
         else:
-            _reenter(guard, message, spec, key, ttl)
+            _reenter(locks, message, spec, key, ttl)
     except MiddlewareError:  # a refused duplicate
         raise
     except Exception as e:
-        guard.take_failed(message, spec, key, fresh, e)
+        locks.take_failed(message, spec, key, fresh, e)
 
 
-def _replace(guard: "EnqueueGuard", message: Any, delay: Optional[int], spec: ActorSpec, key: str, ttl: int) -> None:
-    middleware = guard.middleware
-    recorded = guard._lock_args(message, spec, True)
-    got = middleware.backend.replace(  # type: ignore[union-attr]
+def _replace(locks: EnqueueLocks, message: Any, delay: Optional[int], spec: ActorSpec, key: str, ttl: int) -> None:
+    service = locks.service
+    recorded = locks.lock_args(message, spec, True)
+    got = service.backend.replace(  # type: ignore[union-attr]
         key,
         message.message_id,
         ttl=ttl,
@@ -83,68 +80,64 @@ def _replace(guard: "EnqueueGuard", message: Any, delay: Optional[int], spec: Ac
         debounce=spec.debounce or 0,
         debounce_max=spec.debounce_max or 0,
         superseded_ttl=ttl,
-        where=guard.where(message),
+        where=locks.where(message),
     )
     if got.status == "refused":
-        guard._refuse(message, spec, key, got.holder)
+        locks.refuse(message, spec, key, got.holder)
     if got.status == "reentered":
         return
-    guard._record(key, message.message_id)
-    middleware.emit("locked", spec, key, message)
+    locks.locked(message, spec, key)
     if got.status == "replaced" and got.holder is not None:
         message.options["unique_replaced"] = got.holder
-        middleware.logger.debug("Message %s replaced message %s as holder of %r.", message.message_id, got.holder, key)
+        service.logger.debug("Message %s replaced message %s as holder of %r.", message.message_id, got.holder, key)
     if spec.debounce is not None and "eta" in message.options and (delay or 0) <= spec.debounce:
         # The broker set eta from the full window; the lock knows the burst.
         message.options["eta"] = current_millis() + got.delay
 
 
-def _reenter(guard: "EnqueueGuard", message: Any, spec: ActorSpec, key: str, ttl: int) -> None:
-    middleware = guard.middleware
+def _reenter(locks: EnqueueLocks, message: Any, spec: ActorSpec, key: str, ttl: int) -> None:
+    service = locks.service
     # A copy of a reschedule that may not run must not take the lock back (see Copy).
-    run_key = middleware.key(spec, message.options["unique_digest"], "run")
+    run_key = service.key(spec, message.options["unique_digest"], "run")
     copy = copy_of(message, run_key) if spec.lock.run_lock else None
-    status, other = middleware.backend.current(  # type: ignore[union-attr]
-        key, message.message_id, reenter=True, ttl=ttl, lock=spec.lock.name, copy=copy, where=guard.where(message)
+    status, other = service.backend.current(  # type: ignore[union-attr]
+        key, message.message_id, reenter=True, ttl=ttl, lock=spec.lock.name, copy=copy, where=locks.where(message)
     )
     if status == SUPERSEDED:
         # It goes on and is skipped when delivered: raising would lose
         # or strand a delay-queue move.
         return
     if status == 3:
-        middleware.logger.debug("Re-enqueued %s without its lock %r: %s.", message, key, other)
+        service.logger.debug("Re-enqueued %s without its lock %r: %s.", message, key, other)
     elif status == 1:
-        guard._record(key, message.message_id)
-        middleware.emit("locked", spec, key, message)
+        locks.locked(message, spec, key)
     elif status == 0:
-        middleware.logger.warning("Lock %r of %s lapsed and is held by %s; enqueueing it anyway.", key, message, other)
-        middleware.emit("lock_lost", spec, key, message, other)
+        locks.lapsed(message, spec, key, other)
 
 
-def restore(guard: "EnqueueGuard", message: Any, taken: list[tuple[str, str]]) -> None:
+def restore(service: LockService, message: Any, taken: list[tuple[str, str]]) -> None:
     """After a failed publish, make the message that this send superseded
     current again, so that it runs; the guard then releases this send's
     own slot.  A backend failure here leaves the superseded message
     superseded, as the send's error tells its caller.
     """
-    middleware = guard.middleware
-    spec = middleware.specs.get(message.actor_name)
+    spec = service.specs.get(message.actor_name)
     if spec is None or spec.client != "replace":
         return
     for key, owner in taken:
         try:
-            previous = middleware.backend.unreplace(key, owner)  # type: ignore[union-attr]
+            previous = service.backend.unreplace(key, owner)  # type: ignore[union-attr]
         except Exception as e:
-            middleware.backend_error("restore the message superseded by an unsent one in", key, spec, message, e)
+            service.backend_error("restore the message superseded by an unsent one in", key, spec, message, e)
             continue
         if previous is not None:
-            middleware.logger.info(
+            service.logger.info(
                 "Message %s is current again in %r: its replacement was not enqueued.", previous, key
             )
 
 
 def skip_if_superseded(
-    middleware: "GuardContext", broker: "Broker", message: "MessageProxy", state: Delivery
+    service: LockService, broker: "Broker", message: "MessageProxy", state: Delivery
 ) -> None:
     """Skip this delivery when a newer send superseded its message; else
     mark the message as started, so that a send from now on leaves it
@@ -160,13 +153,13 @@ def skip_if_superseded(
     spec = state.spec
     if spec.client != "replace" or state.queue_released:  # an unstamped message took no lock to lose
         return
-    key = middleware.key(spec, state.digest, "queue")
+    key = service.key(spec, state.digest, "queue")
     try:
-        status, by = middleware.backend.current(key, message.message_id)  # type: ignore[union-attr]
+        status, by = service.backend.current(key, message.message_id)  # type: ignore[union-attr]
     except Exception as e:
-        error = middleware.backend_error("check whether it was superseded", key, spec, message, e)
-        if middleware.settings.on_backend_error == "run_unlocked":
-            middleware.logger.warning("Running %s without its lock %r.", message, key)
+        error = service.backend_error("check whether it was superseded", key, spec, message, e)
+        if service.settings.on_backend_error == "run_unlocked":
+            service.logger.warning("Running %s without its lock %r.", message, key)
             return
         raise error from e
     if status != SUPERSEDED or by is None:
@@ -175,24 +168,24 @@ def skip_if_superseded(
     # check; the replacing message's slot is never its to release.
     state.queue_released = True
     state.quiet_skip = True
-    _withdraw_waiter(middleware, message, state)
-    middleware.emit("superseded", spec, key, message, by)
-    middleware.logger.info("Skipped %s: message %s superseded it (lock %r).", message, by, key)
+    _withdraw_waiter(service, message, state)
+    service.emit("superseded", spec, key, message, by)
+    service.logger.info("Skipped %s: message %s superseded it (lock %r).", message, by, key)
     why = Superseded(f"Message {message.message_id} was superseded by message {by}.", key=key, by=by)
     store_failure(broker, message, why)
     raise SkipMessage(f"superseded by message {by}")
 
 
-def _withdraw_waiter(middleware: "GuardContext", message: "MessageProxy", state: Delivery) -> None:
+def _withdraw_waiter(service: LockService, message: "MessageProxy", state: Delivery) -> None:
     """A copy of a rescheduled, superseded message claims its attempt,
     which takes its waiter off the run lock, so that the key is never
     handed to it.
     """
     if not message.options.get("unique_reschedules") or not state.spec.lock.run_lock:
         return
-    key = middleware.key(state.spec, state.digest, "run")
+    key = service.key(state.spec, state.digest, "run")
     try:
-        middleware.backend.claim(copy_of(message, key))  # type: ignore[union-attr]
+        service.backend.claim(copy_of(message, key))  # type: ignore[union-attr]
     except Exception as e:
-        middleware.backend_error("withdraw the waiter of", key, state.spec, message, e)
+        service.backend_error("withdraw the waiter of", key, state.spec, message, e)
 

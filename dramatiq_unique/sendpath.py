@@ -36,17 +36,17 @@ steps, and never raise).
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from dramatiq.common import current_millis
 from dramatiq.middleware import Middleware
 
+from .backend import Acquisition
+from .context import CURRENT_CALL, Deferred, EnqueueLocks, maybe_applied
 from .spec import ActorSpec
 
 if TYPE_CHECKING:
     from dramatiq import Broker
-
-    from .enqueue import EnqueueGuard
 
 #: SHA1 of the ``dispatch.lua`` scripts whose ``enqueue`` command and
 #: arguments this module reproduces: [command, timestamp, queue name,
@@ -64,17 +64,6 @@ _BROKER_METHODS = ("_should_do_maintenance", "_max_unpack_size", "_dispatch")
 
 #: The connection parameters that say two clients reach one database.
 _WHERE = ("host", "port", "path", "db", "username", "password")
-
-
-class Deferred(NamedTuple):
-    """An enqueue lock noted in ``before_enqueue``, taken in ``do_enqueue``."""
-
-    key: str
-    ttl: int
-    lock_args: Optional[str]
-    where: str
-    spec: ActorSpec
-    message: Any
 
 
 def dispatch_source(broker: Any) -> Optional[str]:
@@ -127,10 +116,18 @@ def _later_hooks(broker: "Broker", middleware: Any) -> bool:
 
 
 class SendPath:
-    """The fast path of one middleware's enqueue guard."""
+    """The fast path of one middleware's enqueue guard.
 
-    def __init__(self, guard: "EnqueueGuard") -> None:
-        self.guard = guard
+    Parameters:
+      locks(EnqueueLocks): What taking an enqueue lock shares.
+      middleware(Middleware): The middleware, as it stands in a broker's
+        stack: a later ``before_enqueue`` turns the path off.
+    """
+
+    def __init__(self, locks: EnqueueLocks, *, middleware: Any) -> None:
+        self.locks = locks
+        self.service = locks.service
+        self.middleware = middleware
         #: The last verdict of :meth:`applies`, and what it was drawn from:
         #: (backend, broker client, middleware stack, its length, verdict).
         self._verdict: Optional[tuple[Any, Any, Any, int, bool]] = None
@@ -143,7 +140,7 @@ class SendPath:
         if source is None or "do_enqueue" in broker.__dict__:  # ours already, or someone else's
             return
         plain: Callable[..., Any] = broker._dispatch("enqueue")  # type: ignore[attr-defined]
-        take_deferred = self.guard.take_deferred
+        take_deferred = self.take_deferred
 
         def do_enqueue(queue_name: str, redis_message_id: str, data: bytes) -> Any:
             deferred = take_deferred(redis_message_id)
@@ -160,13 +157,79 @@ class SendPath:
             return False
         # Drawn again only when the backend, the client or the stack changes,
         # not per send: a middleware is added to the stack, never swapped in.
-        backend, client, stack = self.guard.middleware.backend, getattr(broker, "client", None), broker.middleware
+        backend, client, stack = self.service.backend, getattr(broker, "client", None), broker.middleware
         last = self._verdict
         if last is not None and all(a is b for a, b in zip(last, (backend, client, stack))) and last[3] == len(stack):
             return bool(last[4])
-        verdict = same_redis(backend, broker) and not _later_hooks(broker, self.guard.middleware)
+        verdict = same_redis(backend, broker) and not _later_hooks(broker, self.middleware)
         self._verdict = (backend, client, stack, len(stack), verdict)
         return verdict
+
+    def defer(self, message: Any, delay: Optional[int], spec: ActorSpec, fresh: bool, broker: Any) -> bool:
+        """Note the enqueue lock of a new send for the broker's publish to
+        take, in one round trip with it.
+
+        Returns:
+          bool: False when the two-step path applies: a re-enqueue, a
+          replacing actor, an enqueue outside a guarded call, or a
+          broker the fast path does not serve.
+        """
+        call = CURRENT_CALL.get()
+        redis_message_id = message.options.get("redis_message_id")
+        if (
+            not fresh
+            or spec.client == "replace"
+            or call is None
+            or broker is None
+            or not isinstance(redis_message_id, str)
+            or not self.applies(broker)
+        ):
+            return False
+        locks = self.locks
+        key = self.service.key(spec, message.options["unique_digest"], "queue")
+        lock_args = locks.lock_args(message, spec, fresh)
+        deferred = Deferred(key, self.service.enqueue_ttl(spec, delay), lock_args, locks.where(message), spec, message)
+        if call.deferred is None:
+            call.deferred = {}
+        call.deferred[redis_message_id] = deferred
+        return True
+
+    def take_deferred(self, redis_message_id: str) -> Optional[Deferred]:
+        """The lock noted for the publish of ``redis_message_id`` in the
+        current guarded call, once; None when there is none to take.
+        """
+        call = CURRENT_CALL.get()
+        if call is None or not call.deferred:
+            return None
+        return call.deferred.pop(redis_message_id, None)
+
+    def took(self, message: Any, spec: ActorSpec, key: str, got: Acquisition) -> None:
+        """The fast path's lock call answered: refuse a duplicate (its
+        message was not enqueued) or record the lock it took.
+        """
+        if not got.acquired:
+            self.locks.refuse(message, spec, key, got.holder)
+        if not got.reentered:
+            self.locks.locked(message, spec, key)
+
+    def send_failed(self, message: Any, spec: ActorSpec, key: str, error: Exception) -> bool:
+        """The fast path's call failed: fail closed as
+        :meth:`EnqueueLocks.take_failed` does, or go on unlocked.  The
+        call was also the publish, so a timeout, which may have locked
+        and enqueued, raises even when told to go on, as the broker's
+        own enqueue would.  Its lock is kept: one script took it and
+        enqueued, or did neither, so what it holds always matches the
+        queue, and a send again is refused as a duplicate exactly when
+        the first one went out.
+
+        Returns:
+          bool: True when the message is to be enqueued without its lock.
+        """
+        if self.service.settings.on_backend_error != "fail" and maybe_applied(error):
+            self.service.backend_error("take the enqueue lock", key, spec, message, error)
+            raise error
+        self.locks.take_failed(message, spec, key, True, error, give_back=False)
+        return True
 
     def _send(
         self,
@@ -181,7 +244,7 @@ class SendPath:
         """Take the deferred lock and enqueue, in one round trip."""
         from .backends.redis import DispatchFailed
 
-        guard, spec, message, key = self.guard, deferred.spec, deferred.message, deferred.key
+        spec, message, key = deferred.spec, deferred.message, deferred.key
         arguments = [
             "enqueue",
             current_millis(),
@@ -195,7 +258,7 @@ class SendPath:
             data,
         ]
         try:
-            got = guard.middleware.backend.acquire_and_dispatch(  # type: ignore[union-attr]
+            got = self.service.backend.acquire_and_dispatch(  # type: ignore[union-attr]
                 key,
                 message.message_id,
                 ttl=deferred.ttl,
@@ -210,7 +273,7 @@ class SendPath:
         except DispatchFailed:
             raise  # the broker's own failure, as its enqueue raises it; nothing is locked
         except Exception as e:
-            if guard.send_failed(message, spec, key, e):
+            if self.send_failed(message, spec, key, e):
                 plain(queue_name, redis_message_id, data)
             return
-        guard.took(message, spec, key, got)
+        self.took(message, spec, key, got)

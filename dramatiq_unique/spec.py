@@ -79,7 +79,7 @@ class ActorSpec:
         """The clear-text actor part of this actor's lock keys."""
         if self.across_actors:
             return ANY_ACTOR
-        return self.actor_name.replace("{", "(").replace("}", ")")
+        return actor_scope(self.actor_name)
 
     def digest(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
         """The digest of one send: a hash of the actor name, the queue
@@ -168,6 +168,13 @@ def _optional(options: Mapping[str, Any], name: str, check: Callable[[Any], bool
 
 def _is_int(value: Any, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def actor_scope(actor: str) -> str:
+    """The actor part of the keys of ``actor``: braces would clash with
+    the Cluster hash tag, so the middleware writes them as parentheses.
+    """
+    return actor.replace("{", "(").replace("}", ")")
 
 
 def _lock_args(options: Mapping[str, Any], signature: Optional[inspect.Signature]) -> Optional[tuple[str, ...]]:

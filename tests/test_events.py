@@ -32,7 +32,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dramatiq_unique"
 #: The modules whose log lines ``LOG_LINES`` documents: the middleware at run time.
 RUNTIME_MODULES = (
     "middleware.py", "enqueue.py", "process.py", "leases.py", "releaser.py", "events.py", "spec.py", "results.py",
-    "replace.py", "confirm.py", "reap.py", "unreleased.py",
+    "replace.py", "confirm.py", "reap.py", "unreleased.py", "context.py",
 )
 
 

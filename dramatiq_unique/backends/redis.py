@@ -179,7 +179,8 @@ def _superseded(key: str) -> str:
 _REPLACED = {0: "refused", 1: "acquired", 2: "reentered", 3: "replaced"}
 
 
-def _text(value: Any) -> str:
+def as_text(value: Any) -> str:
+    """A reply as text: redis-py answers bytes unless told to decode."""
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
@@ -201,9 +202,9 @@ def _acquisition(reply: Any, owner: str) -> Acquisition:
         return Acquisition(True, holder=owner, fence=reply)
     status, holder, fence, provisional = reply
     if status == 3:
-        return Acquisition(False, refused=_text(holder))
+        return Acquisition(False, refused=as_text(holder))
     return Acquisition(
-        status in (1, 2), reentered=status == 2, holder=_text(holder), fence=int(fence), provisional=provisional == 1
+        status in (1, 2), reentered=status == 2, holder=as_text(holder), fence=int(fence), provisional=provisional == 1
     )
 
 
@@ -454,10 +455,10 @@ class RedisBackend(LockBackend):
             return Acquisition(True, holder=owner, fence=reply)
         status, holder, fence, _ = reply
         if status == 4:
-            raise DispatchFailed(_text(holder))
+            raise DispatchFailed(as_text(holder))
         if status in (1, 2):
             self._require(acked, key, None)
-        return Acquisition(status in (1, 2), reentered=status == 2, holder=_text(holder), fence=int(fence))
+        return Acquisition(status in (1, 2), reentered=status == 2, holder=as_text(holder), fence=int(fence))
 
     def start(
         self, key: str, owner: str, *, ttl: int, limit: int, lock: str, copy: Copy, queue_key: Optional[str] = None
@@ -576,7 +577,7 @@ class RedisBackend(LockBackend):
             [key, _superseded(key)],
             [owner, ttl, lock, lock_args or "", int(keep_started), debounce, debounce_max, superseded_ttl, where],
         )
-        got = Replacement(_REPLACED[int(status)], _text(other) if other else None, int(delay), int(fence))
+        got = Replacement(_REPLACED[int(status)], as_text(other) if other else None, int(delay), int(fence))
         if acked is not None and got.status != "refused":
             self._require(acked, key, self._replaced_back(key, owner, got.status))
         return got
@@ -614,14 +615,14 @@ class RedisBackend(LockBackend):
         (status, other), acked = (self._take if reenter else self._untaken)("current", keys, args)
         if acked is not None and int(status) in (1, 2):  # 1: took the free key again, 2: re-entered
             self._require(acked, key, self._give_back(key, owner) if int(status) == 1 else None)
-        return int(status), _text(other) if other else None
+        return int(status), as_text(other) if other else None
 
     def unreplace(self, key: str, owner: str) -> Optional[str]:
         previous = self._call("unreplace", [key, _superseded(key)], [owner])
-        return _text(previous) if previous else None
+        return as_text(previous) if previous else None
 
     def inspect(self, key: str) -> Optional[LockInfo]:
-        fields = {_text(name): _text(value) for name, value in self.client.hgetall(key).items()}
+        fields = {as_text(name): as_text(value) for name, value in self.client.hgetall(key).items()}
         now = self._now_ms(key)
         holders = {name: int(value) for name, value in fields.items() if not name.startswith("!") and int(value) > now}
         if not holders:
@@ -642,7 +643,7 @@ class RedisBackend(LockBackend):
     def scan(self, pattern: str) -> Iterator[str]:
         seen = set()
         for key in self.client.scan_iter(match=pattern, count=1000):
-            name = _text(key)
+            name = as_text(key)
             if name not in seen:
                 seen.add(name)
                 yield name
@@ -652,7 +653,7 @@ class RedisBackend(LockBackend):
 
     def waiters(self, key: str) -> list[Waiter]:
         waiting = self.client.zrange(_waiting(key)[0], 0, -1, withscores=True)
-        return [Waiter(_text(message_id), int(order)) for message_id, order in waiting]
+        return [Waiter(as_text(message_id), int(order)) for message_id, order in waiting]
 
     def _now_ms(self, key: Optional[str] = None) -> int:
         # On a Cluster, ask the node that holds the key: its clock set the deadlines.
