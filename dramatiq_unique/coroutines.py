@@ -42,6 +42,10 @@ class CoroutineWatch:
             self._ended, then = True, self._then
         if then is not None:
             # Off the event loop: the deferred release makes a blocking call.
+            # A one-off thread, not a BackgroundThread: one call, made
+            # rarely (a coroutine that outlived its time limit), with no
+            # loop to stop or drain; a greenlet under gevent, like the
+            # event loop thread that calls this.
             threading.Thread(target=then, name="dramatiq-unique-late-release", daemon=True).start()
 
     def defer(self, then: Callable[[], None]) -> bool:

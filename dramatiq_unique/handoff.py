@@ -16,12 +16,12 @@ Dramatiq's Redis consumer; with any other broker this does nothing.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 from dramatiq.common import q_name
 
 from .background import BackgroundThread
+from .clock import now_ms
 from .forks import pid
 
 #: The longest wait between two polls of a queue that just got a
@@ -45,7 +45,7 @@ class HandoffPolls:
         self.hold = hold
         self._threads: dict[str, Any] = {}  # queue name -> Dramatiq ConsumerThread
         self._saved: dict[int, tuple[Any, int]] = {}  # id(consumer) -> (consumer, its own timeout)
-        self._until = 0.0
+        self._until = 0.0  # monotonic ms
         self._lock = threading.Lock()
         # A greenlet under gevent: it writes the consumers' fields, which
         # the hub's greenlets read (and an actor that holds the hub only
@@ -64,7 +64,7 @@ class HandoffPolls:
         if type(consumer).__name__ != "_RedisConsumer" or not isinstance(getattr(consumer, "timeout", None), int):
             return
         with self._lock:
-            self._until = time.monotonic() + self.hold / 1000
+            self._until = now_ms() + self.hold
             if id(consumer) not in self._saved:
                 self._saved[id(consumer)] = (consumer, consumer.timeout)
                 consumer.timeout = min(consumer.timeout, self.poll)
@@ -78,11 +78,11 @@ class HandoffPolls:
         """
         while not timer.stopping:
             with self._lock:
-                left = self._until - time.monotonic()
+                left = self._until - now_ms()
                 if left <= 0:
                     self._restore()
-                    left = self.hold / 1000  # nothing to restore: look again, asleep, a hold later
-            timer.wait(left * 1000)
+                    left = self.hold  # nothing to restore: look again, asleep, a hold later
+            timer.wait(left)
 
     def _restore(self) -> None:
         for consumer, timeout in self._saved.values():

@@ -43,6 +43,13 @@ class _Renewal:
     waiting for it: a call stuck on a silent network (socket timeouts
     and client retries can add up to minutes) must not outlive the
     leases it renews.
+
+    Not a :class:`~.background.BackgroundThread`: it is one call with a
+    deadline, not a loop, so there is nothing to start lazily, stop or
+    drain, and the keeper (which is one) refuses a new renewal while an
+    abandoned one still waits.  Used only when renewals run through the
+    backend's own client: under gevent that is a greenlet, on a backend
+    with no native connection.
     """
 
     def __init__(self, extend: Callable[[], list[bool]]) -> None:

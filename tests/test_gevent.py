@@ -1,5 +1,7 @@
 """Real ``dramatiq-gevent`` worker processes: the seed scenario, crash
-recovery, and a holder that blocks the hub for longer than its lease.
+recovery, a holder that blocks the hub for longer than its lease, and
+the background tasks that stay greenlets there (the releaser, the
+confirmer, the retries of failed releases).
 
 Under gevent's monkey-patching every thread of a worker is a greenlet
 on one OS thread; an actor in a C call (a C database driver) or a CPU
@@ -16,6 +18,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -23,12 +26,15 @@ import pika  # type: ignore[import-untyped]
 import pytest
 import redis
 
+from dramatiq_unique.admin import LockAdmin
+from dramatiq_unique.backends.redis import RedisBackend
 from tests import test_seed_scenario
 from tests.conftest import wait_for
 from tests.faults import harness as faults_harness
 from tests.faults import test_crash
-from tests.faults.conftest import figure, make_harness  # noqa: F401 - fixtures of the crash case
-from tests.faults.harness import delete_queues
+from tests.faults.conftest import figure, make_harness, proxy  # noqa: F401 - fixtures of the fault harness
+from tests.faults.harness import Harness, delete_queues, overlaps, peak
+from tests.faults.proxy import through
 from tests.procs import WorkerGroup
 
 #: The RabbitMQ virtual host of these tests, so that their queues never
@@ -193,3 +199,131 @@ def _watch_renewals(client: redis.Redis, namespace: str) -> list[float]:
             seen[owner] = deadline
         time.sleep(0.02)
     return moved
+
+
+# (d) The background tasks that stay greenlets ---------------------------------------
+
+#: The burst: this many keys, this many jobs of each.
+BURST_KEYS, BURST_PER_KEY = 3, 20
+
+#: A lease long enough that a release left undone would hold its key
+#: well past the test's bound: only a release frees it in time.
+LONG_LEASE_MS = 30_000
+
+
+def _held(admin: LockAdmin, actor: str, phase: str) -> int:
+    return sum(1 for lock in admin.locks(actor=actor, phase=phase) if lock.holders)
+
+
+def test_under_gevent_background_releases_free_every_key_of_a_burst(gevent_workers, make_harness,  # noqa: F811
+                                                                    redis_url, figure):  # noqa: F811
+    # Given two dramatiq-gevent processes whose run locks are released in the background (the releaser)
+    h: Harness = make_harness("redis", FAULTS_LEASE=str(LONG_LEASE_MS), FAULTS_RESCHEDULE_DELAY="100")
+    assert h.app.unique.releaser is not None, "the Redis backend batches releases: they go through the releaser"
+    h.workers(processes=2, threads=4)
+    admin = LockAdmin(RedisBackend(url=redis_url), prefix=h.namespace)
+    # When a burst of while_executing jobs on a few keys is sent at once
+    began = time.monotonic()
+    sent = [h.app.hold.send(f"k{n % BURST_KEYS}", seconds=0.01) for n in range(BURST_KEYS * BURST_PER_KEY)]
+    wait_for(lambda: len(h.runs()) >= len(sent) and h.queued() == 0, timeout=120, what="every job to run")
+    drained = time.monotonic() - began
+    runs = h.runs()
+    last_end = max(run.end or 0 for run in runs)
+    wait_for(lambda: _held(admin, "hold", "run") == 0, timeout=10, what="every key to be free")
+    freed_after = time.time() - last_end
+    # Then each job ran once, no two runs of a key overlapped, and every key was free soon after the last run
+    per_message = Counter(run.message_id for run in runs)
+    figure("runs", len(runs))
+    figure("overlaps", len(overlaps(runs)))
+    figure("all_ran_after_s", round(drained, 2))
+    figure("keys_free_after_last_run_s", round(freed_after, 3))
+    print(f"{len(runs)} runs in {drained:.2f} s, {len(overlaps(runs))} overlaps, keys free {freed_after:.3f} s "
+          f"after the last run")
+    assert per_message == Counter({message.message_id: 1 for message in sent}), per_message
+    assert not overlaps(runs) and peak(runs) == 1
+    assert freed_after < 2.0, "a run lock outlived its run: its release waited for the lease"
+
+
+#: How many sends the gevent worker's actor makes, and their window.
+SENDS, WINDOW_MS = 50, 1_000
+
+
+def test_under_gevent_the_confirmer_confirms_a_workers_sends_on_rabbitmq(redis_url, redis_client, vhost_url,
+                                                                         monkeypatch, figure):  # noqa: F811
+    # Given a dramatiq-gevent worker on RabbitMQ whose actor sends until_executed jobs, delayed so none runs
+    _dramatiq_gevent()
+    namespace = f"gevent-{uuid.uuid4().hex[:8]}"
+    env = {"GEVENT_BROKER": "rabbitmq", "GEVENT_REDIS_URL": redis_url, "GEVENT_RABBITMQ_URL": vhost_url,
+           "GEVENT_NAMESPACE": namespace, "GEVENT_PROVISIONAL_WINDOW": str(WINDOW_MS)}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    from tests.apps import gevent_sender
+
+    broker, fan_out = gevent_sender.build()
+    admin = LockAdmin(RedisBackend(url=redis_url), prefix=namespace)
+    try:
+        with GeventWorkers("tests.apps.gevent_sender:broker", processes=1, threads=2,
+                           env={**env, "dramatiq_worker_timeout": "100"}) as workers:
+            workers.wait_booted(1, timeout=60)
+            # When the actor sends them, each send taking its lock for the provisional window only
+            fan_out.send(SENDS, 600_000)
+            wait_for(lambda: redis_client.llen(f"{namespace}:sent"), timeout=30, what="the sends")
+            sent_at = json.loads(redis_client.lindex(f"{namespace}:sent", 0))["at"]
+            # Then the worker's confirmer gives every lock its full lifetime, well within the window
+            wait_for(lambda: _confirmed(admin) == SENDS, timeout=WINDOW_MS / 1000, what="every lock to be confirmed")
+            confirmed_after = time.time() - sent_at
+            # And past the window every lock is still held: none lapsed
+            time.sleep(max(0.0, sent_at + 2 * WINDOW_MS / 1000 - time.time()))
+            still_held = _held(admin, "child", "queue")
+            assert workers.stop() == 0
+    finally:
+        broker.close()
+        delete_queues(vhost_url, namespace)
+    figure("sends", SENDS)
+    figure("confirmed_after_s", round(confirmed_after, 3))
+    figure("held_after_twice_the_window", still_held)
+    print(f"{SENDS} sends confirmed {confirmed_after:.3f} s after the last, {still_held} held after "
+          f"{2 * WINDOW_MS} ms")
+    assert still_held == SENDS
+
+
+def _confirmed(admin: LockAdmin) -> int:
+    return sum(1 for lock in admin.locks(actor="child", phase="queue") for h in lock.holders if not h.provisional)
+
+
+#: How long the network to the lock Redis stays cut after the release failed.
+CUT_S = 2.0
+
+
+def test_under_gevent_a_release_that_failed_is_retried_until_the_network_is_back(  # noqa: F811
+    gevent_workers, make_harness, proxy, redis_url, figure  # noqa: F811
+):
+    # Given a dramatiq-gevent worker that reaches the lock Redis through a proxy, running an until_executed job
+    h: Harness = make_harness("redis", FAULTS_LOCK_URL=through(proxy, redis_url))
+    h.workers(processes=1, threads=2)
+    admin = LockAdmin(RedisBackend(url=redis_url), prefix=h.namespace)
+    first = h.app.once.send("k", gate="run")
+    h.started(first.message_id)
+    # When the network drops as the job succeeds, so that its release fails, and stays down a while
+    proxy.cut()
+    h.open_gate("run")
+    wait_for(lambda: h.events("backend_error"), timeout=30, what="the release to fail")
+    time.sleep(CUT_S)  # the outage: every retry meanwhile fails too
+    held_while_cut = _held(admin, "once", "queue")
+    proxy.heal()
+    healed = time.monotonic()
+    # Then ReleaseRetries, a greenlet there, frees the key soon after the network is back
+    wait_for(lambda: _held(admin, "once", "queue") == 0, timeout=10, what="the key to be freed")
+    freed_after = time.monotonic() - healed
+    # And a new send of the key is accepted and runs
+    again = h.app.once.send("k")
+    assert "unique_duplicate_of" not in again.options
+    assert h.finished(again.message_id).key == "k"
+    per_message = Counter(run.message_id for run in h.runs())
+    figure("outage_s", CUT_S)
+    figure("key_free_after_heal_s", round(freed_after, 3))
+    figure("failed_releases_reported", len(h.events("backend_error")))
+    print(f"outage {CUT_S} s, key free {freed_after:.3f} s after the network came back")
+    assert held_while_cut == 1
+    assert per_message == Counter({first.message_id: 1, again.message_id: 1}), per_message
+    assert freed_after < 2.0, "the failed release was not retried within its 1 s backoff"
