@@ -116,3 +116,33 @@ __all__ = [
     "start_native_thread",
     "threads_are_green",
 ]
+
+
+# redis-py ----------------------------------------------------------------
+#
+# The lock calls use redis-py's public connection methods only
+# (``send_packed_command``, ``read_response``, ``can_read``, ``retry``,
+# ``connection_pool.connection_class`` / ``connection_kwargs``).  What
+# differs between the versions that CI runs (4.6, 5.x, 6.x, 7.x, 8.x,
+# each with and without hiredis, on Python 3.9 and 3.11+) is handled here.
+
+
+def timeout_in_disguise(error: BaseException) -> bool:
+    """Whether a redis-py ``ConnectionError`` was really a socket timeout.
+
+    redis-py 5.0 to 7.0's hiredis parser raises the built-in
+    ``TimeoutError`` when a read times out, and the connection turns
+    every ``OSError`` that is not ``socket.timeout`` into a
+    ``ConnectionError``.  Up to Python 3.9 the built-in ``TimeoutError``
+    is no ``socket.timeout`` (3.10 made them one), so a silent server
+    looks like a dropped connection, which retry policies send again
+    after each timeout.  The error it was raised from tells the two
+    apart.  Checked on redis-py 5.0.8, 6.4.0 and 7.0.1 with hiredis 3.x on
+    Python 3.9 (disguised) and redis-py 4.6.0 and 8.1.0 (raised as
+    ``TimeoutError``: nothing to do); on any version the check is a
+    no-op for a real dropped connection.
+    """
+    import socket
+
+    cause = error.__cause__ or error.__context__
+    return isinstance(cause, (socket.timeout, TimeoutError))

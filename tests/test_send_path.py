@@ -21,7 +21,6 @@ from dramatiq.results import Results, ResultFailure
 from dramatiq.results.backends import StubBackend as ResultsStub
 
 from dramatiq_unique import DuplicateMessage, LockBackendError, UniqueMiddleware
-from dramatiq_unique.backends import wire
 from dramatiq_unique.backends.redis import RedisBackend
 from dramatiq_unique.sendpath import dispatch_source
 from tests.apps import sendpath as app
@@ -58,26 +57,20 @@ def _first_command(packed: Any) -> bytes:
 
 class RoundTrips:
     """Counts the Redis round trips this thread makes, connection set-up
-    aside: one ``send_packed_command`` of redis-py, or one exchange the
-    lock backend makes by hand, is one command or one pipeline.
+    aside: one ``send_packed_command`` of redis-py (the lock backend's
+    calls too) is one command or one pipeline.
     """
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.count = 0
         self.thread = threading.current_thread()
         original = redis.connection.Connection.send_packed_command
-        original_exchange = wire.exchange
 
         def counted(conn: Any, command: Any, *args: Any, **kwargs: Any) -> None:
             self.counts(command)
             original(conn, command, *args, **kwargs)
 
-        def counted_exchange(conn: Any, packed: bytes, count: int) -> list[Any]:
-            self.counts(packed)
-            return original_exchange(conn, packed, count)
-
         monkeypatch.setattr(redis.connection.Connection, "send_packed_command", counted)
-        monkeypatch.setattr(wire, "exchange", counted_exchange)
 
     def counts(self, command: Any) -> None:
         if threading.current_thread() is self.thread and _first_command(command) not in _SET_UP:

@@ -5,14 +5,14 @@ redis-py's ``Script.__call__``, its connection pool and its command
 machinery cost more per lock call than the round trip itself on a
 loaded worker.  So each call here is one pre-encoded ``EVALSHA``,
 packed and sent on a connection of a small private pool that mirrors
-the client's own connection parameters.  Its replies are read with a
-hiredis reader of our own, fed straight from the socket: redis-py's
-reading layers cost more than the read.  (Without hiredis, or on RESP3,
-the connection's own parser reads them.)  What redis-py gives a command
-is kept: the connection's handshake, its retry policy (a blip is
-retried on a fresh connection, exactly as ``execute_command`` retries
-it), its health checks, socket timeouts and error classes, and a
-reload of the script after ``NOSCRIPT``.
+the client's own connection parameters, with redis-py's public
+connection methods only (``send_packed_command``, ``read_response``,
+``can_read``): the connection's own parser reads the replies, RESP2 or
+RESP3, push messages included.  What redis-py gives a command is kept:
+the connection's handshake, its retry policy (a blip is retried on a
+fresh connection, exactly as ``execute_command`` retries it), its health
+checks, socket timeouts and error classes, and a reload of the script
+after ``NOSCRIPT``.
 
 Clients this module does not know how to mirror (Sentinel-managed
 pools, client-side caching, a single-connection client, anything that
@@ -32,8 +32,8 @@ from redis.connection import Connection, SSLConnection, UnixDomainSocketConnecti
 from redis.exceptions import NoScriptError, ResponseError
 from redis.retry import Retry
 
+from ..compat import timeout_in_disguise
 from ..forks import pid
-from . import wire
 from .group import DEFAULT_TIMEOUT, GroupCommit
 
 #: One script call: script name, keys, arguments.
@@ -53,13 +53,36 @@ _EVALSHA = b"EVALSHA"
 DEFAULT_RETRIES = 3
 
 
+class _Retry(Retry):
+    """A policy that retries failed connections, never timeouts, even
+    those that redis-py reports as a failed connection (see
+    :func:`~dramatiq_unique.compat.timeout_in_disguise`): the
+    connection's own health check and handshake retry with it too.
+    """
+
+    def call_with_retry(self, do: Callable[[], Any], fail: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return super().call_with_retry(lambda: _unmasked(do), fail, *args, **kwargs)
+
+
+def _unmasked(do: Callable[[], Any]) -> Any:
+    """``do()``, with a timeout that redis-py raised as a
+    ``ConnectionError`` raised as its ``TimeoutError``.
+    """
+    try:
+        return do()
+    except redis.ConnectionError as e:
+        if timeout_in_disguise(e):
+            raise redis.TimeoutError(str(e)) from e
+        raise
+
+
 def default_retry() -> Retry:
     """:data:`DEFAULT_RETRIES`, after at most 20, 40 and 80 ms (full
     jitter).  Sending a lock call again is safe: every script survives a
     lost reply (the owner token re-enters, a release checks the owner, a
     send finds its message enqueued already).
     """
-    return Retry(FullJitterBackoff(cap=1.0, base=0.01), DEFAULT_RETRIES, supported_errors=(redis.ConnectionError,))
+    return _Retry(FullJitterBackoff(cap=1.0, base=0.01), DEFAULT_RETRIES, supported_errors=(redis.ConnectionError,))
 
 
 def _with_retry(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -116,7 +139,9 @@ def _mirrorable(client: Any) -> bool:
         and pool.connection_class in _MIRRORED
         and getattr(pool, "cache", None) is None
         and pool.connection_kwargs.get("encoding", "utf-8").lower().replace("-", "") == "utf8"
-        and not getattr(client, "_single_connection_client", False)
+        # A single-connection client keeps one connection of its own
+        # (public as ``client.connection`` since redis-py 3).
+        and getattr(client, "connection", None) is None
     )
 
 
@@ -135,7 +160,6 @@ class ScriptCalls:
         self.sources = sources
         self.shas = {name: hashlib.sha1(source.encode()).hexdigest().encode() for name, source in sources.items()}
         self.direct = _mirrorable(client)
-        self.raw = self.direct and wire.readable_by_us(client)
         self._adding = threading.Lock()
         self._idle: list[Any] = []
         self._pid = pid()
@@ -156,9 +180,10 @@ class ScriptCalls:
         # read was closed by the server (a restart, an idle timeout);
         # reconnect before sending, while that is still safe.  (A client
         # made from a URL does not retry: the check is what saves the
-        # call.)  A connection is never given back dirty: see _round_trip.
+        # call.)  Only a connection whose last exchange succeeded is
+        # idle, so the check never connects: see _round_trip.
         try:
-            if wire.readable(conn):
+            if conn.can_read():
                 conn.disconnect()
         except (redis.ConnectionError, redis.TimeoutError, OSError):
             conn.disconnect()
@@ -185,14 +210,19 @@ class ScriptCalls:
 
     def _exchange(self, conn: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
         """One round trip: send every command, read every reply; a
-        Redis error reply is returned in its place, not raised.
+        Redis error reply is returned in its place, not raised.  A
+        timeout is raised as redis-py's ``TimeoutError``, also where
+        redis-py reports it as a failed connection.
         """
         packed = b"".join(map(_pack, commands))
-        if self.raw:
-            return wire.exchange(conn, packed, len(commands))
+        replies: list[Any] = _unmasked(lambda: self._send_and_read(conn, packed, len(commands)))
+        return replies
+
+    @staticmethod
+    def _send_and_read(conn: Any, packed: bytes, count: int) -> list[Any]:
         conn.send_packed_command([packed])
         replies: list[Any] = []
-        for _ in commands:
+        for _ in range(count):
             try:
                 replies.append(conn.read_response())
             except ResponseError as e:
@@ -209,11 +239,11 @@ class ScriptCalls:
             )
         except BaseException:
             # Whatever broke the exchange (a time limit's exception too)
-            # may have left replies unread: never reuse the socket.
+            # may have left replies unread: never reuse the socket, nor
+            # the connection (the next call makes a fresh one).
             conn.disconnect()
             raise
-        finally:
-            self._give(conn)
+        self._give(conn)
         return result
 
     def _through_client(self, commands: list[tuple[Any, ...]]) -> list[Any]:
