@@ -6,6 +6,7 @@ one call.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any, Sequence, Union
@@ -158,3 +159,32 @@ def test_after_a_hand_off_the_redis_consumer_polls_quickly_for_a_while(redis_url
     ordered = sorted(ran, key=lambda run: run[1])
     assert sorted(seq for seq, _, _ in ran) == [0, 1, 2]
     assert all(b[1] >= a[2] for a, b in zip(ordered, ordered[1:]))
+
+
+def test_a_forked_child_leaves_the_parents_releases_to_the_parent_and_sends_its_own(redis_client):
+    # Given a releaser with a release pending in the parent (it lingers a minute for a start to carry it)
+    backend = RedisBackend(client=redis_client)
+    for key in ("t:{parent}:run", "t:{child}:run"):
+        assert backend.acquire(key, key, ttl=60_000).acquired
+    releaser = Releaser(backend, on_stalled=lambda batch: None, linger=60_000)
+    outcomes: list[Any] = []
+    releaser.submit(pending("t:{parent}:run", "t:{parent}:run", outcomes))
+    read, write = os.pipe()
+    # When the process forks, and the child submits a release of its own and drains
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe
+        left_at_fork = releaser.pending()
+        releaser.submit(pending("t:{child}:run", "t:{child}:run", outcomes))
+        drained = releaser.drain(5_000)
+        held = [redis_client.exists(key) for key in ("t:{child}:run", "t:{parent}:run")]
+        state = f"{left_at_fork}:{drained}:{held[0]}:{held[1]}"
+        os.write(write, state.encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(child, 0)
+    # Then the child had none of the parent's releases, sent its own, and left the parent's lock alone
+    assert os.read(read, 100).decode() == "0:True:0:1"
+    # And the parent still sends its own
+    assert releaser.pending() == 1 and releaser.drain(5_000)
+    assert [outcome.held for outcome in outcomes] == [True] and not redis_client.exists("t:{parent}:run")
+    releaser.stop()

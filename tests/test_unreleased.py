@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 from dramatiq_unique import StubBackend
@@ -59,3 +60,35 @@ def test_shutdown_waits_for_failed_releases_at_most_its_bound() -> None:
     retries.stop(timeout=300)
     assert 0.25 <= time.monotonic() - began < 2.0
     assert retries.pending() == 0  # what was left is logged and left to expire
+
+
+def test_a_forked_child_leaves_the_parents_failed_releases_to_the_parent() -> None:
+    # Given a failed release waiting for its retry in the parent
+    backend = FlakyBackend()
+    assert backend.acquire("parent", "m", ttl=60_000).acquired
+    assert backend.acquire("child", "m", ttl=60_000).acquired
+    landed: list[str] = []
+    retries = ReleaseRetries(backend, first_retry=10, most_between=20)
+    retries.submit(FailedRelease("parent", "m", now_ms() + 60_000, lambda outcome: landed.append("parent")))
+    read, write = os.pipe()
+    # When the process forks, and the child's backend comes back and it submits a failed release of its own
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe
+        left_at_fork = retries.pending()
+        backend.down = False
+        retries.submit(FailedRelease("child", "m", now_ms() + 60_000, lambda outcome: landed.append("child")))
+        deadline = time.monotonic() + 5
+        while not landed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        state = f"{left_at_fork}:{landed}:{backend.inspect('child') is None}:{backend.inspect('parent') is None}"
+        os.write(write, state.encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(child, 0)
+    # Then the child had none of the parent's, and its own retry thread landed its release, and only it
+    assert os.read(read, 200).decode() == "0:['child']:True:False"
+    # And the parent still retries its own
+    assert retries.pending() == 1 and not landed
+    backend.down = False
+    wait_for(lambda: landed == ["parent"], timeout=5, what="the parent's release to land")
+    retries.stop(timeout=100)
