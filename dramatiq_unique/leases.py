@@ -256,7 +256,10 @@ class NativeExtend:
       address(tuple or str): ``(host, port)``, or a Unix socket path.
       db(int): The database to select.
       username(str), password(str): For ``AUTH``, when set.
-      script(str): The source of ``extend.lua``.
+      script(str): The source of ``extend.lua``
+        (:meth:`~.backends.redis.RedisBackend.extend_script`).
+      call(callable): ``(key, owner, ttl)`` -> the script's keys and
+        arguments (:meth:`~.backends.redis.RedisBackend.extend_call`).
       connect_timeout(float): In seconds.
     """
 
@@ -268,6 +271,7 @@ class NativeExtend:
         username: Optional[str] = None,
         password: Optional[str] = None,
         script: str,
+        call: Callable[[str, str, int], tuple[Sequence[Any], Sequence[Any]]],
         connect_timeout: float = 5.0,
     ) -> None:
         self.address = address
@@ -276,6 +280,7 @@ class NativeExtend:
         self.password = password
         self.script = script.encode()
         self.sha = hashlib.sha1(self.script).hexdigest().encode()
+        self.call = call
         self.connect_timeout = connect_timeout
         self._sock: Any = None
         self._file: Any = None
@@ -301,7 +306,7 @@ class NativeExtend:
         if self._sock is None:
             self._connect(min(timeout, self.connect_timeout))
         self._sock.settimeout(timeout)
-        calls = [[b"EVALSHA", self.sha, b"1", key.encode(), owner.encode(), str(ttl).encode()] for key, owner in locks]
+        calls = [self._evalsha(*self.call(key, owner, ttl)) for key, owner in locks]
         replies = self._round_trip(calls)
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, _ErrorReply) and reply.noscript]
         if missing:
@@ -312,6 +317,9 @@ class NativeExtend:
             if isinstance(reply, _ErrorReply):
                 raise RuntimeError(f"the lock backend refused a renewal: {reply.text}")
         return [bool(reply) for reply in replies]
+
+    def _evalsha(self, keys: Sequence[Any], args: Sequence[Any]) -> list[bytes]:
+        return [b"EVALSHA", self.sha, str(len(keys)).encode(), *map(_encoded, keys), *map(_encoded, args)]
 
     def _connect(self, timeout: float) -> None:
         make_socket = original("socket", "socket")
@@ -362,6 +370,10 @@ class _ErrorReply:
         self.noscript = text.startswith("NOSCRIPT")
 
 
+def _encoded(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
 def _pack(command: list[bytes]) -> bytes:
     return b"*%d\r\n" % len(command) + b"".join(b"$%d\r\n%s\r\n" % (len(arg), arg) for arg in command)
 
@@ -395,8 +407,6 @@ def native_extend(backend: LockBackend) -> Optional[NativeExtend]:
         return None
     import redis
 
-    from .backends.redis import _SCRIPTS
-
     pool = getattr(backend.client, "connection_pool", None)  # type: ignore[attr-defined]
     if type(pool) is not redis.ConnectionPool or pool.connection_class not in (
         redis.Connection,
@@ -410,6 +420,7 @@ def native_extend(backend: LockBackend) -> Optional[NativeExtend]:
         db=int(kwargs.get("db", 0) or 0),
         username=kwargs.get("username"),
         password=kwargs.get("password"),
-        script=_SCRIPTS["extend"],
+        script=backend.extend_script(),  # type: ignore[attr-defined]
+        call=backend.extend_call,  # type: ignore[attr-defined]
         connect_timeout=float(kwargs.get("socket_connect_timeout") or 5.0),
     )
