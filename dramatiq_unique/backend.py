@@ -13,8 +13,70 @@ frozen dataclasses here, at a third of their cost to build.
 from __future__ import annotations
 
 import abc
+import enum
 from dataclasses import dataclass, field
-from typing import Iterator, NamedTuple, Optional, Sequence, Union
+from typing import Any, Iterator, NamedTuple, Optional, Sequence, Union
+
+
+class _Named(str, enum.Enum):
+    """An outcome named by its text: equal to that text, and printed as
+    it (in log lines too), as the plain strings it replaces were.
+    """
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class CopyVerdict(_Named):
+    """Why a copy of a rescheduled message may not run (see :class:`Copy`)."""
+
+    #: A copy of an earlier reschedule: a later copy of the message runs.
+    STALE = "stale"
+    #: The other copy of its reschedule arrived first.
+    LOST = "lost"
+
+
+class ReplaceStatus(_Named):
+    """What :meth:`LockBackend.replace` did."""
+
+    #: The key was free: the send holds it now.
+    ACQUIRED = "acquired"
+    #: The send already held it (a publish retry).
+    REENTERED = "reentered"
+    #: ``holder`` was superseded: the send is the current holder.
+    REPLACED = "replaced"
+    #: ``holder`` has started and the lock type keeps it: refused.
+    REFUSED = "refused"
+
+
+class CurrentStatus(_Named):
+    """What :meth:`LockBackend.current` found of a message."""
+
+    #: A newer send superseded it: ``other`` is that send.
+    SUPERSEDED = "superseded"
+    #: A re-enqueued copy that may not run: ``other`` is the verdict
+    #: (a :class:`CopyVerdict`'s text); nothing was taken.
+    MAY_NOT_RUN = "may_not_run"
+    #: A delivery: the message is current (and now started).  A
+    #: re-enqueue: it took the free key afresh (``other`` is itself).
+    CURRENT = "current"
+    #: A re-enqueue re-entered its slot (``other`` is itself).
+    REENTERED = "reentered"
+    #: A re-enqueue whose slot lapsed: ``other`` holds the key.
+    LAPSED = "lapsed"
+
+
+class CurrentCheck(NamedTuple):
+    """The outcome of :meth:`LockBackend.current`.
+
+    Attributes:
+      status(CurrentStatus): What was found.
+      other(str): The message it names (see :class:`CurrentStatus`), or
+        None.
+    """
+
+    status: CurrentStatus
+    other: Optional[str] = None
 
 
 class Acquisition(NamedTuple):
@@ -29,10 +91,8 @@ class Acquisition(NamedTuple):
       provisional(bool): True when the slot holds for the provisional
         window only: :meth:`LockBackend.confirm` it once the message is
         published.
-      refused(str): When the acquisition was asked for a :class:`Copy`
-        that may not run: "stale" (a copy of an earlier reschedule) or
-        "lost" (the other copy of its reschedule arrived first).
-        Nothing was taken.
+      refused(CopyVerdict): When the acquisition was asked for a
+        :class:`Copy` that may not run: why.  Nothing was taken.
     """
 
     acquired: bool
@@ -40,7 +100,7 @@ class Acquisition(NamedTuple):
     holder: Optional[str] = None
     fence: int = 0
     provisional: bool = False
-    refused: Optional[str] = None
+    refused: Optional[CopyVerdict] = None
 
 
 class Copy(NamedTuple):
@@ -73,8 +133,8 @@ class Start(NamedTuple):
 
     Attributes:
       acquisition(Acquisition): Of the run lock; ``refused`` names why
-        this copy may not run ("stale" or "lost"), and then nothing
-        was taken.
+        this copy may not run (a :class:`CopyVerdict`), and then
+        nothing was taken.
       queue_released(bool): The enqueue lock was held, and is released.
     """
 
@@ -183,16 +243,14 @@ class Replacement:
     """The outcome of :meth:`LockBackend.replace`.
 
     Attributes:
-      status(str): ``"acquired"`` (the key was free), ``"reentered"``,
-        ``"replaced"`` (``holder`` was superseded) or ``"refused"``
-        (``holder`` has started and the lock type keeps it).
+      status(ReplaceStatus): What the replace did.
       holder(str): The message superseded, or the one that refused.
       delay(int): Under debounce, how long from now the message is due,
         in milliseconds; 0 otherwise.
       fence(int): The key's fencing token.
     """
 
-    status: str
+    status: ReplaceStatus
     holder: Optional[str] = None
     delay: int = 0
     fence: int = 0
@@ -253,12 +311,47 @@ class Waiter:
         return self.order // SENDS_PER_MS
 
 
-class LockBackend(abc.ABC):
-    """ABC for lock backends.  Durations are in milliseconds."""
+class LockReads(abc.ABC):
+    """What operators read of a backend: no verb here changes a lock.
+    :class:`~dramatiq_unique.admin.LockAdmin` and the dashboard read
+    through these; the middleware never does.
+    """
+
+    @abc.abstractmethod
+    def inspect(self, key: str) -> Optional[LockInfo]:
+        """Describe ``key``, or None when nobody holds it."""
+        raise NotImplementedError  # pragma: no cover
+
+    @abc.abstractmethod
+    def scan(self, pattern: str) -> Iterator[str]:
+        """Iterate over the held keys matching a glob ``pattern``."""
+        raise NotImplementedError  # pragma: no cover
+
+    def waiters(self, key: str) -> list[Waiter]:
+        """The messages waiting for run lock ``key``, first in line
+        first; for operators.  A backend without waiting lists has none.
+        """
+        return []
+
+    def describe(self) -> str:
+        """A short description for error messages, e.g. a URL."""
+        return type(self).__name__
+
+
+class LockBackend(LockReads):
+    """ABC for lock backends.  Durations are in milliseconds.
+
+    The verbs are grouped by who calls them: the hot path (every job
+    makes these), sending with the publish (an optional capability),
+    the reschedule protocol, newest wins (``on_conflict="replace"``),
+    and operators' writes.  Operators' reads are :class:`LockReads`.
+    """
 
     #: True when :meth:`release_many` sends its releases in one round
     #: trip: the worker then releases run locks in the background.
     batches_releases: bool = False
+
+    # The hot path: every job -----------------------------------------
 
     @abc.abstractmethod
     def acquire(
@@ -319,6 +412,108 @@ class LockBackend(abc.ABC):
         """
         raise NotImplementedError  # pragma: no cover
 
+    def release_many(self, locks: Sequence[tuple[str, str]]) -> list[Union[Release, Exception]]:
+        """Release each ``(key, owner)`` and hand its slot over, as
+        :meth:`release` does, in as few round trips as the backend can.
+
+        Returns:
+          list: per lock, its :class:`Release`, or the exception its
+          release raised.
+        """
+        outcomes: list[Union[Release, Exception]] = []
+        for key, owner in locks:
+            try:
+                outcomes.append(self.release(key, owner))
+            except Exception as e:
+                outcomes.append(e)
+        return outcomes
+
+    def release_and_start(
+        self,
+        releases: Sequence[tuple[str, str]],
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        limit: int,
+        lock: str,
+        copy: Copy,
+        queue_key: Optional[str] = None,
+    ) -> tuple[list[Union[Release, Exception]], Union[Start, Exception]]:
+        """Release each of ``releases`` as :meth:`release_many` does,
+        then :meth:`start` ``key`` for ``owner``: in one round trip where
+        the backend batches releases.
+
+        Returns:
+          tuple: the outcome of each release, and the :class:`Start`, or
+          the exception the start raised.
+        """
+        released = self.release_many(releases)
+        try:
+            return released, self.start(key, owner, ttl=ttl, limit=limit, lock=lock, copy=copy, queue_key=queue_key)
+        except Exception as e:
+            return released, e
+
+    @abc.abstractmethod
+    def extend(self, locks: Sequence[tuple[str, str]], ttl: int) -> list[bool]:
+        """Move the deadline of each ``(key, owner)`` to ``ttl`` from
+        now, in one round trip.  An owner whose slot lapsed or was taken
+        is not extended.
+
+        Returns:
+          list[bool]: per lock, whether it is still held.
+        """
+        raise NotImplementedError  # pragma: no cover
+
+    @abc.abstractmethod
+    def confirm(self, locks: Sequence[tuple[str, str, int]]) -> list[bool]:
+        """Give each provisional ``(key, owner, ttl)`` slot its full
+        lifetime: a deadline of at least ``ttl`` from now, in one round
+        trip.  A slot released meanwhile, or lapsed, is never revived.
+
+        Returns:
+          list[bool]: per lock, whether it is still held.
+        """
+        raise NotImplementedError  # pragma: no cover
+
+    # Sending with the publish (optional) -----------------------------
+
+    @property
+    def dispatch_client(self) -> Optional[Any]:
+        """The standalone Redis client on which :meth:`acquire_and_dispatch`
+        runs the broker's own script, or None when this backend cannot
+        take a lock and publish in one call (the default): the send
+        fast path (:mod:`dramatiq_unique.sendpath`) is then off.
+        """
+        return None
+
+    def acquire_and_dispatch(
+        self,
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        limit: int,
+        lock: str,
+        lock_args: Optional[str],
+        where: str,
+        dispatch: str,
+        namespace: str,
+        arguments: Sequence[Any],
+    ) -> Acquisition:
+        """Acquire ``key`` as :meth:`acquire` does, confirmed at once and
+        recording ``where``, and only when that succeeds run the Redis
+        broker's ``dispatch`` script source with ``arguments`` under
+        ``namespace``, in one round trip.  Only where
+        :attr:`dispatch_client` is not None.
+
+        Raises:
+          NotImplementedError: this backend cannot (the default).
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot take a lock and publish in one call.")
+
+    # The reschedule protocol -----------------------------------------
+
     @abc.abstractmethod
     def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> None:
         """Register the message of ``copy`` as waiting for ``copy.key``,
@@ -353,59 +548,7 @@ class LockBackend(abc.ABC):
         """
         raise NotImplementedError  # pragma: no cover
 
-    @abc.abstractmethod
-    def extend(self, locks: Sequence[tuple[str, str]], ttl: int) -> list[bool]:
-        """Move the deadline of each ``(key, owner)`` to ``ttl`` from
-        now, in one round trip.  An owner whose slot lapsed or was taken
-        is not extended.
-
-        Returns:
-          list[bool]: per lock, whether it is still held.
-        """
-        raise NotImplementedError  # pragma: no cover
-
-    @abc.abstractmethod
-    def confirm(self, locks: Sequence[tuple[str, str, int]]) -> list[bool]:
-        """Give each provisional ``(key, owner, ttl)`` slot its full
-        lifetime: a deadline of at least ``ttl`` from now, in one round
-        trip.  A slot released meanwhile, or lapsed, is never revived.
-
-        Returns:
-          list[bool]: per lock, whether it is still held.
-        """
-        raise NotImplementedError  # pragma: no cover
-
-    @abc.abstractmethod
-    def reap(self, key: str, owner: str, record: EnqueueRecord) -> bool:
-        """Release ``owner``'s slot of ``key`` if its enqueue record is
-        still ``record``: a reaper checked that record's message and
-        found it nowhere.
-
-        Returns:
-          bool: True when a live slot was released.
-        """
-        raise NotImplementedError  # pragma: no cover
-
-    @abc.abstractmethod
-    def inspect(self, key: str) -> Optional[LockInfo]:
-        """Describe ``key``, or None when nobody holds it."""
-        raise NotImplementedError  # pragma: no cover
-
-    @abc.abstractmethod
-    def scan(self, pattern: str) -> Iterator[str]:
-        """Iterate over the held keys matching a glob ``pattern``."""
-        raise NotImplementedError  # pragma: no cover
-
-    @abc.abstractmethod
-    def delete(self, key: str) -> bool:
-        """Drop ``key`` and all its holders: an operator's override."""
-        raise NotImplementedError  # pragma: no cover
-
-    def waiters(self, key: str) -> list[Waiter]:
-        """The messages waiting for run lock ``key``, first in line
-        first; for operators.  A backend without waiting lists has none.
-        """
-        return []
+    # Newest wins: on_conflict="replace" and debounce -----------------
 
     @abc.abstractmethod
     def replace(
@@ -450,7 +593,7 @@ class LockBackend(abc.ABC):
         lock: str = "",
         copy: Optional[Copy] = None,
         where: Optional[str] = None,
-    ) -> tuple[int, Optional[str]]:
+    ) -> CurrentCheck:
         """Whether message ``owner`` is still current under replace.
 
         Without ``reenter`` (a delivery), a current message is marked as
@@ -460,11 +603,8 @@ class LockBackend(abc.ABC):
         ``where`` then updates the owner's :class:`EnqueueRecord`.
 
         Returns:
-          tuple[int, str]: ``(-2, by)`` when superseded by ``by``;
-          ``(3, verdict)`` when the copy may not run; ``(1, ...)``
-          current (delivery) or took the key afresh (re-enqueue);
-          ``(2, owner)`` re-entered; ``(0, other)`` its slot lapsed and
-          ``other`` holds the key.
+          CurrentCheck: what was found, and the message it names (see
+          :class:`CurrentStatus`).
         """
         raise NotImplementedError  # pragma: no cover
 
@@ -479,48 +619,20 @@ class LockBackend(abc.ABC):
         """
         raise NotImplementedError  # pragma: no cover
 
-    def release_many(self, locks: Sequence[tuple[str, str]]) -> list[Union[Release, Exception]]:
-        """Release each ``(key, owner)`` and hand its slot over, as
-        :meth:`release` does, in as few round trips as the backend can.
+    # Operators' writes -----------------------------------------------
+
+    @abc.abstractmethod
+    def reap(self, key: str, owner: str, record: EnqueueRecord) -> bool:
+        """Release ``owner``'s slot of ``key`` if its enqueue record is
+        still ``record``: a reaper checked that record's message and
+        found it nowhere.
 
         Returns:
-          list: per lock, its :class:`Release`, or the exception its
-          release raised.
+          bool: True when a live slot was released.
         """
-        outcomes: list[Union[Release, Exception]] = []
-        for key, owner in locks:
-            try:
-                outcomes.append(self.release(key, owner))
-            except Exception as e:
-                outcomes.append(e)
-        return outcomes
+        raise NotImplementedError  # pragma: no cover
 
-    def release_and_start(
-        self,
-        releases: Sequence[tuple[str, str]],
-        key: str,
-        owner: str,
-        *,
-        ttl: int,
-        limit: int,
-        lock: str,
-        copy: Copy,
-        queue_key: Optional[str] = None,
-    ) -> tuple[list[Union[Release, Exception]], Union[Start, Exception]]:
-        """Release each of ``releases`` as :meth:`release_many` does,
-        then :meth:`start` ``key`` for ``owner``: in one round trip where
-        the backend batches releases.
-
-        Returns:
-          tuple: the outcome of each release, and the :class:`Start`, or
-          the exception the start raised.
-        """
-        released = self.release_many(releases)
-        try:
-            return released, self.start(key, owner, ttl=ttl, limit=limit, lock=lock, copy=copy, queue_key=queue_key)
-        except Exception as e:
-            return released, e
-
-    def describe(self) -> str:
-        """A short description for error messages, e.g. a URL."""
-        return type(self).__name__
+    @abc.abstractmethod
+    def delete(self, key: str) -> bool:
+        """Drop ``key`` and all its holders: an operator's override."""
+        raise NotImplementedError  # pragma: no cover

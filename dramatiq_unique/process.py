@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, NoReturn, Optional
 from dramatiq import Message
 from dramatiq.middleware import AgeLimit, SkipMessage
 
-from .backend import Copy, Release
+from .backend import Copy, CopyVerdict, Release
 from .compat import age_limit_module
 from .context import LockService
 from .coroutines import watch
@@ -49,8 +49,8 @@ if TYPE_CHECKING:
 
 #: Why a copy of a message may not run, by the claim's verdict.
 SKIP_REASONS = {
-    "stale": "it was rescheduled again, and a later copy of it runs",
-    "lost": "the other copy of its reschedule arrived first",
+    CopyVerdict.STALE: "it was rescheduled again, and a later copy of it runs",
+    CopyVerdict.LOST: "the other copy of its reschedule arrived first",
 }
 
 
@@ -205,13 +205,13 @@ class ProcessGuard:
             return
         state.claimed = True
         if not may_run:
-            self._skip_copy(message, state, "lost")
+            self._skip_copy(message, state, CopyVerdict.LOST)
 
-    def _skip_copy(self, message: "MessageProxy", state: Delivery, verdict: str) -> NoReturn:
+    def _skip_copy(self, message: "MessageProxy", state: Delivery, verdict: CopyVerdict) -> NoReturn:
         """Skip a copy of a message that another copy of it stands for."""
         state.keeps_queue_lock = state.quiet_skip = True  # the copy that runs owns the message's locks
         store_nothing(message)
-        reason = SKIP_REASONS.get(verdict, verdict)
+        reason = SKIP_REASONS[verdict]
         self.service.emit("skipped", state.spec, self.service.key(state.spec, state.digest, "run"), message)
         self.service.logger.debug("Skipped %s: %s.", message, reason)
         raise CopySkipped(f"skipped: {reason}")

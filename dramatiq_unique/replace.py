@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from dramatiq.common import current_millis
 from dramatiq.middleware import MiddlewareError, SkipMessage
 
+from .backend import CurrentStatus, ReplaceStatus
 from .context import EnqueueLocks, LockService, is_fresh
 from .delivery import Delivery, copy_of
 from .errors import Superseded
@@ -30,10 +31,6 @@ from .spec import ActorSpec
 if TYPE_CHECKING:
     from dramatiq import Broker
     from dramatiq.broker import MessageProxy
-
-#: ``LockBackend.current`` says the message was superseded.
-SUPERSEDED = -2
-
 
 def debounce_delay(service: LockService, message: Any, delay: Optional[int]) -> Optional[int]:
     """The delay to enqueue ``message`` with: for a new send of a
@@ -82,12 +79,12 @@ def _replace(locks: EnqueueLocks, message: Any, delay: Optional[int], spec: Acto
         superseded_ttl=ttl,
         where=locks.where(message),
     )
-    if got.status == "refused":
+    if got.status is ReplaceStatus.REFUSED:
         locks.refuse(message, spec, key, got.holder)
-    if got.status == "reentered":
+    if got.status is ReplaceStatus.REENTERED:
         return
     locks.locked(message, spec, key)
-    if got.status == "replaced" and got.holder is not None:
+    if got.status is ReplaceStatus.REPLACED and got.holder is not None:
         message.options["unique_replaced"] = got.holder
         service.logger.debug("Message %s replaced message %s as holder of %r.", message.message_id, got.holder, key)
     if spec.debounce is not None and "eta" in message.options and (delay or 0) <= spec.debounce:
@@ -103,15 +100,13 @@ def _reenter(locks: EnqueueLocks, message: Any, spec: ActorSpec, key: str, ttl: 
     status, other = service.backend.current(  # type: ignore[union-attr]
         key, message.message_id, reenter=True, ttl=ttl, lock=spec.lock.name, copy=copy, where=locks.where(message)
     )
-    if status == SUPERSEDED:
-        # It goes on and is skipped when delivered: raising would lose
-        # or strand a delay-queue move.
-        return
-    if status == 3:
+    # SUPERSEDED goes on and is skipped when delivered: raising would
+    # lose or strand a delay-queue move; REENTERED holds what it held.
+    if status is CurrentStatus.MAY_NOT_RUN:
         service.logger.debug("Re-enqueued %s without its lock %r: %s.", message, key, other)
-    elif status == 1:
+    elif status is CurrentStatus.CURRENT:
         locks.locked(message, spec, key)
-    elif status == 0:
+    elif status is CurrentStatus.LAPSED:
         locks.lapsed(message, spec, key, other)
 
 
@@ -162,7 +157,7 @@ def skip_if_superseded(
             service.logger.warning("Running %s without its lock %r.", message, key)
             return
         raise error from e
-    if status != SUPERSEDED or by is None:
+    if status is not CurrentStatus.SUPERSEDED or by is None:
         return
     # The slot it may have kept (a started holder's retry) went with the
     # check; the replacing message's slot is never its to release.

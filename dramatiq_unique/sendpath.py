@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from dramatiq.common import current_millis
 from dramatiq.middleware import Middleware
 
-from .backend import Acquisition
+from .backend import Acquisition, LockBackend
 from .context import CURRENT_CALL, Deferred, EnqueueLocks, maybe_applied
 from .spec import ActorSpec
 
@@ -96,13 +96,15 @@ def _standalone(client: Any) -> Optional[dict[str, Any]]:
     return kwargs
 
 
-def same_redis(backend: Any, broker: Any) -> bool:
-    """Whether ``backend`` is a Redis backend that runs scripts on the
-    standalone Redis database of ``broker``.
+def same_redis(backend: Optional[LockBackend], broker: Any) -> bool:
+    """Whether ``backend`` can take a lock and publish in one call
+    (:attr:`~.backend.LockBackend.dispatch_client`) on the standalone
+    Redis database of ``broker``.
     """
-    if getattr(backend, "calls", None) is None or not hasattr(backend, "acquire_and_dispatch"):
+    client = backend.dispatch_client if backend is not None else None
+    if client is None:
         return False
-    a, b = _standalone(backend.client), _standalone(broker.client)
+    a, b = _standalone(client), _standalone(broker.client)
     if a is None or b is None:
         return False
     return all(a.get(name, 0 if name == "db" else None) == b.get(name, 0 if name == "db" else None) for name in _WHERE)

@@ -8,7 +8,17 @@ import time
 import pytest
 import redis
 
-from dramatiq_unique.backend import Copy, Release
+from dramatiq_unique.backend import (
+    CopyVerdict,
+    Copy,
+    CurrentCheck,
+    CurrentStatus,
+    LockBackend,
+    LockReads,
+    Release,
+    ReplaceStatus,
+    Start,
+)
 from dramatiq_unique.backends.redis import RedisBackend
 
 KEY = "test:actor:{abc}:run"
@@ -131,7 +141,7 @@ def test_the_first_copy_of_a_reschedule_wins_and_its_retries_rerun(backend):
     assert backend.claim(delay) is False
     # the original, and copies of earlier reschedules, are stale
     assert backend.claim(Copy(KEY, "m", 0, "")) is False
-    assert backend.acquire("test:actor:{abc}:queue", "m", ttl=1_000, copy=delay).refused == "lost"
+    assert backend.acquire("test:actor:{abc}:queue", "m", ttl=1_000, copy=delay).refused is CopyVerdict.LOST
     assert backend.acquire("test:actor:{abc}:queue", "m", ttl=1_000, copy=handoff).acquired
 
 
@@ -177,7 +187,8 @@ def test_start_claims_takes_and_releases_the_enqueue_lock_at_once(backend):
     assert backend.inspect(queue_key) is None
     # the other copy of the same reschedule is refused and takes nothing
     other = backend.start(KEY, "m/2", ttl=10_000, limit=1, lock="x", copy=Copy(KEY, "m", 1, "handoff"))
-    assert other.acquisition.refused == "lost" and set(backend.inspect(KEY).holders) == {"m/1"}
+    assert type(other) is Start and other.acquisition.refused is CopyVerdict.LOST
+    assert set(backend.inspect(KEY).holders) == {"m/1"}
     # a conflict keeps the enqueue lock
     backend.acquire(queue_key, "n", ttl=10_000)
     held = backend.start(KEY, "n/1", ttl=10_000, limit=1, lock="x", copy=Copy(KEY, "n"), queue_key=queue_key)
@@ -263,3 +274,83 @@ def test_waiter_records_expire(backend):
     # with its record gone, any copy runs: nothing is lost
     assert backend.claim(Copy(KEY, "m", 1, "delay")) is True
     assert backend.claim(Copy(KEY, "m", 1, "handoff")) is True
+
+
+# Typed outcomes: enums and named results at the boundary, the Lua replies decoded inside ---------
+
+
+def test_a_stale_copy_is_refused_with_a_verdict_that_reads_as_its_text(backend):
+    backend.wait(waiting("m", 2), b"m", order=1, ttl=10_000)
+    assert backend.claim(Copy(KEY, "m", 2, "delay")) is True
+    got = backend.acquire("test:actor:{abc}:queue", "m", ttl=1_000, copy=Copy(KEY, "m", 1, "delay"))
+    assert not got.acquired and got.refused is CopyVerdict.STALE
+    # as the plain strings were: equal to, and printed as, their text
+    assert got.refused == "stale" and f"{got.refused}" == "stale" and "%s" % got.refused == "stale"
+    started = backend.start(KEY, "m/1", ttl=1_000, limit=1, lock="x", copy=Copy(KEY, "m", 1, "handoff"))
+    assert started.acquisition.refused is CopyVerdict.STALE and not started.queue_released
+
+
+def test_a_fresh_start_decodes_to_a_whole_acquisition(backend):
+    # start.lua packs a fresh slot's reply as fence * 2 + the queue flag: the backend unpacks it
+    queue_key = "test:actor:{abc}:queue"
+    backend.acquire(queue_key, "m", ttl=10_000)
+    started = backend.start(KEY, "m/1", ttl=10_000, limit=1, lock="x", copy=Copy(KEY, "m"), queue_key=queue_key)
+    got = started.acquisition
+    assert type(started) is Start and started.queue_released is True
+    assert (got.acquired, got.reentered, got.holder, got.provisional, got.refused) == (True, False, "m/1", False, None)
+    assert got.fence == backend.inspect(KEY).fence > 0
+
+
+def test_replace_answers_a_replace_status(backend):
+    key = "test:actor:{typed}:queue"
+    options = {"ttl": 10_000, "superseded_ttl": 10_000, "lock": "until_executed", "keep_started": True}
+    seen = [backend.replace(key, "a", **options), backend.replace(key, "a", **options)]
+    seen.append(backend.replace(key, "b", **options))
+    backend.current(key, "b")  # b starts
+    seen.append(backend.replace(key, "c", **options))
+    assert [got.status for got in seen] == [
+        ReplaceStatus.ACQUIRED,
+        ReplaceStatus.REENTERED,
+        ReplaceStatus.REPLACED,
+        ReplaceStatus.REFUSED,
+    ]
+    assert all(type(got.status) is ReplaceStatus for got in seen)
+    assert [got.holder for got in seen[2:]] == ["a", "b"]
+
+
+def test_current_answers_each_current_status(backend):
+    key, run_key = "test:actor:{typed}:queue", "test:actor:{typed}:run"
+    options = {"ttl": 10_000, "superseded_ttl": 10_000, "lock": "until_executed"}
+    reenter = {"reenter": True, "ttl": 10_000, "lock": "until_executed"}
+    backend.replace(key, "a", **options)
+    backend.replace(key, "b", **options)
+    assert backend.current(key, "a") == CurrentCheck(CurrentStatus.SUPERSEDED, "b")
+    assert backend.current(key, "b", **reenter) == CurrentCheck(CurrentStatus.REENTERED, "b")
+    assert backend.current(key, "b") == CurrentCheck(CurrentStatus.CURRENT)
+    # a re-enqueued copy that may not run takes nothing, and says why
+    backend.wait(Copy(run_key, "c", 1, "handoff"), b"c", order=1, ttl=10_000)
+    assert backend.claim(Copy(run_key, "c", 1, "handoff")) is True
+    refused = backend.current(key, "c", copy=Copy(run_key, "c", 1, "delay"), **reenter)
+    assert refused == CurrentCheck(CurrentStatus.MAY_NOT_RUN, "lost")
+    # a message whose slot lapsed while another holds the key
+    assert backend.current(key, "d", **reenter) == CurrentCheck(CurrentStatus.LAPSED, "b")
+    backend.release(key, "b")
+    assert backend.current(key, "d", **reenter) == CurrentCheck(CurrentStatus.CURRENT, "d")
+    assert type(refused) is CurrentCheck and type(refused.status) is CurrentStatus
+
+
+def test_the_abc_names_every_verb_and_sets_the_operator_reads_apart(backend):
+    assert isinstance(backend, LockBackend) and isinstance(backend, LockReads)
+    reads = {"inspect", "scan", "waiters", "describe"}
+    assert reads <= set(vars(LockReads)) and not reads & set(vars(LockBackend))
+    # sending with the publish is a capability of the ABC, not found by duck typing
+    assert {"dispatch_client", "acquire_and_dispatch"} <= set(vars(LockBackend))
+    if isinstance(backend, RedisBackend):
+        # one script may touch the broker's keys, except across a Cluster's slots
+        assert backend.dispatch_client is (None if backend.cluster else backend.client)
+    else:
+        assert backend.dispatch_client is None
+        with pytest.raises(NotImplementedError, match="cannot take a lock and publish in one call"):
+            backend.acquire_and_dispatch(
+                KEY, "m", ttl=1, limit=1, lock="", lock_args=None, where="", dispatch="", namespace="", arguments=[]
+            )

@@ -23,6 +23,7 @@ from dramatiq.results import ResultFailure, Results
 from dramatiq.results.backends import StubBackend as ResultsStub
 
 from dramatiq_unique import ConfigurationError, LockBackend, StubBackend, UniqueMiddleware
+from dramatiq_unique.backend import CurrentCheck, CurrentStatus, ReplaceStatus
 from tests.conftest import make_worker, wait_for
 
 LOCK_TTL = 60_000
@@ -39,31 +40,36 @@ def replace(backend: LockBackend, key: str, owner: str, **options: Any) -> Any:
     return backend.replace(key, owner, **options)
 
 
+def reenter(backend: LockBackend, key: str, owner: str) -> CurrentCheck:
+    """``current`` as a re-enqueue of ``owner`` asks it."""
+    return backend.current(key, owner, reenter=True, ttl=LOCK_TTL, lock="until_executed")
+
+
 # The backend contract ----------------------------------------------------------
 
 
 def test_replace_takes_a_free_key_and_supersedes_a_waiting_holder(backend: LockBackend) -> None:
     key = lock_key()
-    assert replace(backend, key, "a").status == "acquired"
+    assert replace(backend, key, "a").status is ReplaceStatus.ACQUIRED
     got = replace(backend, key, "b")
-    assert (got.status, got.holder) == ("replaced", "a")
+    assert (got.status, got.holder) == (ReplaceStatus.REPLACED, "a")
     info = backend.inspect(key)
     assert info is not None and set(info.holders) == {"b"} and (info.current, info.superseded) == ("b", 1)
-    assert backend.current(key, "a") == (-2, "b")
-    assert backend.current(key, "b") == (1, None)
+    assert backend.current(key, "a") == CurrentCheck(CurrentStatus.SUPERSEDED, "b")
+    assert backend.current(key, "b") == CurrentCheck(CurrentStatus.CURRENT, None)
     # a publish retry of the same send re-enters
-    assert replace(backend, key, "b").status == "reentered"
+    assert replace(backend, key, "b").status is ReplaceStatus.REENTERED
 
 
 def test_a_started_holder_keeps_its_slot_and_gives_it_up_on_its_next_delivery(backend: LockBackend) -> None:
     key = lock_key()
     replace(backend, key, "a")
-    assert backend.current(key, "a") == (1, None)  # delivered: started
+    assert backend.current(key, "a") == CurrentCheck(CurrentStatus.CURRENT, None)  # delivered: started
     assert replace(backend, key, "b").holder == "a"
     info = backend.inspect(key)
     assert info is not None and set(info.holders) == {"a", "b"} and info.current == "b"
     # its retry is superseded too, and takes its own slot with it
-    assert backend.current(key, "a") == (-2, "b")
+    assert backend.current(key, "a") == CurrentCheck(CurrentStatus.SUPERSEDED, "b")
     info = backend.inspect(key)
     assert info is not None and set(info.holders) == {"b"}
     # the superseded message's release never touches the new holder's slot
@@ -82,7 +88,7 @@ def test_a_send_after_the_current_message_finished_leaves_a_running_superseded_o
     backend.current(key, "b")
     assert backend.release(key, "b").held  # b ran and finished first
     got = replace(backend, key, "c")
-    assert (got.status, got.holder) == ("acquired", None)  # a was superseded already
+    assert (got.status, got.holder) == (ReplaceStatus.ACQUIRED, None)  # a was superseded already
     assert backend.release(key, "a").held  # a finishes: its slot was never taken from it
     info = backend.inspect(key)
     assert info is not None and set(info.holders) == {"c"} and info.current == "c"
@@ -91,24 +97,24 @@ def test_a_send_after_the_current_message_finished_leaves_a_running_superseded_o
 def test_keep_started_refuses_a_send_once_the_holder_started(backend: LockBackend) -> None:
     key = lock_key()
     replace(backend, key, "a", keep_started=True)
-    assert replace(backend, key, "b", keep_started=True).status == "replaced"
+    assert replace(backend, key, "b", keep_started=True).status is ReplaceStatus.REPLACED
     backend.current(key, "b")
     got = replace(backend, key, "c", keep_started=True)
-    assert (got.status, got.holder) == ("refused", "b")
-    assert backend.current(key, "c") == (1, None)  # refused, so never superseded anyone
+    assert (got.status, got.holder) == (ReplaceStatus.REFUSED, "b")
+    assert backend.current(key, "c") == CurrentCheck(CurrentStatus.CURRENT)  # refused, so never superseded anyone
 
 
 def test_a_superseded_message_never_re_enters_or_retakes_the_key(backend: LockBackend) -> None:
     key = lock_key()
     replace(backend, key, "a")
     replace(backend, key, "b")
-    assert backend.current(key, "b", reenter=True, ttl=LOCK_TTL, lock="until_executed") == (2, "b")
-    assert backend.current(key, "a", reenter=True, ttl=LOCK_TTL, lock="until_executed") == (-2, "b")
+    assert reenter(backend, key, "b") == CurrentCheck(CurrentStatus.REENTERED, "b")
+    assert reenter(backend, key, "a") == CurrentCheck(CurrentStatus.SUPERSEDED, "b")
     backend.release(key, "b")
-    assert backend.current(key, "a", reenter=True, ttl=LOCK_TTL, lock="until_executed") == (-2, "b")
+    assert reenter(backend, key, "a") == CurrentCheck(CurrentStatus.SUPERSEDED, "b")
     assert backend.inspect(key) is None
     # a current message whose lock lapsed takes the free key again
-    assert backend.current(key, "c", reenter=True, ttl=LOCK_TTL, lock="until_executed") == (1, "c")
+    assert reenter(backend, key, "c") == CurrentCheck(CurrentStatus.CURRENT, "c")
     info = backend.inspect(key)
     assert info is not None and info.current == "c"
 
@@ -119,11 +125,11 @@ def test_debounce_delays_each_send_and_caps_the_burst(backend: LockBackend) -> N
     assert first.delay == 1000
     time.sleep(0.3)  # the behaviour under test: how far into the burst the next send comes
     second = replace(backend, key, "b", debounce=1000, debounce_max=1100)
-    assert second.status == "replaced" and 700 <= second.delay <= 810
+    assert second.status is ReplaceStatus.REPLACED and 700 <= second.delay <= 810
     # once the current message started, the next send opens a new burst
     backend.current(key, "b")
     third = replace(backend, key, "c", debounce=1000, debounce_max=1100)
-    assert third.status == "replaced" and third.delay == 1000
+    assert third.status is ReplaceStatus.REPLACED and third.delay == 1000
 
 
 def test_unreplace_makes_the_superseded_message_current_again(backend: LockBackend) -> None:
@@ -136,16 +142,16 @@ def test_unreplace_makes_the_superseded_message_current_again(backend: LockBacke
     backend.release(key, "b")
     info = backend.inspect(key)
     assert info is not None and set(info.holders) == {"a"} and (info.current, info.superseded) == ("a", 0)
-    assert backend.current(key, "a") == (1, None)
+    assert backend.current(key, "a") == CurrentCheck(CurrentStatus.CURRENT, None)
 
 
 def test_the_superseded_record_expires(backend: LockBackend) -> None:
     key = lock_key()
     replace(backend, key, "a", superseded_ttl=200)
     replace(backend, key, "b", superseded_ttl=200)
-    assert backend.current(key, "a") == (-2, "b")
+    assert backend.current(key, "a") == CurrentCheck(CurrentStatus.SUPERSEDED, "b")
     time.sleep(0.3)  # the behaviour under test: expiry
-    assert backend.current(key, "a") == (1, None)
+    assert backend.current(key, "a") == CurrentCheck(CurrentStatus.CURRENT, None)
 
 
 # Declaration -------------------------------------------------------------------

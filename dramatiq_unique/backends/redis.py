@@ -27,11 +27,15 @@ except ModuleNotFoundError as e:  # tested in a subprocess: tests/test_install.p
 from ..backend import (
     Acquisition,
     Copy,
+    CopyVerdict,
+    CurrentCheck,
+    CurrentStatus,
     EnqueueRecord,
     LockBackend,
     LockInfo,
     Release,
     Replacement,
+    ReplaceStatus,
     Start,
     Waiter,
 )
@@ -176,7 +180,21 @@ def _superseded(key: str) -> str:
 
 
 #: replace.lua's status codes.
-_REPLACED = {0: "refused", 1: "acquired", 2: "reentered", 3: "replaced"}
+_REPLACED = {
+    0: ReplaceStatus.REFUSED,
+    1: ReplaceStatus.ACQUIRED,
+    2: ReplaceStatus.REENTERED,
+    3: ReplaceStatus.REPLACED,
+}
+
+#: current.lua's status codes.
+_CURRENT = {
+    -2: CurrentStatus.SUPERSEDED,
+    3: CurrentStatus.MAY_NOT_RUN,
+    1: CurrentStatus.CURRENT,
+    2: CurrentStatus.REENTERED,
+    0: CurrentStatus.LAPSED,
+}
 
 
 def as_text(value: Any) -> str:
@@ -202,7 +220,7 @@ def _acquisition(reply: Any, owner: str) -> Acquisition:
         return Acquisition(True, holder=owner, fence=reply)
     status, holder, fence, provisional = reply
     if status == 3:
-        return Acquisition(False, refused=as_text(holder))
+        return Acquisition(False, refused=CopyVerdict(as_text(holder)))
     return Acquisition(
         status in (1, 2), reentered=status == 2, holder=as_text(holder), fence=int(fence), provisional=provisional == 1
     )
@@ -416,6 +434,13 @@ class RedisBackend(LockBackend):
             self._require(acked, key, None if got.reentered else self._give_back(key, owner))
         return got
 
+    @property
+    def dispatch_client(self) -> Optional[Any]:
+        """The client, when it is not a Cluster's: one script may then
+        touch the lock's and the broker's keys.
+        """
+        return None if self.calls is None else self.client
+
     def acquire_and_dispatch(
         self,
         key: str,
@@ -534,22 +559,6 @@ class RedisBackend(LockBackend):
     def extend(self, locks: Sequence[tuple[str, str]], ttl: int) -> list[bool]:
         return self._each("extend", [(key, owner, ttl) for key, owner in locks])
 
-    @staticmethod
-    def extend_script() -> str:
-        """The Lua source of the script :meth:`extend` runs, for a client
-        that renews leases on a connection of its own (the lease keeper's
-        native thread under gevent): call it with :meth:`extend_call`.
-        """
-        return _SCRIPTS["extend"]
-
-    @staticmethod
-    def extend_call(key: str, owner: str, ttl: int) -> tuple[list[str], list[Union[str, int]]]:
-        """The keys and arguments of :meth:`extend_script` that extend
-        ``owner``'s hold on ``key`` to ``ttl`` ms from now, as
-        :meth:`extend` sends them.
-        """
-        return [key], [owner, ttl]
-
     def confirm(self, locks: Sequence[tuple[str, str, int]]) -> list[bool]:
         return self._each("confirm", locks)
 
@@ -594,18 +603,18 @@ class RedisBackend(LockBackend):
             [owner, ttl, lock, lock_args or "", int(keep_started), debounce, debounce_max, superseded_ttl, where],
         )
         got = Replacement(_REPLACED[int(status)], as_text(other) if other else None, int(delay), int(fence))
-        if acked is not None and got.status != "refused":
+        if acked is not None and got.status is not ReplaceStatus.REFUSED:
             self._require(acked, key, self._replaced_back(key, owner, got.status))
         return got
 
-    def _replaced_back(self, key: str, owner: str, status: str) -> Optional[Callable[[], Any]]:
+    def _replaced_back(self, key: str, owner: str, status: ReplaceStatus) -> Optional[Callable[[], Any]]:
         """How to give back what a replace took: the superseded message
         current again, then the slot; nothing for a re-entered slot.
         """
-        if status == "reentered":
+        if status is ReplaceStatus.REENTERED:
             return None
         release = self._give_back(key, owner)
-        if status == "acquired":
+        if status is ReplaceStatus.ACQUIRED:
             return release
         return lambda: (self.unreplace(key, owner), release())
 
@@ -619,7 +628,7 @@ class RedisBackend(LockBackend):
         lock: str = "",
         copy: Optional[Copy] = None,
         where: Optional[str] = None,
-    ) -> tuple[int, Optional[str]]:
+    ) -> CurrentCheck:
         keys: list[str] = [key, _superseded(key)]
         args: list[Any] = [owner, "reenter" if reenter else "start", ttl, lock]
         if reenter and copy is not None:
@@ -629,9 +638,11 @@ class RedisBackend(LockBackend):
             args.append(where)
         # Only a re-enqueue takes a slot; a delivery marks its message started.
         (status, other), acked = (self._take if reenter else self._untaken)("current", keys, args)
-        if acked is not None and int(status) in (1, 2):  # 1: took the free key again, 2: re-entered
-            self._require(acked, key, self._give_back(key, owner) if int(status) == 1 else None)
-        return int(status), as_text(other) if other else None
+        got = CurrentCheck(_CURRENT[int(status)], as_text(other) if other else None)
+        if acked is not None and got.status in (CurrentStatus.CURRENT, CurrentStatus.REENTERED):
+            # Took the free key again (given back on too few replicas), or re-entered (kept).
+            self._require(acked, key, self._give_back(key, owner) if got.status is CurrentStatus.CURRENT else None)
+        return got
 
     def unreplace(self, key: str, owner: str) -> Optional[str]:
         previous = self._call("unreplace", [key, _superseded(key)], [owner])

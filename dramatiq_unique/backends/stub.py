@@ -8,7 +8,21 @@ import time as mod_time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
-from ..backend import Acquisition, Copy, EnqueueRecord, LockBackend, LockInfo, Release, Replacement, Start, Waiter
+from ..backend import (
+    Acquisition,
+    Copy,
+    CopyVerdict,
+    CurrentCheck,
+    CurrentStatus,
+    EnqueueRecord,
+    LockBackend,
+    LockInfo,
+    Release,
+    Replacement,
+    ReplaceStatus,
+    Start,
+    Waiter,
+)
 
 
 def _now_ms() -> int:
@@ -100,8 +114,8 @@ class StubBackend(LockBackend):
         copy: Optional[Copy] = None,
     ) -> Acquisition:
         with self._mutex:
-            verdict = self._claim(copy, write=False) if copy is not None else "run"
-            if verdict != "run":
+            verdict = self._claim(copy, write=False) if copy is not None else None
+            if verdict is not None:
                 return Acquisition(False, refused=verdict)
             return self._take(
                 key, owner, ttl=ttl, limit=limit, lock=lock, lock_args=lock_args, provisional=provisional, where=where
@@ -130,7 +144,8 @@ class StubBackend(LockBackend):
             entry.holders[owner] = deadline
             if where is not None:
                 entry.records[owner] = self._record(old, where, deadline - now if short else 0)
-            return Acquisition(True, reentered=True, fence=entry.fence, provisional=short)
+            # As _take.lua: a taken slot names its owner as the holder.
+            return Acquisition(True, reentered=True, holder=owner, fence=entry.fence, provisional=short)
         if len(entry.holders) >= limit:
             return Acquisition(False, holder=next(iter(entry.holders)), fence=entry.fence)
         self._last_fence = entry.fence = max(self._last_fence + 1, mod_time.time_ns() // 1000)
@@ -141,7 +156,7 @@ class StubBackend(LockBackend):
         # As _take.lua: a slot taken without a place (a run lock) still records when.
         entry.records[owner] = EnqueueRecord(_unix_ms(), _unix_ms() + provisional if short else 0, where or "")
         self._entries[key] = entry
-        return Acquisition(True, fence=entry.fence, provisional=short)
+        return Acquisition(True, holder=owner, fence=entry.fence, provisional=short)
 
     @staticmethod
     def _record(old: Optional[EnqueueRecord], where: str, provisional_for: int) -> EnqueueRecord:
@@ -156,7 +171,7 @@ class StubBackend(LockBackend):
     ) -> Start:
         with self._mutex:
             verdict = self._claim(copy, write=True)
-            if verdict != "run":
+            if verdict is not None:
                 return Start(Acquisition(False, refused=verdict))
             got = self._take(key, owner, ttl=ttl, limit=limit, lock=lock, lock_args=copy.lock_args)
             if not got.acquired or queue_key is None:
@@ -208,19 +223,21 @@ class StubBackend(LockBackend):
         if waiters is not None:
             waiters.order.pop(copy.message_id, None)
 
-    def _claim(self, copy: Copy, *, write: bool) -> str:
-        # The rules of _claim.lua.
+    def _claim(self, copy: Copy, *, write: bool) -> Optional[CopyVerdict]:
+        """Why ``copy`` may not run, or None when it may (the rules of
+        _claim.lua); ``write`` settles that it arrived.
+        """
         record = self._live_record(copy)
         if record is None:
-            return "run"
+            return None
         if copy.attempt < record.attempt:
-            return "stale"
+            return CopyVerdict.STALE
         if copy.attempt == record.attempt and record.winner:
-            return "run" if record.winner == copy.via else "lost"
+            return None if record.winner == copy.via else CopyVerdict.LOST
         if write:
             record.attempt, record.winner = copy.attempt, copy.via
             self._unwait(copy)
-        return "run"
+        return None
 
     def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> None:
         with self._mutex:
@@ -235,7 +252,7 @@ class StubBackend(LockBackend):
 
     def claim(self, copy: Copy) -> bool:
         with self._mutex:
-            return self._claim(copy, write=True) == "run"
+            return self._claim(copy, write=True) is None
 
     def withdraw(self, copy: Copy) -> None:
         with self._mutex:
@@ -277,17 +294,17 @@ class StubBackend(LockBackend):
             if entry is not None and owner in entry.holders:
                 entry.holders[owner] = max(entry.holders[owner], now + ttl)
                 entry.records[owner] = self._record(entry.records.get(owner), where, 0)
-                return Replacement("reentered", owner, 0, entry.fence)
+                return Replacement(ReplaceStatus.REENTERED, owner, 0, entry.fence)
             current = None
             if entry is not None:
                 # As replace.lua: no live current message leaves only superseded, started slots.
                 current = next(iter(entry.holders)) if entry.current is None else entry.current
                 current = current if current in entry.holders else None
-            status, burst = "acquired", now
+            status, burst = ReplaceStatus.ACQUIRED, now
             if entry is not None and current is not None:
                 started = entry.started == current
                 if started and keep_started:
-                    return Replacement("refused", current, 0, entry.fence)
+                    return Replacement(ReplaceStatus.REFUSED, current, 0, entry.fence)
                 if not started:
                     del entry.holders[current]
                     burst = entry.burst
@@ -297,7 +314,7 @@ class StubBackend(LockBackend):
                 record.expires_at = max(record.expires_at, now + superseded_ttl)
                 entry.superseded += 1
                 entry.previous = current
-                status = "replaced"
+                status = ReplaceStatus.REPLACED
             elif entry is None:
                 entry = self._entries[key] = _Entry()
             else:
@@ -325,34 +342,34 @@ class StubBackend(LockBackend):
         lock: str = "",
         copy: Optional[Copy] = None,
         where: Optional[str] = None,
-    ) -> tuple[int, Optional[str]]:
+    ) -> CurrentCheck:
         with self._mutex:
             now = _now_ms()
             by = self._superseded_by(key, owner, now)
             if by is None and reenter and copy is not None:
                 verdict = self._claim(copy, write=False)
-                if verdict != "run":
-                    return 3, verdict
+                if verdict is not None:
+                    return CurrentCheck(CurrentStatus.MAY_NOT_RUN, verdict.value)
             entry = self._live(key, now)
             if by is not None:
                 if not reenter and entry is not None and entry.holders.pop(owner, None) is not None:
                     self._live(key, now)
-                return -2, by
+                return CurrentCheck(CurrentStatus.SUPERSEDED, by)
             if not reenter:
                 if entry is not None and entry.current == owner:
                     entry.started = owner
-                return 1, None
+                return CurrentCheck(CurrentStatus.CURRENT)
             if entry is not None and owner in entry.holders:
                 entry.holders[owner] = max(entry.holders[owner], now + ttl)
                 if where is not None:
                     entry.records[owner] = self._record(entry.records.get(owner), where, 0)
-                return 2, owner
+                return CurrentCheck(CurrentStatus.REENTERED, owner)
             if entry is not None:
-                return 0, next(iter(entry.holders))
+                return CurrentCheck(CurrentStatus.LAPSED, next(iter(entry.holders)))
             entry = self._entries[key] = _Entry({owner: now + ttl}, lock, current=owner, burst=now)
             entry.records[owner] = EnqueueRecord(_unix_ms(), 0, where or "")
             self._fence(entry)
-            return 1, owner
+            return CurrentCheck(CurrentStatus.CURRENT, owner)
 
     def unreplace(self, key: str, owner: str) -> Optional[str]:
         with self._mutex:
