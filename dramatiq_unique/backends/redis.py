@@ -559,6 +559,22 @@ class RedisBackend(LockBackend):
     def extend(self, locks: Sequence[tuple[str, str]], ttl: int) -> list[bool]:
         return self._each("extend", [(key, owner, ttl) for key, owner in locks])
 
+    @staticmethod
+    def extend_script() -> str:
+        """The Lua source of the script :meth:`extend` runs, for a client
+        that renews leases on a connection of its own (the lease keeper's
+        native thread under gevent): call it with :meth:`extend_call`.
+        """
+        return _SCRIPTS["extend"]
+
+    @staticmethod
+    def extend_call(key: str, owner: str, ttl: int) -> tuple[list[str], list[Union[str, int]]]:
+        """The keys and arguments of :meth:`extend_script` that extend
+        ``owner``'s hold on ``key`` to ``ttl`` ms from now, as
+        :meth:`extend` sends them.
+        """
+        return [key], [owner, ttl]
+
     def confirm(self, locks: Sequence[tuple[str, str, int]]) -> list[bool]:
         return self._each("confirm", locks)
 
