@@ -8,7 +8,7 @@ between those versions; every other module imports them from here.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple, Optional
 
 import dramatiq
 from dramatiq.asyncio import async_to_sync
@@ -34,6 +34,124 @@ SKIPPED_MESSAGE_LOG = "Message %s was skipped."
 
 #: ``age_limit_module.current_millis`` is AgeLimit's own clock, looked up
 #: at call time (tests patch it), in 1.x and 2.x alike.
+
+
+# Dramatiq's private state ------------------------------------------------
+#
+# Each function below is the one place that reaches into an object of
+# Dramatiq's with no public way to do what it does.  Each was read in,
+# and is run by the suite on, Dramatiq 1.17.1 and 2.2.1, where the names
+# are the same; each has a fallback that leaves its feature off (or
+# works it out from public state) when a later Dramatiq renames what it
+# reads, rather than fail a send or a delivery.
+
+
+class RedisDispatch(NamedTuple):
+    """What the send fast path calls of a ``RedisBroker`` to run its
+    ``dispatch.lua`` itself (see :mod:`dramatiq_unique.sendpath`).
+
+    Attributes:
+      enqueue(callable): ``broker._dispatch("enqueue")``: what the
+        broker's ``do_enqueue`` resolves to through its ``__getattr__``.
+      maintenance(callable): ``broker._should_do_maintenance(command)``:
+        whether this call also runs maintenance (the 1-in-N lottery).
+      max_unpack_size(callable): ``broker._max_unpack_size()``: the Lua
+        unpack limit the script is passed.
+    """
+
+    enqueue: Callable[..., Any]
+    maintenance: Callable[[str], int]
+    max_unpack_size: Callable[[], int]
+
+
+def redis_dispatch(broker: Any) -> Optional[RedisDispatch]:
+    """The ``RedisBroker`` internals the send fast path calls; None when
+    any is missing (the fallback: the usual two-step send).  Checked on
+    Dramatiq 1.17.1 and 2.2.1.
+    """
+    dispatch = getattr(broker, "_dispatch", None)
+    maintenance = getattr(broker, "_should_do_maintenance", None)
+    max_unpack_size = getattr(broker, "_max_unpack_size", None)
+    if not (callable(dispatch) and callable(maintenance) and callable(max_unpack_size)):
+        return None
+    return RedisDispatch(dispatch("enqueue"), maintenance, max_unpack_size)
+
+
+def replace_broker_enqueue(broker: Any, enqueue: Callable[..., Any]) -> None:
+    """Make ``enqueue`` the broker's ``enqueue``: an instance attribute
+    shadows the method, and every sender (``send_with_options``,
+    Retries, the worker's delay-queue move, pipelines, callbacks) looks
+    ``broker.enqueue`` up on the instance.  Checked on Dramatiq 1.17.1
+    and 2.2.1; an attribute assignment cannot fail, so no fallback.
+    """
+    broker.enqueue = enqueue
+
+
+def replace_redis_do_enqueue(broker: Any, do_enqueue: Callable[..., Any]) -> None:
+    """Make ``do_enqueue`` the ``RedisBroker``'s ``do_enqueue``, which its
+    ``enqueue`` calls with the encoded message: an instance attribute
+    wins over the broker's ``__getattr__``, which makes one per call
+    from ``_dispatch``.  Checked on Dramatiq 1.17.1 and 2.2.1.
+    """
+    broker.do_enqueue = do_enqueue
+
+
+def replace_actor_fn(actor: Any, fn: Callable[..., Any]) -> None:
+    """Make ``fn`` what ``actor`` runs: ``Actor.__call__`` calls
+    ``self.fn`` (an async actor's is already ``async_to_sync`` of its
+    coroutine function).  Checked on Dramatiq 1.17.1 and 2.2.1.
+    """
+    actor.fn = fn
+
+
+def proxied_message(message: Any) -> Any:
+    """The ``Message`` a ``MessageProxy`` stands for (``_message``), whose
+    attributes read without the proxy's Python-level ``__getattr__``;
+    the fallback is the proxy itself, which reads the same values more
+    slowly.  Checked on Dramatiq 1.17.1 and 2.2.1.
+    """
+    return getattr(message, "_message", message)
+
+
+def result_options(results: Any, broker: Any, message: Any) -> tuple[bool, int]:
+    """Whether ``results`` (a ``Results`` middleware) stores the result of
+    ``message``, and for how long: ``Results._lookup_options``.  The
+    fallback is the same rule from public state: the message's options,
+    then its actor's, then the middleware's ``store_results`` and
+    ``result_ttl``; an unknown actor stores nothing.  Checked on
+    Dramatiq 1.17.1 and 2.2.1.
+    """
+    lookup = getattr(results, "_lookup_options", None)
+    if callable(lookup):
+        found: tuple[bool, int] = lookup(broker, message)
+        return found
+    try:
+        actor = broker.get_actor(message.actor_name)
+    except dramatiq.ActorNotFound:
+        return False, 0
+    store = message.options.get("store_results", actor.options.get("store_results", results.store_results))
+    ttl = message.options.get("result_ttl", actor.options.get("result_ttl", results.result_ttl))
+    return store, ttl
+
+
+def redis_consumer_backoff(consumer: Any) -> Optional[int]:
+    """The longest a Redis broker's consumer backs off between polls of
+    an empty queue, in ms: ``_RedisConsumer.timeout``, the cap it passes
+    ``compute_backoff``.  None for any other consumer, or when it has no
+    such cap (the fallback: no quick polling after a hand-off).  Checked
+    on Dramatiq 1.17.1 and 2.2.1.
+    """
+    if type(consumer).__name__ != "_RedisConsumer":
+        return None
+    timeout = getattr(consumer, "timeout", None)
+    return timeout if isinstance(timeout, int) else None
+
+
+def set_redis_consumer_backoff(consumer: Any, cap: int) -> None:
+    """Set what :func:`redis_consumer_backoff` reads; the consumer's next
+    backoff is capped by it.
+    """
+    consumer.timeout = cap
 
 
 # gevent ------------------------------------------------------------------
@@ -104,6 +222,7 @@ def hub_caller() -> Callable[[Callable[[], None]], None]:
 
 __all__ = [
     "ConsumerThread",
+    "RedisDispatch",
     "async_to_sync",
     "DRAMATIQ_VERSION",
     "Prometheus",
@@ -113,6 +232,14 @@ __all__ = [
     "hub_caller",
     "native_lock",
     "original",
+    "proxied_message",
+    "redis_consumer_backoff",
+    "redis_dispatch",
+    "replace_actor_fn",
+    "replace_broker_enqueue",
+    "replace_redis_do_enqueue",
+    "result_options",
+    "set_redis_consumer_backoff",
     "start_native_thread",
     "threads_are_green",
 ]

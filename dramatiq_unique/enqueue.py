@@ -24,6 +24,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from . import replace
+from .compat import replace_broker_enqueue
 from .confirm import Confirmer, Pending
 from .context import CURRENT_CALL, EnqueueLocks, GuardedCall, LockService, Refused, is_fresh
 from .delivery import copy_of, send_sequence
@@ -88,7 +89,7 @@ class EnqueueGuard:
             return sent
 
         enqueue._unique_guard = self  # type: ignore[attr-defined]
-        broker.enqueue = enqueue  # type: ignore[method-assign]
+        replace_broker_enqueue(broker, enqueue)
 
     def _release_all(self, taken: list[tuple[str, str]], actor: str) -> None:
         service = self.service

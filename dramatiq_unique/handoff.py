@@ -22,6 +22,7 @@ from dramatiq.common import q_name
 
 from .background import BackgroundThread
 from .clock import now_ms
+from .compat import redis_consumer_backoff, set_redis_consumer_backoff
 from .forks import pid
 
 #: The longest wait between two polls of a queue that just got a
@@ -61,13 +62,14 @@ class HandoffPolls:
     def handed_over(self, queue_name: str) -> None:
         """A message of ``queue_name`` was just handed a key."""
         consumer: Any = getattr(self._threads.get(q_name(queue_name)), "consumer", None)
-        if type(consumer).__name__ != "_RedisConsumer" or not isinstance(getattr(consumer, "timeout", None), int):
+        if redis_consumer_backoff(consumer) is None:
             return
         with self._lock:
             self._until = now_ms() + self.hold
-            if id(consumer) not in self._saved:
-                self._saved[id(consumer)] = (consumer, consumer.timeout)
-                consumer.timeout = min(consumer.timeout, self.poll)
+            backoff = redis_consumer_backoff(consumer)  # read under the lock that guards its writes
+            if id(consumer) not in self._saved and backoff is not None:
+                self._saved[id(consumer)] = (consumer, backoff)
+                set_redis_consumer_backoff(consumer, min(backoff, self.poll))
         if self._timer.running_in != pid():
             self._timer.ensure_started()
 
@@ -85,8 +87,8 @@ class HandoffPolls:
             timer.wait(left)
 
     def _restore(self) -> None:
-        for consumer, timeout in self._saved.values():
-            consumer.timeout = timeout
+        for consumer, backoff in self._saved.values():
+            set_redis_consumer_backoff(consumer, backoff)
         self._saved.clear()
 
     def stop(self) -> None:

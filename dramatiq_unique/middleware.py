@@ -34,7 +34,7 @@ from . import settings as config
 from .backend import LockBackend
 from .backends.stub import StubBackend
 from .admin import LockAdmin
-from .compat import Prometheus
+from .compat import Prometheus, proxied_message
 from .context import LockService
 from .coroutines import track
 from .delivery import Delivery, attach, delivery
@@ -409,7 +409,7 @@ class UniqueMiddleware(Middleware):
 
     def before_process_message(self, broker: "Broker", message: "MessageProxy") -> None:
         # The proxy forwards every read through a Python-level __getattr__: read the message itself.
-        raw: Any = getattr(message, "_message", message)
+        raw: Any = proxied_message(message)
         spec = self.specs.get(raw.actor_name)
         if spec is None or not self.enabled:
             return

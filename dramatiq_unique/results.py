@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from dramatiq.logging import get_logger
 
+from .compat import result_options
+
 if TYPE_CHECKING:
     from dramatiq import Broker
 
@@ -37,7 +39,7 @@ def store_failure(broker: "Broker", message: Any, error: Exception) -> None:
     for middleware in broker.middleware:
         if not isinstance(middleware, Results):
             continue
-        stores, ttl = middleware._lookup_options(broker, message)
+        stores, ttl = result_options(middleware, broker, message)
         if stores:
             try:
                 middleware.backend.store_exception(message, error, ttl)
