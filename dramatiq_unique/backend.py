@@ -49,21 +49,24 @@ class ReplaceStatus(_Named):
     REFUSED = "refused"
 
 
-class CurrentStatus(_Named):
-    """What :meth:`LockBackend.current` found of a message."""
+class CurrentStatus(enum.IntEnum):
+    """What :meth:`LockBackend.current` found of a message.  The values
+    are current.lua's reply codes, so that code written against the
+    numbers ``current`` answered before still compares equal.
+    """
 
     #: A newer send superseded it: ``other`` is that send.
-    SUPERSEDED = "superseded"
+    SUPERSEDED = -2
     #: A re-enqueued copy that may not run: ``other`` is the verdict
     #: (a :class:`CopyVerdict`'s text); nothing was taken.
-    MAY_NOT_RUN = "may_not_run"
+    MAY_NOT_RUN = 3
     #: A delivery: the message is current (and now started).  A
     #: re-enqueue: it took the free key afresh (``other`` is itself).
-    CURRENT = "current"
+    CURRENT = 1
     #: A re-enqueue re-entered its slot (``other`` is itself).
-    REENTERED = "reentered"
+    REENTERED = 2
     #: A re-enqueue whose slot lapsed: ``other`` holds the key.
-    LAPSED = "lapsed"
+    LAPSED = 0
 
 
 class CurrentCheck(NamedTuple):

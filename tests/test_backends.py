@@ -337,6 +337,8 @@ def test_current_answers_each_current_status(backend):
     backend.release(key, "b")
     assert backend.current(key, "d", **reenter) == CurrentCheck(CurrentStatus.CURRENT, "d")
     assert type(refused) is CurrentCheck and type(refused.status) is CurrentStatus
+    # and each status still equals the code current() answered before
+    assert [int(status) for status in CurrentStatus] == [-2, 3, 1, 2, 0]
 
 
 def test_the_abc_names_every_verb_and_sets_the_operator_reads_apart(backend):

@@ -187,15 +187,6 @@ _REPLACED = {
     3: ReplaceStatus.REPLACED,
 }
 
-#: current.lua's status codes.
-_CURRENT = {
-    -2: CurrentStatus.SUPERSEDED,
-    3: CurrentStatus.MAY_NOT_RUN,
-    1: CurrentStatus.CURRENT,
-    2: CurrentStatus.REENTERED,
-    0: CurrentStatus.LAPSED,
-}
-
 
 def as_text(value: Any) -> str:
     """A reply as text: redis-py answers bytes unless told to decode."""
@@ -654,7 +645,7 @@ class RedisBackend(LockBackend):
             args.append(where)
         # Only a re-enqueue takes a slot; a delivery marks its message started.
         (status, other), acked = (self._take if reenter else self._untaken)("current", keys, args)
-        got = CurrentCheck(_CURRENT[int(status)], as_text(other) if other else None)
+        got = CurrentCheck(CurrentStatus(int(status)), as_text(other) if other else None)
         if acked is not None and got.status in (CurrentStatus.CURRENT, CurrentStatus.REENTERED):
             # Took the free key again (given back on too few replicas), or re-entered (kept).
             self._require(acked, key, self._give_back(key, owner) if got.status is CurrentStatus.CURRENT else None)
