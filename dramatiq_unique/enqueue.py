@@ -160,9 +160,8 @@ class EnqueueGuard:
             message.options["unique_digest"] = spec.digest(message.args, message.kwargs)
             if spec.lock.run_lock:
                 send_sequence.stamp(message)
-        if spec.lock.run_lock and fresh and self.service.record_lock_args:
-            # The worker's run lock records them from the message (see copy_of).
-            message.options.setdefault("unique_lock_args", self.locks.lock_args(message, spec, fresh))
+        if spec.lock.run_lock:
+            self.locks.stamp_lock_args(message, spec, fresh)
         if spec.lock.queue_lock and not self.send_path.defer(message, delay, spec, fresh, broker):
             self._take(message, delay, spec, fresh)
 

@@ -67,6 +67,14 @@ class _Entry:
     #: its message went), with Unix times as RedisBackend keeps them.
     records: dict[str, EnqueueRecord] = field(default_factory=dict)
 
+    def taken(self, lock: str, lock_args: Optional[str]) -> None:
+        """Record who took the key: the lock type, and the lock args
+        when given (as RedisBackend does, keeping earlier ones otherwise).
+        """
+        self.lock = lock
+        if lock_args is not None:
+            self.lock_args = lock_args
+
 
 @dataclass
 class _Superseded:
@@ -150,9 +158,7 @@ class StubBackend(LockBackend):
             return Acquisition(False, holder=next(iter(entry.holders)), fence=entry.fence)
         self._last_fence = entry.fence = max(self._last_fence + 1, mod_time.time_ns() // 1000)
         entry.holders[owner] = now + (provisional if short else ttl)
-        entry.lock = lock
-        if lock_args is not None:  # recorded if given, as RedisBackend does
-            entry.lock_args = lock_args
+        entry.taken(lock, lock_args)
         # As _take.lua: a slot taken without a place (a run lock) still records when.
         entry.records[owner] = EnqueueRecord(_unix_ms(), _unix_ms() + provisional if short else 0, where or "")
         self._entries[key] = entry
@@ -327,9 +333,8 @@ class StubBackend(LockBackend):
                 delay = due - now
             entry.holders[owner] = now + ttl
             entry.records[owner] = EnqueueRecord(_unix_ms(), 0, where)
-            entry.lock, entry.current, entry.started, entry.burst = lock, owner, None, burst
-            if lock_args is not None:
-                entry.lock_args = lock_args
+            entry.current, entry.started, entry.burst = owner, None, burst
+            entry.taken(lock, lock_args)
             return Replacement(status, current, delay, self._fence(entry))
 
     def current(
