@@ -169,12 +169,5 @@ def test_no_import_cycle() -> None:
     assert cycles(graph()) == []
 
 
-#: Borrowed private names in modules another change is reworking (the
-#: Redis connection layer): tolerated while they last, and no new one.
-NOT_YET = {"dramatiq_unique.leases imports _SCRIPTS from dramatiq_unique.backends.redis"}
-
-
 def test_no_module_uses_another_modules_private_name() -> None:
-    # Line numbers move with every edit: compare without them.
-    found = {place.split(":")[0] + place[place.index(" ") :] for place in borrowed_private_names()}
-    assert found - NOT_YET == set()
+    assert borrowed_private_names() == []
