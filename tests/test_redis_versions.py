@@ -8,6 +8,7 @@ Unix sockets.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -175,19 +176,31 @@ def resp_of(conn: redis.Connection) -> int:
     return int(info.split(" resp=")[1].split()[0])
 
 
-@pytest.mark.parametrize("protocol", ["default", 3])
+#: The protocols to test: redis-py's default, and RESP3 where it has it (5.0+).
+PROTOCOLS = ["default", *([3] if REDIS_PY >= (5, 0) else [])]
+
+
+def pushes_are_read_apart() -> bool:
+    """Whether redis-py's parser keeps RESP3 push messages out of the
+    replies: not redis-py 5.x's hiredis parser, which returns a key
+    tracking push as the next reply (the lock calls never ask for one:
+    pushes come to them only from redis-py 8's maintenance
+    notifications, which redis-py 8 reads apart).
+    """
+    return REDIS_PY >= (6, 0) or importlib.util.find_spec("hiredis") is None
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_a_resp3_connection_is_read_whole_push_messages_included(protocol, redis_client):
     # Given a client of redis-py's default protocol (RESP3 from redis-py 8, which leaves
     # `protocol` unset), or one that asks for RESP3
-    if protocol == 3 and REDIS_PY < (5, 0):
-        pytest.skip("redis-py 4 has no RESP3")
     options = {} if protocol == "default" else {"protocol": 3}
     calls = ScriptCalls(client_of(redis_client, **options), SCRIPTS)
     assert calls.call("echo", [], ["warm"]) == b"warm"
     conn = own_connection(calls)
     resp = resp_of(conn)
     assert resp == (3 if protocol == 3 or REDIS_PY >= (8, 0) else 2)
-    if resp == 3:
+    if resp == 3 and pushes_are_read_apart():
         # And the server pushes on it: it tracks a key that the next call writes
         conn.send_command("CLIENT", "TRACKING", "on")
         assert conn.read_response() == b"OK"
