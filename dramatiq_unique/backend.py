@@ -34,6 +34,9 @@ class CopyVerdict(_Named):
     STALE = "stale"
     #: The other copy of its reschedule arrived first.
     LOST = "lost"
+    #: A copy of a run that ended, or of a copy that was retired, with
+    #: no more retries than it: a broker published or delivered it twice.
+    DONE = "done"
 
 
 class ReplaceStatus(_Named):
@@ -122,6 +125,8 @@ class Copy(NamedTuple):
         reschedule, ``""`` for the original.
       lock_args(str): The lock args JSON a run lock taken for this copy
         records (``record_lock_args``); None records none.
+      retries(int): Its Retries count: a retry of a copy whose run
+        ended has more retries than it, a duplicate of it no more.
     """
 
     key: str
@@ -129,6 +134,7 @@ class Copy(NamedTuple):
     attempt: int = 0
     via: str = ""
     lock_args: Optional[str] = None
+    retries: int = 0
 
 
 class Start(NamedTuple):
@@ -291,6 +297,13 @@ class LockInfo:
 #: their order among a key's waiters; a zset score stays exact (under
 #: 2**53) with timestamps in milliseconds times this.
 SENDS_PER_MS = 1000
+
+
+#: How long the record of a rescheduled message outlives its run and
+#: its last expected copy, in milliseconds: the window in which a copy
+#: that a broker published or delivered twice is still known as a
+#: duplicate (``_claim.lua`` holds the same figure).
+DUPLICATE_WINDOW = 600_000
 
 
 @dataclass(frozen=True)

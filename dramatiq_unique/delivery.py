@@ -98,6 +98,7 @@ def copy_of(message: Any, key: str) -> Copy:
         options.get("unique_reschedules", 0),
         options.get("unique_via", ""),
         options.get("unique_lock_args"),  # stamped at send under record_lock_args only
+        options.get("retries", 0),
     )
     return tuple.__new__(Copy, fields)
 

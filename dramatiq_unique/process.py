@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 SKIP_REASONS = {
     CopyVerdict.STALE: "it was rescheduled again, and a later copy of it runs",
     CopyVerdict.LOST: "the other copy of its reschedule arrived first",
+    CopyVerdict.DONE: "it is a second copy of a run that has ended",
 }
 
 

@@ -18,6 +18,7 @@ import tempfile
 import time
 import uuid
 from typing import Iterator
+from urllib.parse import urlsplit
 
 import dramatiq
 import pytest
@@ -130,8 +131,11 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
 
 @pytest.fixture
 def rabbitmq_url() -> str:
-    """The RabbitMQ of this machine; fails with how to start it."""
-    host, port = "127.0.0.1", 5672
+    """The RabbitMQ that ``RABBITMQ_URL`` names (this machine's by
+    default); fails with how to start it.
+    """
+    parts = urlsplit(RABBITMQ_URL)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 5672
     try:
         socket.create_connection((host, port), timeout=2).close()
     except OSError:

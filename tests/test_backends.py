@@ -9,8 +9,9 @@ import pytest
 import redis
 
 from dramatiq_unique.backend import (
-    CopyVerdict,
+    DUPLICATE_WINDOW,
     Copy,
+    CopyVerdict,
     CurrentCheck,
     CurrentStatus,
     LockBackend,
@@ -129,20 +130,89 @@ def test_a_release_by_a_non_owner_hands_nothing_over(backend):
     assert backend.release(KEY, "holder").promoted == b"m"
 
 
+def deliver(backend, copy: Copy, owner: str):
+    """A delivery of ``copy``: its start, as the middleware makes it."""
+    return backend.start(KEY, owner, ttl=10_000, limit=1, lock="x", copy=copy).acquisition
+
+
 def test_the_first_copy_of_a_reschedule_wins_and_its_retries_rerun(backend):
     backend.acquire(KEY, "holder", ttl=10_000)
     backend.wait(waiting("m"), b"m", order=1, ttl=10_000)
     backend.release(KEY, "holder")
     handoff, delay = Copy(KEY, "m", 1, "handoff"), Copy(KEY, "m", 1, "delay")
-    assert backend.claim(handoff) is True
-    assert backend.claim(delay) is False
-    # a retry or redelivery of the winner, or a claim whose reply was lost, runs again
-    assert backend.claim(handoff) is True
-    assert backend.claim(delay) is False
+    assert deliver(backend, handoff, "m/1").acquired
+    assert deliver(backend, delay, "m/2").refused == "lost"
     # the original, and copies of earlier reschedules, are stale
-    assert backend.claim(Copy(KEY, "m", 0, "")) is False
+    assert deliver(backend, Copy(KEY, "m", 0, ""), "m/3").refused is CopyVerdict.STALE
     assert backend.acquire("test:actor:{abc}:queue", "m", ttl=1_000, copy=delay).refused is CopyVerdict.LOST
     assert backend.acquire("test:actor:{abc}:queue", "m", ttl=1_000, copy=handoff).acquired
+    # a redelivery of the winner whose worker died (its lease lapsed) runs again
+    assert backend.extend([(KEY, "m/1")], 1) == [True]
+    time.sleep(0.01)
+    assert deliver(backend, handoff, "m/4").acquired
+    # and when that run fails, its Retries copy runs
+    backend.release(KEY, "m/4")
+    assert deliver(backend, handoff._replace(retries=1), "m/5").acquired
+
+
+def test_a_copy_of_a_run_that_ended_is_a_duplicate(backend):
+    # Given a rescheduled message whose delayed copy won and ran
+    backend.acquire(KEY, "holder", ttl=10_000)
+    backend.wait(waiting("m"), b"m", order=1, ttl=10_000)
+    delay = Copy(KEY, "m", 1, "delay")
+    backend.release(KEY, "holder", hand_over=False)
+    assert deliver(backend, delay, "m/1").acquired
+    # When a second publish of that copy is delivered while it runs, and waits behind it
+    assert not deliver(backend, delay, "m/2").acquired
+    backend.wait(waiting("m", 2), b"m-again", order=1, ttl=10_000)
+    # Then the end of the run withdraws that waiter, and every later copy of the run is a duplicate
+    assert backend.release(KEY, "m/1").promoted is None
+    assert deliver(backend, delay, "m/3").refused == "done"
+    assert deliver(backend, Copy(KEY, "m", 2, "delay"), "m/4").refused == "done"
+    assert backend.acquire("test:actor:{abc}:queue", "m", ttl=1_000, copy=delay).refused == "done"
+    # but a Retries copy of it (the run failed) runs, once
+    retry = delay._replace(retries=1)
+    assert deliver(backend, retry, "m/5").acquired
+    backend.release(KEY, "m/5")
+    assert deliver(backend, retry, "m/6").refused == "done"
+
+
+def test_a_message_record_lives_only_while_a_copy_of_it_can_arrive(redis_backend):
+    backend, client = redis_backend, redis_backend.client
+    record, day = f"{KEY}:m:m", 86_400_000
+    # Given a message waiting behind a holder: its record lives as long as its lock could
+    backend.acquire(KEY, "holder", ttl=10_000)
+    backend.wait(waiting("m"), b"m", order=1, ttl=day)
+    assert client.pttl(record) > day - 60_000
+    # When the holder hands it the key and the hand-off copy runs, the delayed copy is still to come
+    assert backend.release(KEY, "holder").promoted == b"m"
+    assert deliver(backend, Copy(KEY, "m", 1, "handoff"), "m/1").acquired
+    backend.release(KEY, "m/1")
+    assert client.pttl(record) > day - 60_000
+    # Then once the delayed copy arrived (and was skipped), the record lives only the duplicate window
+    assert deliver(backend, Copy(KEY, "m", 1, "delay"), "m/2").refused == "done"
+    assert 0 < client.pttl(record) <= DUPLICATE_WINDOW
+    assert DUPLICATE_WINDOW == 600_000
+
+
+def test_the_duplicate_window_is_one_figure():
+    from pathlib import Path
+
+    import dramatiq_unique.backends as backends
+
+    lua = (Path(backends.__file__).parent / "lua" / "_claim.lua").read_text()
+    assert f"local DUPLICATE_WINDOW = {DUPLICATE_WINDOW}\n" in lua
+
+
+def test_a_retired_copy_finishes_its_message(backend):
+    # Given a rescheduled message whose hand-off copy is dead-lettered (claimed, never started)
+    backend.wait(waiting("m"), b"m", order=1, ttl=10_000)
+    handoff = Copy(KEY, "m", 1, "handoff")
+    assert backend.claim(handoff) is True
+    # Then the claim sent again after a lost reply still says so, and no other copy runs
+    assert backend.claim(handoff) is True
+    assert backend.claim(Copy(KEY, "m", 1, "delay")) is False
+    assert deliver(backend, handoff, "m/1").refused == "done"
 
 
 def test_a_waiter_that_arrives_by_its_delay_is_not_promoted_later(backend):
@@ -169,11 +239,12 @@ def test_a_wait_sent_again_after_its_lost_reply_changes_nothing(backend):
 
 
 def test_a_later_reschedule_makes_the_earlier_copies_stale(backend):
+    backend.acquire(KEY, "holder", ttl=10_000)
     backend.wait(waiting("m", 1), b"m1", order=1, ttl=10_000)
-    assert backend.claim(Copy(KEY, "m", 1, "delay")) is True
+    assert deliver(backend, Copy(KEY, "m", 1, "delay"), "m/1").holder == "holder"
     backend.wait(waiting("m", 2), b"m2", order=1, ttl=10_000)
-    assert backend.claim(Copy(KEY, "m", 1, "delay")) is False
-    assert backend.claim(Copy(KEY, "m", 1, "handoff")) is False
+    assert deliver(backend, Copy(KEY, "m", 1, "delay"), "m/2").refused == "stale"
+    assert deliver(backend, Copy(KEY, "m", 1, "handoff"), "m/3").refused == "stale"
     assert backend.claim(Copy(KEY, "m", 2, "delay")) is True
 
 
@@ -280,8 +351,9 @@ def test_waiter_records_expire(backend):
 
 
 def test_a_stale_copy_is_refused_with_a_verdict_that_reads_as_its_text(backend):
+    backend.acquire(KEY, "holder", ttl=10_000)
     backend.wait(waiting("m", 2), b"m", order=1, ttl=10_000)
-    assert backend.claim(Copy(KEY, "m", 2, "delay")) is True
+    assert deliver(backend, Copy(KEY, "m", 2, "delay"), "m/0").holder == "holder"
     got = backend.acquire("test:actor:{abc}:queue", "m", ttl=1_000, copy=Copy(KEY, "m", 1, "delay"))
     assert not got.acquired and got.refused is CopyVerdict.STALE
     # as the plain strings were: equal to, and printed as, their text
@@ -329,7 +401,7 @@ def test_current_answers_each_current_status(backend):
     assert backend.current(key, "b") == CurrentCheck(CurrentStatus.CURRENT)
     # a re-enqueued copy that may not run takes nothing, and says why
     backend.wait(Copy(run_key, "c", 1, "handoff"), b"c", order=1, ttl=10_000)
-    assert backend.claim(Copy(run_key, "c", 1, "handoff")) is True
+    assert backend.start(run_key, "c/1", ttl=10_000, limit=1, lock="x", copy=Copy(run_key, "c", 1, "handoff")).acquisition
     refused = backend.current(key, "c", copy=Copy(run_key, "c", 1, "delay"), **reenter)
     assert refused == CurrentCheck(CurrentStatus.MAY_NOT_RUN, "lost")
     # a message whose slot lapsed while another holds the key

@@ -421,7 +421,7 @@ class BackendModel(RuleBasedStateMachine):
         if record is not None and attempt <= record[0]:
             return  # only the winner of attempt - 1 waits for attempt: this one was sent again, and changes nothing
         self.waiting[key][message_id] = order
-        self.records[key][message_id] = [attempt, ""]
+        self.records[key][message_id] = [attempt, "", record[2] if record is not None else None]
 
     @rule(key=st.sampled_from(KEYS), message_id=st.sampled_from(MESSAGES), attempt=st.integers(0, 3),
           via=st.sampled_from(VIAS))
@@ -430,13 +430,19 @@ class BackendModel(RuleBasedStateMachine):
         record = self.records[key].get(message_id)
         if record is None:
             assert got is True, "a copy with no record runs"
+        elif record[2] == (attempt, via):
+            assert got is True, "the copy that was retired, claiming again, still is"
+        elif record[2] is not None:
+            assert got is False, "a copy with no more retries than a retired one is a duplicate of it"
         elif attempt < record[0]:
             assert got is False, "a copy of an earlier reschedule is stale"
         elif attempt == record[0] and record[1]:
             assert got == (record[1] == via), "only the winner of a reschedule, and its copies, run"
         else:
             assert got is True, "the first copy of a reschedule wins it"
-            record[:] = [attempt, via]
+        if got and record is not None:
+            # a claim retires the copy in its message's stead: the message is finished
+            record[:] = [attempt, via, (attempt, via)]
             self.waiting[key].pop(message_id, None)
 
     @rule(key=st.sampled_from(KEYS), message_id=st.sampled_from(MESSAGES), attempt=st.integers(0, 3),
@@ -447,7 +453,7 @@ class BackendModel(RuleBasedStateMachine):
         if attempt == 0:
             self.records[key].pop(message_id, None)
         elif message_id in self.records[key]:
-            self.records[key][message_id] = [attempt, via]
+            self.records[key][message_id][:2] = [attempt, via]
 
     @invariant()
     def inspect_and_scan_show_the_model(self) -> None:

@@ -155,8 +155,22 @@ def _records(copy: Copy) -> list[str]:
     return [f"{copy.key}:m:{copy.message_id}", *_waiting(copy.key)]
 
 
+def _message_of(owner: str) -> str:
+    """The message id of a run lock owner (``<message id>/<token>``); an
+    enqueue lock's owner is its message id.
+    """
+    return owner.partition("/")[0]
+
+
+def _release_keys(key: str, owner: str) -> list[str]:
+    """release.lua's keys: the lock, its waiters and bodies, and the
+    record of the owner's message, whose run the release ends.
+    """
+    return [key, f"{key}:wait", f"{key}:bodies", f"{key}:m:{_message_of(owner)}"]
+
+
 def _copy_args(copy: Copy) -> list[Any]:
-    return [copy.message_id, copy.attempt, copy.via]
+    return [copy.message_id, copy.attempt, copy.via, copy.retries]
 
 
 def _start_call(
@@ -168,7 +182,7 @@ def _start_call(
     keys = [key, f"{key}:m:{copy.message_id}", f"{key}:wait", f"{key}:bodies"]  # _records(copy), inline
     if queue_key:
         keys.append(queue_key)
-    args = [owner, ttl, limit, lock, copy.message_id, copy.attempt, copy.via]
+    args = [owner, ttl, limit, lock, copy.message_id, copy.attempt, copy.via, copy.retries]
     if copy.lock_args is not None:  # only under record_lock_args: the default call is unchanged
         args.append(copy.lock_args)
     return keys, args
@@ -239,7 +253,7 @@ def _release_calls(locks: Sequence[tuple[str, str]]) -> list[Call]:
     """release.lua calls that hand each slot over (the keys of
     :func:`_waiting` spelled out: every job makes one).
     """
-    return [("release", [key, f"{key}:wait", f"{key}:bodies"], [owner, 1]) for key, owner in locks]
+    return [("release", _release_keys(key, owner), [owner, 1, _message_of(owner)]) for key, owner in locks]
 
 
 def _releases(replies: Sequence[Any]) -> list[Union[Release, Exception]]:
@@ -531,7 +545,7 @@ class RedisBackend(LockBackend):
         return _releases(replies), started
 
     def release(self, key: str, owner: str, *, hand_over: bool = True) -> Release:
-        return _release(self._call("release", [key, *_waiting(key)], [owner, int(hand_over)]))
+        return _release(self._call("release", _release_keys(key, owner), [owner, int(hand_over), _message_of(owner)]))
 
     def release_many(self, locks: Sequence[tuple[str, str]]) -> list[Union[Release, Exception]]:
         if self.calls is None or len(locks) < 2:
@@ -639,10 +653,9 @@ class RedisBackend(LockBackend):
         keys: list[str] = [key, _superseded(key)]
         args: list[Any] = [owner, "reenter" if reenter else "start", ttl, lock]
         if reenter and copy is not None:
-            keys, args = keys + _records(copy), args + [copy.attempt, copy.via]
-        if reenter and where is not None:
-            args += [] if len(args) > 4 else [0, ""]
-            args.append(where)
+            keys, args = keys + _records(copy), args + [copy.attempt, copy.via, where or "", copy.retries]
+        elif reenter and where is not None:
+            args += [0, "", where]
         # Only a re-enqueue takes a slot; a delivery marks its message started.
         (status, other), acked = (self._take if reenter else self._untaken)("current", keys, args)
         got = CurrentCheck(CurrentStatus(int(status)), as_text(other) if other else None)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
 from ..backend import (
+    DUPLICATE_WINDOW,
     Acquisition,
     Copy,
     CopyVerdict,
@@ -35,11 +36,22 @@ def _unix_ms() -> int:
 
 @dataclass
 class _Record:
-    """Which reschedule a message waits in, and which copy won it."""
+    """Which reschedule a message waits in, which copy won it, the
+    copies still to come, and whose run ended (see ``_claim.lua``).
+    """
 
     attempt: int
     winner: str
     expires_at: int
+    out: set[tuple[int, str]] = field(default_factory=set)
+    #: The run lock owner the message runs under, and as which copy
+    #: ``(attempt, via, retries)``.
+    runner: Optional[str] = None
+    ran: tuple[int, str, int] = (0, "", 0)
+    #: The Retries count of the copy whose run ended, or None, and that
+    #: copy ``(attempt, via, retries)``.
+    finished: Optional[int] = None
+    finished_as: Optional[tuple[int, str, int]] = None
 
 
 @dataclass
@@ -180,6 +192,9 @@ class StubBackend(LockBackend):
             if verdict is not None:
                 return Start(Acquisition(False, refused=verdict))
             got = self._take(key, owner, ttl=ttl, limit=limit, lock=lock, lock_args=copy.lock_args)
+            record = self._live_record(copy)
+            if got.acquired and not got.reentered and record is not None:
+                record.runner, record.ran = owner, (copy.attempt, copy.via, copy.retries)
             if not got.acquired or queue_key is None:
                 return Start(got)
             return Start(got, queue_released=self._drop(queue_key, copy.message_id)[0])
@@ -187,6 +202,11 @@ class StubBackend(LockBackend):
     def release(self, key: str, owner: str, *, hand_over: bool = True) -> Release:
         with self._mutex:
             held, present = self._drop(key, owner)
+            ran = Copy(key, owner.partition("/")[0])
+            record = self._live_record(ran)
+            if record is not None and record.runner == owner:
+                attempt, via, retries = record.ran
+                self._finish(record, ran._replace(attempt=attempt, via=via, retries=retries))
             return Release(held, self._promote(key) if hand_over and present else None)
 
     def _drop(self, key: str, owner: str) -> tuple[bool, bool]:
@@ -224,10 +244,10 @@ class StubBackend(LockBackend):
         message_id = min(waiters.order, key=lambda name: waiters.order[name][0])
         return waiters.order.pop(message_id)[1]
 
-    def _unwait(self, copy: Copy) -> None:
+    def _unwait(self, copy: Copy) -> bool:
+        """Withdraw a message's waiter: whether it was waiting."""
         waiters = self._live_waiters(copy.key)
-        if waiters is not None:
-            waiters.order.pop(copy.message_id, None)
+        return waiters is not None and waiters.order.pop(copy.message_id, None) is not None
 
     def _claim(self, copy: Copy, *, write: bool) -> Optional[CopyVerdict]:
         """Why ``copy`` may not run, or None when it may (the rules of
@@ -236,14 +256,40 @@ class StubBackend(LockBackend):
         record = self._live_record(copy)
         if record is None:
             return None
+        if write:
+            record.out.discard((copy.attempt, copy.via))
+        verdict = self._verdict(record, copy)
+        if verdict is None and write and not (copy.attempt == record.attempt and record.winner):
+            record.attempt, record.winner = copy.attempt, copy.via
+            if self._unwait(copy):
+                record.out.discard((copy.attempt, "handoff"))
+        if write and verdict is not None:
+            self._settle(record)
+        return verdict
+
+    @staticmethod
+    def _verdict(record: _Record, copy: Copy) -> Optional[CopyVerdict]:
+        if record.finished is not None and copy.retries <= record.finished:
+            return CopyVerdict.DONE
         if copy.attempt < record.attempt:
             return CopyVerdict.STALE
-        if copy.attempt == record.attempt and record.winner:
-            return None if record.winner == copy.via else CopyVerdict.LOST
-        if write:
-            record.attempt, record.winner = copy.attempt, copy.via
-            self._unwait(copy)
+        if copy.attempt == record.attempt and record.winner and record.winner != copy.via:
+            return CopyVerdict.LOST
         return None
+
+    def _finish(self, record: _Record, copy: Copy) -> None:
+        # finish() of _claim.lua: later copies with no more retries are duplicates.
+        if self._unwait(copy):
+            record.out.discard((record.attempt, "handoff"))
+        record.attempt, record.winner, record.finished = copy.attempt, copy.via, copy.retries
+        record.finished_as, record.runner = (copy.attempt, copy.via, copy.retries), None
+        self._settle(record)
+
+    @staticmethod
+    def _settle(record: _Record) -> None:
+        # A finished message's record lives only until no copy of it is to come.
+        if record.finished is not None and not record.out:
+            record.expires_at = min(record.expires_at, _now_ms() + DUPLICATE_WINDOW)
 
     def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> None:
         with self._mutex:
@@ -251,14 +297,25 @@ class StubBackend(LockBackend):
             if recorded is not None and recorded.attempt >= copy.attempt:
                 return  # sent again after a lost reply: as wait.lua, it changes nothing
             expires_at = _now_ms() + ttl
-            self._records[(copy.key, copy.message_id)] = _Record(copy.attempt, "", expires_at)
+            record = recorded or _Record(copy.attempt, "", expires_at)
+            record.attempt, record.winner, record.expires_at = copy.attempt, "", expires_at
+            record.out |= {(copy.attempt, "delay"), (copy.attempt, "handoff")}
+            self._records[(copy.key, copy.message_id)] = record
             waiters = self._live_waiters(copy.key) or self._waiters.setdefault(copy.key, _Waiters())
             waiters.order[copy.message_id] = (order, message)
             waiters.expires_at = expires_at
 
     def claim(self, copy: Copy) -> bool:
         with self._mutex:
-            return self._claim(copy, write=True) is None
+            record = self._live_record(copy)
+            if record is not None and record.finished_as == (copy.attempt, copy.via, copy.retries):
+                return True  # the same copy claiming again, as claim.lua
+            if self._claim(copy, write=True) is not None:
+                return False
+            record = self._live_record(copy)
+            if record is not None:
+                self._finish(record, copy)
+            return True
 
     def withdraw(self, copy: Copy) -> None:
         with self._mutex:

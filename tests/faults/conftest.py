@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 from typing import Any, Callable, Iterator
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -51,6 +52,13 @@ def proxy(redis_url: str) -> Iterator[Proxy]:
     """A :class:`Proxy` in front of the suite's Redis."""
     port = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs["port"]
     with Proxy(port) as proxy:
+        yield proxy
+
+
+@pytest.fixture
+def rabbitmq_proxy(rabbitmq_url: str) -> Iterator[Proxy]:
+    """A :class:`Proxy` in front of the suite's RabbitMQ."""
+    with Proxy(urlsplit(rabbitmq_url).port or 5672) as proxy:
         yield proxy
 
 

@@ -11,6 +11,7 @@ import signal
 import subprocess
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
+from urllib.parse import unquote, urlsplit
 
 import pika  # type: ignore[import-untyped]
 import redis
@@ -118,9 +119,11 @@ class Harness:
         return unique.backend.inspect(unique.key(spec, spec.digest((key,), {}), phase))  # type: ignore[union-attr]
 
     def queued(self) -> int:
-        """Messages enqueued, delayed or in flight on the Redis broker:
-        0 means nothing can run any more.
+        """Messages enqueued, delayed or in flight on the broker: 0
+        means nothing can run any more.
         """
+        if self.env.get("FAULTS_BROKER") == "rabbitmq":
+            return rabbitmq_messages(self.env["FAULTS_RABBITMQ_URL"], self.namespace)
         q = f"{self.namespace}:{self.namespace}"
         return int(self.records.hlen(f"{q}.msgs")) + int(self.records.hlen(f"{q}.DQ.msgs"))
 
@@ -167,6 +170,20 @@ def delete_queues(url: str, namespace: str) -> None:
             channel.queue_delete(queue)
     finally:
         connection.close()
+
+
+def rabbitmq_messages(url: str, namespace: str) -> int:
+    """Messages in a namespace's RabbitMQ queues, ready or delivered and
+    not yet acknowledged (a Dramatiq worker holds its delayed messages
+    unacknowledged until they are due), as ``rabbitmqctl`` counts them:
+    AMQP itself counts only the ready ones.
+    """
+    vhost = unquote(urlsplit(url).path[1:]) or "/"
+    listing = subprocess.run(["rabbitmqctl", "list_queues", "-q", "-p", vhost, "name", "messages"],
+                             capture_output=True, text=True, check=True, timeout=30).stdout
+    names = {namespace, f"{namespace}.DQ"}
+    return sum(int(count) for name, _, count in (line.partition("\t") for line in listing.splitlines())
+               if name in names)
 
 
 def rabbitmq_ready(url: str, namespace: str) -> int:

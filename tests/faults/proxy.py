@@ -21,6 +21,7 @@ import struct
 import threading
 import time
 from typing import Optional
+from urllib.parse import urlsplit, urlunsplit
 
 #: How much a pump reads at once, in bytes.
 CHUNK = 65536
@@ -30,7 +31,12 @@ POLL = 0.05
 
 
 def through(proxy: "Proxy", url: str) -> str:
-    """``url`` (a Redis URL on 127.0.0.1) with its port replaced by the proxy's."""
+    """``url`` (a Redis or AMQP URL on 127.0.0.1) with its port replaced
+    by the proxy's.
+    """
+    if url.startswith("amqp"):
+        parts = urlsplit(url)
+        return urlunsplit(parts._replace(netloc=f"{parts.netloc.rpartition('@')[0]}@127.0.0.1:{proxy.port}"))
     import redis
 
     kwargs = redis.Redis.from_url(url).connection_pool.connection_kwargs

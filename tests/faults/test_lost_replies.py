@@ -18,6 +18,10 @@ from tests.faults.proxy import through
 
 WAITERS = 3
 
+#: How often Dramatiq's RabbitMQ broker publishes a message whose publish
+#: failed (MAX_ENQUEUE_ATTEMPTS) before it raises.
+PUBLISHES = 6
+
 
 def test_a_reschedule_whose_enqueue_reply_is_lost_runs_each_message_once(make_harness, proxy, redis_url, figure):
     # Given a Redis broker and its locks behind the proxy, and a job holding key k
@@ -73,3 +77,38 @@ def test_a_release_that_met_a_network_drop_frees_its_key_once_the_network_is_bac
     figure("accepted_again_after_s", None if accepted is None else round(accepted, 2))
     assert accepted is not None, "the key was still held 10 s after the network came back"
     assert h.finished(again.message_id).key == "k"
+
+
+def test_a_reschedule_whose_publish_confirm_is_lost_runs_each_message_once_on_rabbitmq(
+    make_harness, rabbitmq_proxy, rabbitmq_url, figure
+):
+    # Given workers that reach RabbitMQ, with publisher confirms, through the proxy, and a job holding key k
+    proxy = rabbitmq_proxy
+    h = make_harness("rabbitmq", FAULTS_CONFIRM_DELIVERY="1", FAULTS_EVENTS="rescheduled,skipped,backend_error")
+    h.workers(processes=1, threads=WAITERS + 1, FAULTS_RABBITMQ_URL=through(proxy, rabbitmq_url))
+    holder = h.app.hold.send("k", gate="holder")
+    h.started(holder.message_id)
+    # When every publish of each waiter's delayed copy reaches the broker and its confirm is lost with
+    # its connection: Dramatiq publishes it again on a new connection, six times, then raises
+    proxy.lose_replies(b'"unique_via":"delay"', f"{h.namespace}.DQ".encode(), times=PUBLISHES * WAITERS)
+    began = time.monotonic()
+    waiters = [h.app.hold.send("k") for _ in range(WAITERS)]
+    wait_for(lambda: proxy.replies_lost >= PUBLISHES * WAITERS, timeout=60,
+             what="the confirms of the delayed publishes to be lost")
+    # and those copies come due while k is still held, so that they wait again
+    wait_for(lambda: len(h.events("rescheduled")) >= 3 * WAITERS, timeout=30, what="the delayed copies to wait again")
+    h.open_gate("holder")
+    # Then every message runs, once: the six publishes of a delayed copy, and the retry of the
+    # delivery that saw the error, are copies of one attempt, and only the first to arrive runs
+    wait_for(lambda: len(h.runs()) >= WAITERS + 1 and h.queued() == 0, timeout=60, what="every message to run")
+    drained = time.monotonic() - began
+    runs = h.runs()
+    per_message = Counter(run.message_id for run in runs)
+    figure("copies_skipped", len(h.events("skipped")))
+    figure("runs_per_message", sorted(per_message.values()))
+    figure("overlaps", len(overlaps(runs)))
+    figure("all_ran_after_s", round(drained, 2))
+    assert proxy.replies_lost == PUBLISHES * WAITERS
+    assert h.events("backend_error")  # delayed enqueues raised, after six publishes each
+    assert per_message == Counter({m.message_id: 1 for m in [holder, *waiters]}), per_message
+    assert not overlaps(runs)

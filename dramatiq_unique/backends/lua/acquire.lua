@@ -11,13 +11,14 @@
 -- ARGV[6]  provisional ms, or 0 (see _take.lua)
 -- ARGV[7]  "1" to keep the owner's enqueue record, "0" not to
 -- ARGV[8]  where the message is being published, for the record
--- ARGV[9..11], with KEYS[2..4]: message id, attempt, via of this copy
+-- ARGV[9..12], with KEYS[2..4]: message id, attempt, via, retries of
+--          this copy
 --
 -- Returns {status, holder, fence, confirm} as take() does, or
 -- {3, verdict, 0, 0} when this copy of its message may not run (see
 -- _claim.lua): it then takes nothing.
 if KEYS[2] then
-  local verdict = claim(KEYS[2], KEYS[3], KEYS[4], ARGV[9], tonumber(ARGV[10]), ARGV[11], false)
+  local verdict = claim(KEYS[2], KEYS[3], KEYS[4], ARGV[9], tonumber(ARGV[10]), ARGV[11], false, tonumber(ARGV[12]))
   if verdict ~= "run" then return {3, verdict, 0, 0} end
 end
 local where = nil

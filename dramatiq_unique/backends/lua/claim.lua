@@ -4,8 +4,16 @@
 -- dropped) before it could start, so that no other copy of it runs.
 --
 -- KEYS[1]  the message record   KEYS[2] waiters   KEYS[3] bodies
--- ARGV[1]  message id   ARGV[2] attempt   ARGV[3] via
+-- ARGV[1]  message id   ARGV[2] attempt   ARGV[3] via   ARGV[4] retries
 --
--- Returns 1 when this copy was, or now is, the one that may run.
-if claim(KEYS[1], KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[2]), ARGV[3], true) == "run" then return 1 end
-return 0
+-- Returns 1 when this copy was, or now is, the one that may run: it
+-- is retired in its message's stead, which is then finished.
+-- The same copy claiming again (a call sent again after its reply was
+-- lost) is still the one retired.
+local as = ARGV[2] .. "|" .. ARGV[3] .. "|" .. ARGV[4]
+if redis.call("HGET", KEYS[1], "finished_as") == as then return 1 end
+if claim(KEYS[1], KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[2]), ARGV[3], true, tonumber(ARGV[4])) ~= "run" then
+  return 0
+end
+if redis.call("EXISTS", KEYS[1]) == 1 then finish(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4]) end
+return 1

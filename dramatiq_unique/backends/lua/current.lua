@@ -19,6 +19,7 @@
 -- ARGV[5..6], with KEYS[3..5]: attempt and via of this copy
 -- ARGV[7]  reenter: where the copy is being published, for the owner's
 --          enqueue record (see _take.lua), or "" to keep none
+-- ARGV[8]  with KEYS[3..5]: the Retries count of this copy
 --
 -- Returns {status, other}: status -2 superseded by `other`; 3 this copy
 -- may not run (`other` is the claim's verdict); 1 current (start), or
@@ -44,7 +45,7 @@ if ARGV[2] == "start" then
   return {1, false}
 end
 if KEYS[3] then
-  local verdict = claim(KEYS[3], KEYS[4], KEYS[5], owner, tonumber(ARGV[5]), ARGV[6], false)
+  local verdict = claim(KEYS[3], KEYS[4], KEYS[5], owner, tonumber(ARGV[5]), ARGV[6], false, tonumber(ARGV[8]))
   if verdict ~= "run" then return {3, verdict} end
 end
 local where = nil

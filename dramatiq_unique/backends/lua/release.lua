@@ -1,17 +1,26 @@
 --@include _drop
+--@include _claim
 -- release: remove one owner from a lock, checking that it holds it,
 -- and hand the freed slot to the longest waiter.
 --
 -- KEYS[1]  the lock hash (see _take.lua)
 -- KEYS[2]  waiters: zset message id -> order (see wait.lua)
 -- KEYS[3]  bodies: hash message id -> encoded message
+-- KEYS[4]  optional: the message record of the owner's message
 -- ARGV[1]  owner      ARGV[2] "1" to hand the slot to a waiter, "0" not to
+-- ARGV[3]  with KEYS[4]: the owner's message id
 --
 -- Returns {held, message}: held 1 when the owner held a live slot, 0
 -- when it was absent or had lapsed; message is the encoded message of
 -- the promoted waiter, or false.  Nothing is handed over by an owner
 -- that held nothing.
 local held, present = drop(KEYS[1], ARGV[1])
+-- The run of a rescheduled message ended: later copies of it are duplicates.
+if KEYS[4] and redis.call("HGET", KEYS[4], "runner") == ARGV[1] then
+  local ran = redis.call("HGET", KEYS[4], "ran")
+  local attempt, via, retries = string.match(ran, "^(%d+)|([^|]*)|(%d+)$")
+  finish(KEYS[4], KEYS[2], KEYS[3], ARGV[3], attempt, via, retries)
+end
 if ARGV[2] ~= "1" or not present then return {held, false} end
 while true do
   local first = redis.call("ZPOPMIN", KEYS[2])

@@ -1,7 +1,9 @@
+--@include _claim
 -- wait: register a message as waiting for a run lock's next free slot,
 -- as a new attempt of it.
 --
--- KEYS[1]  the message record: hash "attempt", "winner" (see _claim.lua)
+-- KEYS[1]  the message record: hash "attempt", "winner", the copies
+--          still to come (see _claim.lua)
 -- KEYS[2]  waiters: zset message id -> order
 -- KEYS[3]  bodies: hash message id -> the encoded copy to hand the lock to
 -- ARGV[1]  message id   ARGV[2] encoded message   ARGV[3] order
@@ -18,6 +20,8 @@
 local recorded = redis.call("HGET", KEYS[1], "attempt")
 if recorded and tonumber(recorded) >= tonumber(ARGV[4]) then return 0 end
 redis.call("HSET", KEYS[1], "attempt", ARGV[4], "winner", "")
+expect(KEYS[1], ARGV[4], "delay")
+expect(KEYS[1], ARGV[4], "handoff")
 redis.call("ZADD", KEYS[2], ARGV[3], ARGV[1])
 redis.call("HSET", KEYS[3], ARGV[1], ARGV[2])
 for i = 1, 3 do redis.call("PEXPIRE", KEYS[i], ARGV[5]) end

@@ -11,7 +11,8 @@ build the same actors:
 * ``FAULTS_BROKER``: ``redis`` (on the record Redis) or ``rabbitmq``.
 * ``FAULTS_BROKER_URL``: the Redis broker's URL (default: the record
   Redis), to put the broker behind a proxy.
-* ``FAULTS_RABBITMQ_URL``: the RabbitMQ broker's URL.
+* ``FAULTS_RABBITMQ_URL``: the RabbitMQ broker's URL, and
+  ``FAULTS_CONFIRM_DELIVERY=1`` for publisher confirms.
 * ``FAULTS_HEARTBEAT_TIMEOUT``: the Redis broker's ``heartbeat_timeout``
   in ms; when set, maintenance runs on every command, so a killed
   worker's messages come back that long after it died.
@@ -87,7 +88,8 @@ def make_broker(env: Mapping[str, str]) -> dramatiq.Broker:
     if env.get("FAULTS_BROKER", "redis") == "rabbitmq":
         from dramatiq.brokers.rabbitmq import RabbitmqBroker
 
-        return RabbitmqBroker(url=env["FAULTS_RABBITMQ_URL"])
+        confirm = env.get("FAULTS_CONFIRM_DELIVERY") == "1"
+        return RabbitmqBroker(url=env["FAULTS_RABBITMQ_URL"], confirm_delivery=confirm)
     from dramatiq.brokers.redis import MAINTENANCE_SCALE, RedisBroker
 
     options: dict[str, Any] = {}
