@@ -19,8 +19,8 @@ import redis
 
 from . import app, costs, document, footprint, replace_cost, serial, throughput
 from .report import CONFIG_CONTENDERS, Results, figure_name, tables
-from .runs import CPU_1MS, DEFAULT, PREFETCH_64, SLEEP_1MS, Config
-from .server import BenchmarkError, PrivateRedis, connect
+from .runs import CPU_1MS, DEFAULT, MIN_REPLICAS_1, PREFETCH_64, SLEEP_1MS, Config
+from .server import BenchmarkError, PrivateRedis, connect, replicas_of
 from .workers import ROOT, clean_environment
 
 
@@ -35,7 +35,7 @@ class Plan:
     makespans: tuple[tuple[int, int], ...]  # (jobs, rounds)
     locks: int  # locks held for the footprint
     calls: int  # calls of each kind timed for the cost of one call
-    configs: tuple[Config, ...] = (PREFETCH_64, SLEEP_1MS, CPU_1MS)  # measured beside the default, per round
+    configs: tuple[Config, ...] = (PREFETCH_64, SLEEP_1MS, CPU_1MS, MIN_REPLICAS_1)  # beside the default, per round
     # Rounds of the configurations: their few contenders cost little a round, and their targets compare
     # figures within a few percent of each other, on machines whose rate moves by more from round to round.
     config_rounds: int = 0  # 0: as many as rounds
@@ -106,7 +106,8 @@ def measure(client: redis.Redis, url: str, plan: Plan, results: Results) -> None
                     )
     for config in (DEFAULT, *plan.configs):
         progress(f"release latency, {config.name}")
-        results.latencies[(config.name, LATENCY_CONTENDER)] += latency_run(client, url, plan, config)
+        with replicas_of(url, config.replicas):
+            results.latencies[(config.name, LATENCY_CONTENDER)] += latency_run(client, url, plan, config)
     progress("lease renewals of long jobs")
     results.renewals = serial.renewal_run(client, url, RENEWAL_JOBS, RENEWAL_SECONDS, RENEWAL_LEASE)
     for contender in contenders:
@@ -124,13 +125,14 @@ def rate_round(
     order = rotated(contenders, round_)
     rounds = plan.rounds if config is None else plan.every_config_round
     progress(f"round {round_ + 1}/{rounds}{'' if config is None else ', ' + config.name}: {', '.join(order)}")
-    senders = throughput.enqueue_round(client, url, order, plan.sent, plan.chunk)
-    try:
-        for sender in senders:
-            record(results, sender, throughput.process_run(client, url, sender, config=config or DEFAULT), round_,
-                   config)
-    finally:
-        throughput.close(client, senders)
+    with replicas_of(url, config.replicas if config else 0):
+        senders = throughput.enqueue_round(client, url, order, plan.sent, plan.chunk)
+        try:
+            for sender in senders:
+                record(results, sender, throughput.process_run(client, url, sender, config=config or DEFAULT),
+                       round_, config)
+        finally:
+            throughput.close(client, senders)
 
 
 def latency_run(client: redis.Redis, url: str, plan: Plan, config: Config) -> list[float]:
@@ -176,6 +178,9 @@ def record(
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse(argv)
     plan = QUICK if args.quick else FULL
+    if args.redis:
+        # The harness replicates only its own private Redis.
+        plan = replace(plan, configs=tuple(config for config in plan.configs if not config.replicas))
     for name in set(os.environ) - set(clean_environment()):
         del os.environ[name]  # every contender runs with default settings
     started, load = time.time(), os.getloadavg()

@@ -37,7 +37,7 @@ FLOORS = (FLOOR_ONE, FLOOR_RAW, FLOOR_LOCK)
 CONFIDENCE = 0.9
 
 #: The configurations, in the order of the tables.
-CONFIGS = ("default", "prefetch 64", "1 ms sleep job", "1 ms CPU job")
+CONFIGS = ("default", "prefetch 64", "1 ms sleep job", "1 ms CPU job", "one replica, min_replicas=1")
 
 
 def figure_name(figure: str, config: Optional[str]) -> str:

@@ -45,6 +45,7 @@ class Config:
     seconds: float = 0.0  # the job sleeps this long
     cpu: float = 0.0  # the job spins for this much CPU
     env: Mapping[str, str] = field(default_factory=dict)  # e.g. dramatiq_queue_prefetch
+    replicas: int = 0  # replicas of the harness's Redis, attached for this configuration's rounds
 
 
 #: The default worker (8 threads, Dramatiq's prefetch of 16) and no-op job.
@@ -53,6 +54,10 @@ DEFAULT = Config("default")
 PREFETCH_64 = Config("prefetch 64", env={"dramatiq_queue_prefetch": "64"})
 SLEEP_1MS = Config("1 ms sleep job", seconds=0.001)
 CPU_1MS = Config("1 ms CPU job", cpu=0.001)
+#: Failover protection: one replica of the Redis, and every run lock
+#: waits for it to acknowledge the take (Redis ``WAIT``); bare Dramatiq's
+#: broker writes are replicated too.
+MIN_REPLICAS_1 = Config("one replica, min_replicas=1", env={"dramatiq_unique_min_replicas": "1"}, replicas=1)
 
 
 def worker_settings(

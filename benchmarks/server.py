@@ -6,13 +6,14 @@ so that nobody else's traffic shows up in ``INFO commandstats``.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
 from collections import Counter
-from typing import Optional
+from typing import Iterator, Optional
 
 import redis
 
@@ -28,6 +29,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def replicas_of(url: str, count: int) -> Iterator[None]:
+    """``count`` private replicas of the Redis at ``url``, in sync while
+    the block runs, and gone after it.
+    """
+    primary = redis.Redis.from_url(url)
+    started = [PrivateRedis().start() for _ in range(count)]
+    try:
+        port = primary.connection_pool.connection_kwargs["port"]
+        for replica in started:
+            redis.Redis.from_url(replica.url).execute_command("REPLICAOF", "127.0.0.1", str(port))
+        deadline = time.monotonic() + 10
+        while primary.info("replication").get("connected_slaves", 0) < count or not all(
+            redis.Redis.from_url(r.url).info("replication").get("master_link_status") == "up" for r in started
+        ):
+            if time.monotonic() > deadline:
+                raise BenchmarkError("a replica of the harness's Redis never synced")
+            time.sleep(0.05)
+        yield
+    finally:
+        for replica in started:
+            replica.stop()
 
 
 class PrivateRedis:
