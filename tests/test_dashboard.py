@@ -655,6 +655,14 @@ def test_every_release_is_confirmed_in_the_same_place_for_run_and_queue_locks(
             expect(row.locator("td.c-actions button")).to_have_text(["Release lock"])
             expect(row.locator("li.holder button.release-holder")).to_have_count(holders)
             expect(row.locator("button", has_text="Release")).to_have_count(holders + 1)
+        # and each holder release sits in the same place, on a line of its own under the holder's
+        # details and at its right edge, whatever the lock's phase and details
+        for holder in page.locator("li.holder").all():
+            item, meta = holder.bounding_box(), holder.locator(".meta").bounding_box()
+            button = holder.locator("button.release-holder").bounding_box()
+            assert item and meta and button
+            assert button["y"] >= meta["y"] + meta["height"] - 1, (button, meta)
+            assert abs((button["x"] + button["width"]) - (item["x"] + item["width"])) <= 2, (button, item)
 
         # When I release the queue lock's holder and cancel, then it stays
         queue_row.get_by_role("button", name="Release holder").click()

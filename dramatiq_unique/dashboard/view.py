@@ -263,7 +263,7 @@ def holder_html(lock: Mapping[str, Any], holder: Mapping[str, Any], now: int) ->
     release = (f'<button type="button" class="action release-holder" data-owner="{_e(owner)}">'
                "Release holder</button>")
     return (f'<li class="holder" data-owner="{_e(owner)}">{copyable(message_id, "message id", "message-id")}'
-            f'<div class="meta">{"".join(meta)}{release}</div></li>')
+            f'<div class="meta">{"".join(meta)}</div><div class="holder-actions">{release}</div></li>')
 
 
 def waiting_html(lock: Mapping[str, Any], now: int) -> str:
