@@ -24,6 +24,8 @@ from .middleware import UniqueMiddleware
 #: How long one simulated sync takes, in seconds.
 SYNC_SECONDS = 0.4
 ACCOUNTS = [42, 42, 42, 42, 43, 44]
+#: How long a sync that met the held lock waits before it is tried again, in ms.
+RESCHEDULE_DELAY = 1000
 
 
 @dataclass
@@ -39,7 +41,7 @@ def _broker(redis_url: Optional[str]) -> tuple[dramatiq.Broker, UniqueMiddleware
         from dramatiq.brokers.stub import StubBroker
 
         broker: dramatiq.Broker = StubBroker()
-        unique = UniqueMiddleware(reschedule_delay=1000)
+        unique = UniqueMiddleware(reschedule_delay=RESCHEDULE_DELAY)
     else:
         from dramatiq.brokers.redis import RedisBroker
 
@@ -47,7 +49,7 @@ def _broker(redis_url: Optional[str]) -> tuple[dramatiq.Broker, UniqueMiddleware
 
         broker = RedisBroker(url=redis_url, namespace="dramatiq-unique-demo")
         unique = UniqueMiddleware(
-            backend=RedisBackend(url=redis_url), prefix="dramatiq-unique-demo", reschedule_delay=1000
+            backend=RedisBackend(url=redis_url), prefix="dramatiq-unique-demo", reschedule_delay=RESCHEDULE_DELAY
         )
     broker.add_middleware(unique)
     return broker, unique
@@ -68,6 +70,8 @@ def run(redis_url: Optional[str] = None, out: Any = None) -> list[Run]:
             nth = 1 + sum(r.account == account_id for r in runs)
             runs.append(Run(account_id, nth, begin, time.monotonic() - started))
 
+    waiters: set[str] = set()
+    unique.events.subscribe(lambda event: waiters.add(event.message_id) if event.name == "rescheduled" else None)
     if redis_url is not None:
         broker.flush_all()
     worker = Worker(broker, worker_threads=8, worker_timeout=100)
@@ -79,7 +83,7 @@ def run(redis_url: Optional[str] = None, out: Any = None) -> list[Run]:
     finally:
         worker.stop()
         broker.close()
-    _print_timeline(runs, unique, out)
+    _print_timeline(runs, unique, waiters, out)
     return runs
 
 
@@ -91,7 +95,7 @@ def _wait_for(condition: Any, timeout: float) -> None:
         time.sleep(0.02)
 
 
-def _print_timeline(runs: list[Run], unique: UniqueMiddleware, out: Any) -> None:
+def _print_timeline(runs: list[Run], unique: UniqueMiddleware, waiters: set[str], out: Any) -> None:
     width = 48
     total = max(r.end for r in runs)
     scale = width / total
@@ -103,8 +107,12 @@ def _print_timeline(runs: list[Run], unique: UniqueMiddleware, out: Any) -> None
         bar = " " * int(r.start * scale) + "#" * max(1, int((r.end - r.start) * scale))
         label = f"account {r.account}" + (f" #{r.nth}" if r.account == 42 else "")
         print(f"{label:16}|{bar:{width}}| {r.start:5.2f}-{r.end:5.2f} s", file=out)
-    rescheduled = unique.events.count("rescheduled")
-    print(f"{len(runs)} syncs ran once each; {rescheduled} deliveries for account 42 were rescheduled.", file=out)
+    rescheduled, waited = unique.events.count("rescheduled"), len(waiters)
+    print(f"{len(runs)} syncs ran once each; {waited} syncs of account 42 waited for its lock, rescheduled "
+          f"{rescheduled} times in all", file=out)
+    print("(each waiting sync is handed the lock when the one before it ends, and its delayed copy,\n"
+          f" {RESCHEDULE_DELAY / 1000:.0f} s later, is rescheduled again if it comes while the lock is held).",
+          file=out)
     print(f"Account 42 ran one sync at a time: {'yes' if not overlaps(runs, 42) else 'NO'}.", file=out)
     print(f"Accounts 43 and 44 ran alongside 42: {'yes' if _alongside(runs) else 'no'}.", file=out)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -231,6 +232,9 @@ def test_demo_still_runs():
     result = run("demo", timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Account 42 ran one sync at a time: yes." in result.stdout
+    # and it counts the syncs that waited, not the reschedules, which can be more
+    waited = re.search(r"(\d+) syncs of account 42 waited for its lock, rescheduled (\d+) times", result.stdout)
+    assert waited and waited.group(1) == "3" and int(waited.group(2)) >= 3, result.stdout
 
 
 # Flags only where they mean something ----------------------------------------
