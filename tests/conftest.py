@@ -28,6 +28,7 @@ from dramatiq.brokers.stub import StubBroker
 
 from dramatiq_unique import StubBackend, UniqueMiddleware
 from dramatiq_unique.backends.redis import RedisBackend
+from tests.faults.proxy import Proxy
 
 #: The Redis database the suite owns and flushes.
 TEST_DB = 11
@@ -203,3 +204,18 @@ def wait_for(condition, timeout: float = 10.0, interval: float = 0.01, what: str
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+@pytest.fixture
+def proxy(redis_url: str) -> Iterator[Proxy]:
+    """A :class:`Proxy` in front of the suite's Redis."""
+    port = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs["port"]
+    with Proxy(port) as proxy:
+        yield proxy
+
+
+@pytest.fixture
+def rabbitmq_proxy(rabbitmq_url: str) -> Iterator[Proxy]:
+    """A :class:`Proxy` in front of the suite's RabbitMQ."""
+    with Proxy(urlsplit(rabbitmq_url).port or 5672) as proxy:
+        yield proxy

@@ -401,7 +401,8 @@ def test_current_answers_each_current_status(backend):
     assert backend.current(key, "b") == CurrentCheck(CurrentStatus.CURRENT)
     # a re-enqueued copy that may not run takes nothing, and says why
     backend.wait(Copy(run_key, "c", 1, "handoff"), b"c", order=1, ttl=10_000)
-    assert backend.start(run_key, "c/1", ttl=10_000, limit=1, lock="x", copy=Copy(run_key, "c", 1, "handoff")).acquisition
+    handoff = Copy(run_key, "c", 1, "handoff")
+    assert backend.start(run_key, "c/1", ttl=10_000, limit=1, lock="x", copy=handoff).acquisition.acquired
     refused = backend.current(key, "c", copy=Copy(run_key, "c", 1, "delay"), **reenter)
     assert refused == CurrentCheck(CurrentStatus.MAY_NOT_RUN, "lost")
     # a message whose slot lapsed while another holds the key

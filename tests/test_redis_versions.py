@@ -30,7 +30,7 @@ from dramatiq_unique.backend import Release
 from dramatiq_unique.backends.calls import ScriptCalls
 from dramatiq_unique.backends.redis import RedisBackend
 from tests.conftest import free_port, start_redis_server
-from tests.faults.proxy import Proxy, through
+from tests.faults.proxy import through
 
 #: The installed redis-py, as ``(major, minor)``.
 REDIS_PY = tuple(int(part) for part in redis.__version__.split(".")[:2])
@@ -107,13 +107,6 @@ def timed_out_after(call: Callable[[], object]) -> float:
     elapsed = time.monotonic() - started
     assert isinstance(failure.value, redis.TimeoutError), f"{failure.value!r} after {elapsed:.2f} s"
     return elapsed
-
-
-@pytest.fixture
-def proxy(redis_url: str) -> Iterator[Proxy]:
-    port = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs["port"]
-    with Proxy(port) as proxy:
-        yield proxy
 
 
 @pytest.fixture

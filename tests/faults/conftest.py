@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import uuid
 from typing import Any, Callable, Iterator
-from urllib.parse import urlsplit
 
 import pytest
 import redis
 
 from tests.faults.harness import Harness, RedisServer
-from tests.faults.proxy import Proxy
 
 FIGURES: list[tuple[str, str, Any]] = []
 
@@ -45,21 +43,6 @@ def lock_server() -> Iterator[RedisServer]:
     server = RedisServer().start()
     yield server
     server.stop()
-
-
-@pytest.fixture
-def proxy(redis_url: str) -> Iterator[Proxy]:
-    """A :class:`Proxy` in front of the suite's Redis."""
-    port = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs["port"]
-    with Proxy(port) as proxy:
-        yield proxy
-
-
-@pytest.fixture
-def rabbitmq_proxy(rabbitmq_url: str) -> Iterator[Proxy]:
-    """A :class:`Proxy` in front of the suite's RabbitMQ."""
-    with Proxy(urlsplit(rabbitmq_url).port or 5672) as proxy:
-        yield proxy
 
 
 @pytest.fixture
