@@ -89,7 +89,7 @@ def test_a_reschedule_whose_publish_confirm_is_lost_runs_each_message_once_on_ra
     holder = h.app.hold.send("k", gate="holder")
     h.started(holder.message_id)
     # When every publish of each waiter's delayed copy reaches the broker and its confirm is lost with
-    # its connection: Dramatiq publishes it again on a new connection, six times, then raises
+    # its connection: Dramatiq publishes it again on a new connection (2.x six times, then raises)
     proxy.lose_replies(b'"unique_via":"delay"', f"{h.namespace}.DQ".encode(), times=PUBLISHES * WAITERS)
     began = time.monotonic()
     waiters = [h.app.hold.send("k") for _ in range(WAITERS)]
@@ -105,10 +105,10 @@ def test_a_reschedule_whose_publish_confirm_is_lost_runs_each_message_once_on_ra
     runs = h.runs()
     per_message = Counter(run.message_id for run in runs)
     figure("copies_skipped", len(h.events("skipped")))
+    figure("enqueues_that_raised", len(h.events("backend_error")))
     figure("runs_per_message", sorted(per_message.values()))
     figure("overlaps", len(overlaps(runs)))
     figure("all_ran_after_s", round(drained, 2))
     assert proxy.replies_lost == PUBLISHES * WAITERS
-    assert h.events("backend_error")  # delayed enqueues raised, after six publishes each
     assert per_message == Counter({m.message_id: 1 for m in [holder, *waiters]}), per_message
     assert not overlaps(runs)
