@@ -71,7 +71,7 @@ def run(redis_url: Optional[str] = None, out: Any = None) -> list[Run]:
             runs.append(Run(account_id, nth, begin, time.monotonic() - started))
 
     waiters: set[str] = set()
-    unique.events.subscribe(lambda event: waiters.add(event.message_id) if event.name == "rescheduled" else None)
+    unique.events.subscribe(lambda e: waiters.add(e.message_id) if e.name == "rescheduled" and e.message_id else None)
     if redis_url is not None:
         broker.flush_all()
     worker = Worker(broker, worker_threads=8, worker_timeout=100)
