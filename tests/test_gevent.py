@@ -26,7 +26,7 @@ import pika  # type: ignore[import-untyped]
 import pytest
 import redis
 
-from dramatiq_unique.admin import LockAdmin
+from dramatiq_unique.ops.admin import LockAdmin
 from dramatiq_unique.backends.redis import RedisBackend
 from tests import test_seed_scenario
 from tests.conftest import wait_for
