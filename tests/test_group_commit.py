@@ -17,7 +17,7 @@ import redis
 
 from dramatiq_unique.backends.base import Copy, Release
 from dramatiq_unique.backends.redis.calls import ScriptCalls, _pack, _pack_in_python
-from dramatiq_unique.backends.redis.group import GroupCommit
+from dramatiq_unique.backends.redis.calls import GroupCommit
 from dramatiq_unique.backends.redis import RedisBackend
 from dramatiq_unique.worker.releaser import PendingRelease, Releaser
 

@@ -1,6 +1,6 @@
 """The Redis lock backend: :class:`RedisBackend` (in :mod:`.client`),
-its script calls (:mod:`.calls`), their group commit (:mod:`.group`)
-and the Lua scripts (``lua/``).
+its script calls and their group commit (:mod:`.calls`), and the Lua
+scripts (``lua/``).
 """
 
 from .client import RedisBackend, TooFewReplicas
