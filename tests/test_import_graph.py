@@ -292,3 +292,18 @@ def test_no_private_name_of_dramatiq_or_redis_outside_compat() -> None:
     assert borrowed_library_names() == []
     # The check reads what compat.py borrows, when compat.py is not spared.
     assert any("_ConsumerThread" in line for line in borrowed_library_names(skip=None))
+
+
+def test_every_import_of_the_package_names_one_of_its_modules() -> None:
+    # An import of a module that moved away would otherwise be found by
+    # whatever else is installed (an editable install of another tree).
+    missing = []
+    for module, tree in TREES.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(PACKAGE)):
+                if _base(module, node) not in MODULES:
+                    missing.append(f"{module}:{node.lineno} imports {_base(module, node)}")
+            elif isinstance(node, ast.Import):
+                missing += [f"{module}:{node.lineno} imports {alias.name}" for alias in node.names
+                            if alias.name.startswith(f"{PACKAGE}.") and alias.name not in MODULES]
+    assert missing == []

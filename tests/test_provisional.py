@@ -214,7 +214,8 @@ def test_operators_see_the_age_deadline_and_state_of_enqueue_locks(redis_backend
 def test_the_confirmer_replaces_a_call_stuck_on_a_silent_backend(monkeypatch):
     import threading
 
-    from dramatiq_unique import StubBackend, confirm
+    from dramatiq_unique import StubBackend
+    from dramatiq_unique.send import confirm
     from dramatiq_unique.send.confirm import Confirmer, Pending
 
     monkeypatch.setattr(confirm, "CALL_TIMEOUT", 200)
