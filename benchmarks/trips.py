@@ -19,7 +19,7 @@ import dramatiq.brokers.redis
 import redis.connection
 from dramatiq.worker import WorkerThread
 
-from dramatiq_unique.backends.redis import _SCRIPTS
+from dramatiq_unique.backends.redis.client import _SCRIPTS
 
 try:
     from dramatiq_unique.backends import wire
@@ -27,7 +27,7 @@ except ImportError:  # a version that sends through redis-py only, measured for 
     wire = None  # type: ignore[assignment]
 
 try:
-    from dramatiq_unique.backends.redis import send_script
+    from dramatiq_unique.backends.redis.client import send_script
 except ImportError:  # a version without the send fast path, measured for comparison
     send_script = None  # type: ignore[assignment]
 

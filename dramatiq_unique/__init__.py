@@ -14,9 +14,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .backend import Acquisition, EnqueueRecord, LockBackend, LockInfo, Release, Replacement
     from .backends import StubBackend
-    from .delivery import fence_token
+    from .backends.base import Acquisition, EnqueueRecord, LockBackend, LockInfo, Release, Replacement
     from .errors import (
         ConfigurationError,
         DuplicateMessage,
@@ -27,8 +26,8 @@ if TYPE_CHECKING:
         UniqueError,
     )
     from .events import EVENTS, LockEvent
-    from .locks import LOCK_TYPES, STRATEGIES, LockType
     from .middleware import UniqueMiddleware, digest_for
+    from .model.locks import LOCK_TYPES, STRATEGIES, LockType
     from .settings import (
         DEFAULT_LEASE,
         DEFAULT_LOCK_TTL,
@@ -38,6 +37,7 @@ if TYPE_CHECKING:
         DEFAULT_REAP_INTERVAL,
         DEFAULT_RESCHEDULE_DELAY,
     )
+    from .worker.delivery import fence_token
 
 __version__ = "0.1.0"
 
@@ -46,14 +46,14 @@ __version__ = "0.1.0"
 #: pytest as a plugin; ``settings``; the CLI) imports neither Dramatiq
 #: nor redis.
 _EXPORTS = {
-    "Acquisition": ".backend",
-    "EnqueueRecord": ".backend",
-    "LockBackend": ".backend",
-    "LockInfo": ".backend",
-    "Release": ".backend",
-    "Replacement": ".backend",
+    "Acquisition": ".backends.base",
+    "EnqueueRecord": ".backends.base",
+    "LockBackend": ".backends.base",
+    "LockInfo": ".backends.base",
+    "Release": ".backends.base",
+    "Replacement": ".backends.base",
     "StubBackend": ".backends",
-    "fence_token": ".delivery",
+    "fence_token": ".worker.delivery",
     "ConfigurationError": ".errors",
     "DuplicateMessage": ".errors",
     "LockBackendError": ".errors",
@@ -63,9 +63,9 @@ _EXPORTS = {
     "UniqueError": ".errors",
     "EVENTS": ".events",
     "LockEvent": ".events",
-    "LOCK_TYPES": ".locks",
-    "STRATEGIES": ".locks",
-    "LockType": ".locks",
+    "LOCK_TYPES": ".model.locks",
+    "STRATEGIES": ".model.locks",
+    "LockType": ".model.locks",
     "UniqueMiddleware": ".middleware",
     "digest_for": ".middleware",
     "DEFAULT_LEASE": ".settings",

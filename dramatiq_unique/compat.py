@@ -28,7 +28,7 @@ DRAMATIQ_VERSION = tuple(int(part) for part in dramatiq.__version__.split(".")[:
 #: in 1.x, where the class is ``_WorkerThread``, and in 2.x).
 WORKER_THREAD_LOGGER = "dramatiq.worker.WorkerThread"
 
-#: The format of that log record, which :mod:`dramatiq_unique.quiet`
+#: The format of that log record, which :mod:`dramatiq_unique.worker.quiet`
 #: recognises by identity of text, not by a translation of it.
 SKIPPED_MESSAGE_LOG = "Message %s was skipped."
 
@@ -48,7 +48,7 @@ SKIPPED_MESSAGE_LOG = "Message %s was skipped."
 
 class RedisDispatch(NamedTuple):
     """What the send fast path calls of a ``RedisBroker`` to run its
-    ``dispatch.lua`` itself (see :mod:`dramatiq_unique.sendpath`).
+    ``dispatch.lua`` itself (see :mod:`dramatiq_unique.send.fastpath`).
 
     Attributes:
       enqueue(callable): ``broker._dispatch("enqueue")``: what the

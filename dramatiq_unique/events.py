@@ -59,7 +59,7 @@ _MIDDLEWARE = "dramatiq_unique.middleware.UniqueMiddleware"
 LOG_LINES: tuple[LogLine, ...] = (
     LogLine(
         "DEBUG",
-        "dramatiq_unique.spec",
+        "dramatiq_unique.model.spec",
         "Digest %s of %s is made of %s.",
         "the inputs of a digest, to answer why two sends share a key",
     ),
@@ -95,7 +95,7 @@ LOG_LINES: tuple[LogLine, ...] = (
     ),
     LogLine(
         "WARNING",
-        "dramatiq_unique.results",
+        "dramatiq_unique.send.results",
         "Could not store why %s did not run: %r",
         "the Results backend failed to store the conflict that ended a message; its caller times out",
     ),
@@ -181,43 +181,43 @@ LOG_LINES: tuple[LogLine, ...] = (
     ),
     LogLine(
         "WARNING",
-        "dramatiq_unique.releaser.Releaser",
+        "dramatiq_unique.worker.releaser.Releaser",
         "The lock backend answered %d release(s) after %.0f ms.",
         "a batch reported as stalled was answered at last; its outcomes follow as usual",
     ),
     LogLine(
         "WARNING",
-        "dramatiq_unique.releaser.Releaser",
+        "dramatiq_unique.worker.releaser.Releaser",
         "%d run lock(s) were not released before shutdown; their leases expire.",
         "the worker stopped while the backend did not answer; those keys stay held until their leases expire",
     ),
     LogLine(
         "ERROR",
-        "dramatiq_unique.releaser.Releaser",
+        "dramatiq_unique.worker.releaser.Releaser",
         "Could not report the release of %r.",
         "a bug: reporting a finished release raised (the traceback follows)",
     ),
     LogLine(
         "DEBUG",
-        "dramatiq_unique.unreleased.ReleaseRetries",
+        "dramatiq_unique.worker.unreleased.ReleaseRetries",
         "Sending the release of %r again failed too: %r",
         "a release that failed is still failing; it is sent again with backoff (at most every second)",
     ),
     LogLine(
         "WARNING",
-        "dramatiq_unique.unreleased.ReleaseRetries",
+        "dramatiq_unique.worker.unreleased.ReleaseRetries",
         "Gave up releasing %r: it has expired by itself.",
         "a failed release was retried until its lock's lease or lock_ttl ran out: the key is free",
     ),
     LogLine(
         "WARNING",
-        "dramatiq_unique.unreleased.ReleaseRetries",
+        "dramatiq_unique.worker.unreleased.ReleaseRetries",
         "%d lock(s) could not be released before shutdown; they expire with their lease or lock_ttl.",
         "shutdown drained failed releases for 5 s and some still failed",
     ),
     LogLine(
         "WARNING",
-        "dramatiq_unique.leases.LeaseKeeper",
+        "dramatiq_unique.worker.leases.LeaseKeeper",
         "gevent patched threads, and %s gives no connection for a native thread: leases renew on the hub, "
         "and an actor that blocks it for longer than the lease loses its lease.",
         "under gevent with a backend that has no native renewer (stub, Cluster, TLS, Sentinel): see "
@@ -225,7 +225,7 @@ LOG_LINES: tuple[LogLine, ...] = (
     ),
     LogLine(
         "WARNING",
-        "dramatiq_unique.leases.LeaseKeeper",
+        "dramatiq_unique.worker.leases.LeaseKeeper",
         "Could not renew %d lease(s): %r. Trying again.",
         "lease renewal failed; it is retried every second until the lease runs out (event backend_error)",
     ),
@@ -261,19 +261,19 @@ LOG_LINES: tuple[LogLine, ...] = (
     ),
     LogLine(
         "WARNING",
-        "dramatiq_unique.confirm.Confirmer",
+        "dramatiq_unique.send.confirm.Confirmer",
         "Could not confirm %d enqueue lock(s): %r. Trying again.",
         "confirming provisional enqueue locks failed; retried until their provisional window ends",
     ),
     LogLine(
         "WARNING",
-        "dramatiq_unique.confirm.Confirmer",
+        "dramatiq_unique.send.confirm.Confirmer",
         "Dropped %d lock(s) waiting for confirmation: they lapse after the provisional window.",
         "more than 100,000 enqueue locks waited for confirmation (the backend is failing)",
     ),
     LogLine(
         "ERROR",
-        "dramatiq_unique.confirm.Confirmer",
+        "dramatiq_unique.send.confirm.Confirmer",
         "Enqueue lock %r of message %s lapsed before it could be confirmed; its key is free again.",
         "a published message's enqueue lock could not be confirmed in its provisional window (event lock_lost)",
     ),
@@ -291,13 +291,13 @@ LOG_LINES: tuple[LogLine, ...] = (
     ),
     LogLine(
         "WARNING",
-        "dramatiq_unique.reap.PeriodicReaper",
+        "dramatiq_unique.ops.reap.PeriodicReaper",
         "Reaped enqueue lock %r of message %s: its message is in no queue.",
         "the periodic reaper released a lock whose message vanished from the broker",
     ),
     LogLine(
         "WARNING",
-        "dramatiq_unique.reap.PeriodicReaper",
+        "dramatiq_unique.ops.reap.PeriodicReaper",
         "Reaper pass failed: %r.",
         "a periodic reaper pass failed; the next one runs after the interval",
     ),

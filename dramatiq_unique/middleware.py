@@ -31,23 +31,23 @@ from dramatiq.middleware import (
 )
 
 from . import settings as config
-from .backend import LockBackend
+from .backends.base import LockBackend
 from .backends.stub import StubBackend
-from .admin import LockAdmin
 from .compat import Prometheus, proxied_message
-from .context import LockService
-from .coroutines import track
-from .delivery import Delivery, attach, delivery
-from .enqueue import EnqueueGuard
 from .errors import ConfigurationError, LockBackendError
 from .events import EventHub, Listener
-from .leases import LeaseKeeper
-from .process import ProcessGuard, RunHelpers
-from .reap import PeriodicReaper, RedisQueues
-from .quiet import install as quiet_our_skips
-from .releaser import Releaser
-from .unreleased import ReleaseRetries
-from .spec import ACTOR_OPTIONS, ActorSpec, actor_spec
+from .model.spec import ACTOR_OPTIONS, ActorSpec, actor_spec
+from .ops.admin import LockAdmin
+from .ops.reap import PeriodicReaper, RedisQueues
+from .send.context import LockService
+from .send.guard import EnqueueGuard
+from .worker.coroutines import track
+from .worker.delivery import Delivery, attach, delivery
+from .worker.leases import LeaseKeeper
+from .worker.quiet import install as quiet_our_skips
+from .worker.releaser import Releaser
+from .worker.run import ProcessGuard, RunHelpers
+from .worker.unreleased import ReleaseRetries
 
 if TYPE_CHECKING:
     from dramatiq import Actor, Broker, Worker
@@ -180,7 +180,7 @@ class UniqueMiddleware(Middleware):
     def _backend_from_url(self) -> Optional[LockBackend]:
         if self.settings.redis_url is None:
             return None
-        from .backends.redis import RedisBackend
+        from .backends.redis.client import RedisBackend
 
         settings = self.settings
         return RedisBackend(
@@ -202,7 +202,7 @@ class UniqueMiddleware(Middleware):
 
         client = getattr(broker, "client", None)
         if type(broker).__name__ == "RedisBroker" and client is not None:
-            from .backends.redis import RedisBackend
+            from .backends.redis.client import RedisBackend
 
             settings = self.settings
             return RedisBackend(

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 if TYPE_CHECKING:
     from dramatiq import Broker, Message
 
-    from .backends.redis import RedisBackend
+    from .backends.redis.client import RedisBackend
     from .backends.stub import StubBackend
     from .middleware import UniqueMiddleware
 
@@ -139,7 +139,7 @@ def redis_backend_for_tests(url: Optional[str] = None) -> "RedisBackend":
     """
     import redis
 
-    from .backends.redis import RedisBackend
+    from .backends.redis.client import RedisBackend
     from .errors import ConfigurationError
 
     url = url or os.environ.get("REDIS_URL") or DEFAULT_TEST_REDIS_URL

@@ -13,8 +13,8 @@ import pytest
 import redis
 
 from dramatiq_unique import LockBackendError, UniqueMiddleware
-from dramatiq_unique.admin import LockAdmin, UnknownLock
-from dramatiq_unique.backend import Copy
+from dramatiq_unique.ops.admin import LockAdmin, UnknownLock
+from dramatiq_unique.backends.base import Copy
 from dramatiq_unique.backends.redis import RedisBackend
 from tests.conftest import free_port, make_worker, wait_for
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import redis
 
-from dramatiq_unique.backend import (
+from dramatiq_unique.backends.base import (
     DUPLICATE_WINDOW,
     Copy,
     CopyVerdict,
@@ -198,9 +198,9 @@ def test_a_message_record_lives_only_while_a_copy_of_it_can_arrive(redis_backend
 def test_the_duplicate_window_is_one_figure():
     from pathlib import Path
 
-    import dramatiq_unique.backends as backends
+    import dramatiq_unique.backends.redis as redis_backend
 
-    lua = (Path(backends.__file__).parent / "lua" / "_claim.lua").read_text()
+    lua = (Path(redis_backend.__file__).parent / "lua" / "_claim.lua").read_text()
     assert f"local DUPLICATE_WINDOW = {DUPLICATE_WINDOW}\n" in lua
 
 

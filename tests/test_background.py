@@ -17,7 +17,7 @@ import redis
 from dramatiq_unique.background import BackgroundThread
 from dramatiq_unique.backends.redis import RedisBackend
 from dramatiq_unique.forks import pid
-from dramatiq_unique.leases import native_extend
+from dramatiq_unique.worker.leases import native_extend
 
 from tests.conftest import wait_for
 from tests.procs import ROOT

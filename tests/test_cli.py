@@ -249,7 +249,7 @@ JSON_RUNS = {
 
 
 def subcommands() -> list[str]:
-    from dramatiq_unique.cli import parser
+    from dramatiq_unique.ops.cli import parser
 
     return [name for action in parser()._actions if action.dest == "command" for name in action.choices or ()]
 

@@ -236,7 +236,7 @@ def test_a_backend_through_sentinel_follows_its_primary(redis_sentinel):
 
 
 def test_operators_list_inspect_and_release_locks_on_the_cluster(redis_backend):
-    from dramatiq_unique.admin import LockAdmin
+    from dramatiq_unique.ops.admin import LockAdmin
 
     # Given locks of one actor spread over every node, and one of another actor
     admin = LockAdmin(redis_backend, prefix="ops")

@@ -20,7 +20,7 @@ import dramatiq
 import pytest
 
 from dramatiq_unique import UniqueMiddleware
-from dramatiq_unique.admin import LockAdmin
+from dramatiq_unique.ops.admin import LockAdmin
 from dramatiq_unique.backends.redis import RedisBackend
 from dramatiq_unique.dashboard import CSRF_HEADER, make_app
 from dramatiq_unique.dashboard.server import make_server

@@ -34,7 +34,7 @@ import pytest
 
 from dramatiq_unique import EVENTS, LOCK_TYPES, STRATEGIES, UniqueMiddleware
 from dramatiq_unique.settings import Settings
-from dramatiq_unique.spec import ACTOR_OPTIONS
+from dramatiq_unique.model.spec import ACTOR_OPTIONS
 from tests.cluster import Servers, start_cluster, start_sentinel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,7 +59,7 @@ FILE = "# file: "
 def run_command(block, argv, expected):
     # In this process, through the console script's own entry point: a
     # process per command would cost a second each.
-    from dramatiq_unique.cli import main
+    from dramatiq_unique.ops.cli import main
 
     out = io.StringIO()
     os.environ["dramatiq_unique_redis_url"] = os.environ["REDIS_URL"]
@@ -281,9 +281,9 @@ def test_the_migration_table_covers_every_actor_option() -> None:
 
 
 def test_every_event_metric_log_line_and_command_is_documented() -> None:
-    from dramatiq_unique.cli import parser
+    from dramatiq_unique.ops.cli import parser
     from dramatiq_unique.events import LOG_LINES
-    from dramatiq_unique.prometheus import METRICS
+    from dramatiq_unique.ops.prometheus import METRICS
 
     text = (DOCS / "operations.md").read_text()
     assert [name for name in EVENTS if f"| `{name}` |" not in text] == []

@@ -31,8 +31,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dramatiq_unique"
 
 #: The modules whose log lines ``LOG_LINES`` documents: the middleware at run time.
 RUNTIME_MODULES = (
-    "middleware.py", "enqueue.py", "process.py", "leases.py", "releaser.py", "events.py", "spec.py", "results.py",
-    "replace.py", "confirm.py", "reap.py", "unreleased.py", "context.py",
+    "middleware.py", "send/guard.py", "worker/run.py", "worker/leases.py", "worker/releaser.py", "events.py",
+    "model/spec.py", "send/results.py", "send/replace.py", "worker/superseded.py", "send/confirm.py", "ops/reap.py",
+    "worker/unreleased.py", "send/context.py",
 )
 
 

@@ -26,13 +26,13 @@ import pika  # type: ignore[import-untyped]
 import pytest
 import redis
 
-from dramatiq_unique.admin import LockAdmin
+from dramatiq_unique.ops.admin import LockAdmin
 from dramatiq_unique.backends.redis import RedisBackend
 from tests import test_seed_scenario
 from tests.conftest import wait_for
 from tests.faults import harness as faults_harness
 from tests.faults import test_crash
-from tests.faults.conftest import figure, make_harness, proxy  # noqa: F401 - fixtures of the fault harness
+from tests.faults.conftest import figure, make_harness  # noqa: F401 - fixtures of the fault harness
 from tests.faults.harness import Harness, delete_queues, overlaps, peak
 from tests.faults.proxy import through
 from tests.procs import WorkerGroup

@@ -15,11 +15,11 @@ from typing import Any, Callable, Optional
 import pytest
 import redis
 
-from dramatiq_unique.backend import Copy, Release
-from dramatiq_unique.backends.calls import ScriptCalls, _pack, _pack_in_python
-from dramatiq_unique.backends.group import GroupCommit
+from dramatiq_unique.backends.base import Copy, Release
+from dramatiq_unique.backends.redis.calls import ScriptCalls, _pack, _pack_in_python
+from dramatiq_unique.backends.redis.calls import GroupCommit
 from dramatiq_unique.backends.redis import RedisBackend
-from dramatiq_unique.releaser import PendingRelease, Releaser
+from dramatiq_unique.worker.releaser import PendingRelease, Releaser
 
 from .conftest import wait_for
 

@@ -51,11 +51,11 @@ from hypothesis.stateful import (
 )
 
 from dramatiq_unique import LockBackendError, StubBackend, UniqueMiddleware
-from dramatiq_unique.backend import LockBackend
-from dramatiq_unique.delivery import message_id_of
+from dramatiq_unique.backends.base import LockBackend
+from dramatiq_unique.send.copies import message_id_of
 from dramatiq_unique.events import LockEvent
-from dramatiq_unique.releaser import Releaser
-from dramatiq_unique.unreleased import ReleaseRetries
+from dramatiq_unique.worker.releaser import Releaser
+from dramatiq_unique.worker.unreleased import ReleaseRetries
 
 MAX_RETRIES = 1
 KEYS = (1,)  # one key per actor: every send contends, which is where the bugs live
@@ -189,7 +189,7 @@ def _called_by_the_middleware() -> bool:
     code, not through its guard of ``broker.enqueue`` (Retries, a move).
     """
     frame = sys._getframe(2)
-    while frame is not None and frame.f_globals.get("__name__") == "dramatiq_unique.enqueue":
+    while frame is not None and frame.f_globals.get("__name__") == "dramatiq_unique.send.guard":
         frame = frame.f_back
     return frame is not None and str(frame.f_globals.get("__name__", "")).startswith("dramatiq_unique")
 

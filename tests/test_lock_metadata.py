@@ -20,7 +20,7 @@ import pytest
 from dramatiq.brokers.redis import RedisBroker
 
 from dramatiq_unique import UniqueMiddleware
-from dramatiq_unique.admin import LockAdmin
+from dramatiq_unique.ops.admin import LockAdmin
 from dramatiq_unique.backends.redis import RedisBackend
 from dramatiq import Worker
 

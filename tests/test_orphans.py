@@ -20,7 +20,7 @@ import pika  # type: ignore[import-untyped]
 import pytest
 import redis
 
-from dramatiq_unique.admin import Lock, LockAdmin
+from dramatiq_unique.ops.admin import Lock, LockAdmin
 from dramatiq_unique.backends.redis import RedisBackend
 from tests.conftest import RABBITMQ_URL, wait_for
 from tests.procs import ROOT, WorkerGroup

@@ -23,7 +23,7 @@ import redis
 from dramatiq.brokers.redis import RedisBroker
 from dramatiq_unique import UniqueMiddleware
 from dramatiq_unique.backends.redis import RedisBackend
-from dramatiq_unique.prometheus import LockMetrics
+from dramatiq_unique.ops.prometheus import LockMetrics
 from tests.conftest import free_port, make_worker, unique, wait_for
 from tests.procs import WorkerGroup
 

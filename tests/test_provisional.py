@@ -11,8 +11,8 @@ import dramatiq
 import pytest
 
 from dramatiq_unique import UniqueMiddleware
-from dramatiq_unique.admin import LockAdmin
-from dramatiq_unique.backend import EnqueueRecord
+from dramatiq_unique.ops.admin import LockAdmin
+from dramatiq_unique.backends.base import EnqueueRecord
 from tests.conftest import make_worker, wait_for
 
 KEY = "t:job:{0123456789abcdef0123456789abcdef}:queue"
@@ -214,8 +214,9 @@ def test_operators_see_the_age_deadline_and_state_of_enqueue_locks(redis_backend
 def test_the_confirmer_replaces_a_call_stuck_on_a_silent_backend(monkeypatch):
     import threading
 
-    from dramatiq_unique import StubBackend, confirm
-    from dramatiq_unique.confirm import Confirmer, Pending
+    from dramatiq_unique import StubBackend
+    from dramatiq_unique.send import confirm
+    from dramatiq_unique.send.confirm import Confirmer, Pending
 
     monkeypatch.setattr(confirm, "CALL_TIMEOUT", 200)
     release = threading.Event()
@@ -251,7 +252,7 @@ def test_the_confirmer_replaces_a_call_stuck_on_a_silent_backend(monkeypatch):
 
 def test_a_lock_that_could_not_be_confirmed_in_its_window_is_reported_lapsed():
     from dramatiq_unique import StubBackend
-    from dramatiq_unique.confirm import Confirmer, Pending
+    from dramatiq_unique.send.confirm import Confirmer, Pending
 
     class Down(StubBackend):
         def confirm(self, locks):  # type: ignore[no-untyped-def]

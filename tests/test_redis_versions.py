@@ -26,8 +26,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, ResponseError
 from redis.retry import Retry
 
-from dramatiq_unique.backend import Release
-from dramatiq_unique.backends.calls import ScriptCalls
+from dramatiq_unique.backends.base import Release
+from dramatiq_unique.backends.redis.calls import ScriptCalls
 from dramatiq_unique.backends.redis import RedisBackend
 from tests.conftest import free_port, start_redis_server
 from tests.faults.proxy import through

@@ -15,9 +15,9 @@ import dramatiq
 from dramatiq import Worker
 from dramatiq.brokers.redis import RedisBroker
 
-from dramatiq_unique.backend import Release
+from dramatiq_unique.backends.base import Release
 from dramatiq_unique.backends.redis import RedisBackend
-from dramatiq_unique.releaser import PendingRelease, Releaser
+from dramatiq_unique.worker.releaser import PendingRelease, Releaser
 
 from .conftest import make_worker, unique, wait_for
 

@@ -23,7 +23,7 @@ from dramatiq.results import ResultFailure, Results
 from dramatiq.results.backends import StubBackend as ResultsStub
 
 from dramatiq_unique import ConfigurationError, LockBackend, StubBackend, UniqueMiddleware
-from dramatiq_unique.backend import CurrentCheck, CurrentStatus, ReplaceStatus
+from dramatiq_unique.backends.base import CurrentCheck, CurrentStatus, ReplaceStatus
 from tests.conftest import make_worker, wait_for
 
 LOCK_TTL = 60_000
@@ -417,7 +417,7 @@ def test_operators_see_the_current_message_and_how_many_it_superseded(
     from wsgiref.util import setup_testing_defaults
 
     from dramatiq_unique import digest_for
-    from dramatiq_unique.admin import LockAdmin
+    from dramatiq_unique.ops.admin import LockAdmin
     from dramatiq_unique.dashboard import make_app
     from tests.procs import ROOT
 

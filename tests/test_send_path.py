@@ -22,7 +22,7 @@ from dramatiq.results.backends import StubBackend as ResultsStub
 
 from dramatiq_unique import DuplicateMessage, LockBackendError, UniqueMiddleware
 from dramatiq_unique.backends.redis import RedisBackend
-from dramatiq_unique.sendpath import dispatch_source
+from dramatiq_unique.send.fastpath import dispatch_source
 from tests.apps import sendpath as app
 from tests.conftest import make_worker, wait_for
 from tests.procs import WorkerGroup
@@ -391,7 +391,7 @@ def test_a_lost_reply_raises_and_keeps_the_lock_of_the_message_that_went_out(
     redis_url, redis_client, namespace, brokers, monkeypatch, on_backend_error
 ):
     # Given a Redis whose reply to the send script is lost, and stays unreachable after
-    from dramatiq_unique.backends import calls
+    from dramatiq_unique.backends.redis import calls
 
     broker = new_broker(redis_url, namespace, on_backend_error=on_backend_error)
     brokers.append(broker)

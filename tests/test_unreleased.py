@@ -6,7 +6,7 @@ import os
 import time
 
 from dramatiq_unique import StubBackend
-from dramatiq_unique.unreleased import FailedRelease, ReleaseRetries
+from dramatiq_unique.worker.unreleased import FailedRelease, ReleaseRetries
 from tests.conftest import wait_for
 
 

@@ -14,7 +14,7 @@ import dramatiq
 import pytest
 
 from dramatiq_unique import StubBackend, digest_for
-from dramatiq_unique.admin import LockAdmin
+from dramatiq_unique.ops.admin import LockAdmin
 from tests.conftest import make_worker, unique, wait_for
 from tests.test_cli import run
 

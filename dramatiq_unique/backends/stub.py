@@ -8,7 +8,7 @@ import time as mod_time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
-from ..backend import (
+from .base import (
     DUPLICATE_WINDOW,
     Acquisition,
     Copy,

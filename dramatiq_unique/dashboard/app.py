@@ -18,9 +18,9 @@ from importlib import resources
 from typing import Any, Callable, Collection, Iterable, Mapping, Optional
 from urllib.parse import parse_qs
 
-from ..admin import PHASES, LockAdmin, UnknownLock
-from ..backend import LockBackend
+from ..backends.base import LockBackend
 from ..errors import LockBackendError
+from ..ops.admin import PHASES, LockAdmin, UnknownLock
 from ..settings import DEFAULT_PREFIX
 from . import view
 

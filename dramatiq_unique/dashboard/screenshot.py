@@ -65,7 +65,7 @@ def demo_locks(redis_url: str) -> Iterator[Any]:
     import dramatiq
     from dramatiq.brokers.stub import StubBroker
 
-    from ..backends.redis import RedisBackend
+    from ..backends.redis.client import RedisBackend
     from ..middleware import UniqueMiddleware
 
     backend = RedisBackend(url=redis_url)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import socket
 from socketserver import ThreadingMixIn
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server as wsgiref_server
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+from wsgiref.simple_server import make_server as wsgiref_server
 
 #: Where ``dramatiq-unique dashboard`` listens by default: this machine
 #: only, since the dashboard has no authentication of its own.

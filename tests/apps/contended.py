@@ -43,7 +43,7 @@ def build(env: Optional[Mapping[str, str]] = None, *, metrics: bool = True) -> t
     broker = RedisBroker(url=url, namespace=namespace, middleware=stack)
     unique = UniqueMiddleware(backend=RedisBackend(url=url), prefix=namespace, reschedule_delay=100)
     if metrics:
-        from dramatiq_unique.prometheus import LockMetrics
+        from dramatiq_unique.ops.prometheus import LockMetrics
 
         LockMetrics(unique)
         added = [Prometheus(), unique]

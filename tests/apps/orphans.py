@@ -99,7 +99,7 @@ ACTORS = {"run": job_run, "gone": job_gone, "kept": job_kept}
 
 
 def _record_passes() -> None:
-    from dramatiq_unique import reap
+    from dramatiq_unique.ops import reap
 
     original = reap.Reaper.run
 
@@ -131,7 +131,7 @@ def _die_inside_publish() -> None:
 
 
 def _die_inside_the_send_script() -> None:
-    from dramatiq_unique.backends.calls import ScriptCalls, _pack
+    from dramatiq_unique.backends.redis.calls import ScriptCalls, _pack
 
     exchange = ScriptCalls._exchange
 
@@ -146,7 +146,7 @@ def _die_inside_the_send_script() -> None:
 
 
 def _die_before_confirming() -> None:
-    from dramatiq_unique.confirm import Confirmer
+    from dramatiq_unique.send.confirm import Confirmer
 
     def die(*args: Any, **kwargs: Any) -> None:
         os._exit(9)

@@ -1,0 +1,498 @@
+"""Cheap script calls on a standalone Redis: the lock I/O of a
+:class:`~dramatiq_unique.backends.redis.RedisBackend`.
+
+redis-py's ``Script.__call__``, its connection pool and its command
+machinery cost more per lock call than the round trip itself on a
+loaded worker.  So each call here is one pre-encoded ``EVALSHA``,
+packed and sent on a connection of a small private pool that mirrors
+the client's own connection parameters, with redis-py's public
+connection methods only (``send_packed_command``, ``read_response``,
+``can_read``): the connection's own parser reads the replies, RESP2 or
+RESP3, push messages included.  What redis-py gives a command is kept:
+the connection's handshake, its retry policy (a blip is retried on a
+fresh connection, exactly as ``execute_command`` retries it), its health
+checks, socket timeouts and error classes, and a reload of the script
+after ``NOSCRIPT``.
+
+Clients this module does not know how to mirror (Sentinel-managed
+pools, client-side caching, a single-connection client, anything that
+is not a plain ``redis.Redis``) go through ``execute_command`` and
+pipelines instead: the same replies, at redis-py's usual cost.
+
+The calls that worker threads make at the same moment share one round
+trip (group commit, :class:`GroupCommit`).  The first caller to find no
+round trip in flight leads: it sends its own commands, and those of
+every caller that queued meanwhile, in one pipeline.  Callers that arrive while a round trip is in flight queue
+and wait on a lock of their own.  When the replies are in, the leader
+hands each caller its own, wakes the first caller queued since to lead
+the next round trip, and returns to its own job.  Under load one round
+trip serves several jobs, and a worker thread that waits for it blocks
+once, on its lock, instead of on a socket; alone, a caller leads at
+once and pays nothing more than a direct call.
+
+What stays true of the group commit:
+
+* Each caller's commands are sent once, in order, and answered with its
+  own replies; a failure of the round trip is raised to every caller in
+  it, as a direct call would raise it.
+* A caller waits at most ``timeout`` seconds, then raises
+  :class:`TimeoutError` as a lost reply would: if its commands were in
+  flight they may have been applied, which every lock call is built to
+  survive (the owner token re-enters, the release checks the owner); if
+  they were still queued they are withdrawn.  A caller that stops
+  waiting for any reason passes on the lead it was handed.
+* An interrupt meant for one thread (a time limit, a shutdown notice)
+  that breaks a round trip it leads is raised in that thread only; the
+  other callers of that round trip get a :class:`TimeoutError`, as for
+  a lost reply.
+* A forked child starts with no round trip in flight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from typing import Any, Callable, Optional, Sequence, Union
+
+import redis
+from redis.backoff import FullJitterBackoff
+from redis.connection import Connection, SSLConnection, UnixDomainSocketConnection
+from redis.exceptions import NoScriptError, ResponseError
+from redis.retry import Retry
+
+from ...compat import timeout_in_disguise
+from ...forks import pid
+
+#: How long, in seconds, a caller waits for a round trip led by another
+#: thread when the connection has no socket timeout of its own.
+DEFAULT_TIMEOUT = 30.0
+
+RoundTrip = Callable[[list[tuple[Any, ...]]], list[Any]]
+
+
+class _Caller:
+    """One caller's commands, and where its replies land."""
+
+    __slots__ = ("commands", "trailer", "replies", "error", "ready", "leads")
+
+    def __init__(self, commands: list[tuple[Any, ...]], trailer: Optional[tuple[Any, ...]] = None) -> None:
+        self.commands = commands
+        self.trailer = trailer
+        self.replies: Optional[list[Any]] = None
+        self.error: Optional[BaseException] = None
+        self.ready = threading.Lock()
+        self.ready.acquire()  # released once: replies in, or the lead handed over
+        self.leads = False
+
+    def result(self) -> list[Any]:
+        if self.error is not None:
+            raise self.error
+        assert self.replies is not None
+        return self.replies
+
+
+def _interrupted(interrupt: BaseException) -> TimeoutError:
+    """What the other callers of a round trip get when an interrupt (a
+    time limit, a shutdown notice) meant for the leading thread broke it:
+    a lost reply, theirs to retry, not that thread's interrupt.
+    """
+    return TimeoutError(
+        f"the round trip carrying this call was interrupted in another thread ({interrupt!r}); "
+        "the call may have applied"
+    )
+
+
+class GroupCommit:
+    """Shares round trips between concurrent callers.
+
+    Parameters:
+      round_trip(callable): Sends commands in one round trip and returns
+        their replies.
+      timeout(float): The longest a caller waits for a round trip led by
+        another thread, in seconds.
+    """
+
+    def __init__(self, round_trip: RoundTrip, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.round_trip = round_trip
+        self.timeout = timeout
+        self._mutex = threading.Lock()
+        self._queue: list[_Caller] = []
+        self._leading = False
+        self._pid = pid()
+
+    def call(self, commands: list[tuple[Any, ...]], *, trailer: Optional[tuple[Any, ...]] = None) -> list[Any]:
+        """Send ``commands`` in the next round trip and return their
+        replies.
+
+        Parameters:
+          trailer(tuple): A command sent once after every caller's
+            commands of the round trip (``WAIT``: it covers every write
+            before it on the connection), however many callers name it;
+            its reply comes last, after this caller's own.
+        """
+        with self._mutex:
+            if self._pid != pid():
+                self._queue, self._leading, self._pid = [], False, pid()  # the parent's round trip is not ours
+            leads = not self._leading
+            self._leading = True
+            if not leads:
+                caller = _Caller(commands, trailer)
+                self._queue.append(caller)
+        if leads:
+            # Nobody is queued (a caller only queues behind a lead): send
+            # this caller's commands alone.
+            try:
+                return self.round_trip(commands if trailer is None else [*commands, trailer])
+            finally:
+                self._hand_over([])
+        try:
+            if not caller.ready.acquire(timeout=self.timeout):
+                raise TimeoutError(
+                    f"the lock backend did not answer within {self.timeout:.0f} s; the call may have applied"
+                )
+        except BaseException:  # a time limit's exception too: never leave the lead with nobody
+            self._abandon(caller)
+            raise
+        if caller.leads:  # handed the lead: send what queued meanwhile, this caller's own included
+            self._lead(caller)
+        return caller.result()
+
+    def _abandon(self, caller: _Caller) -> None:
+        """Take back a caller that stops waiting: out of the queue if it
+        is still there, and the lead passed on if it was handed it.
+        """
+        with self._mutex:
+            if caller in self._queue:
+                self._queue.remove(caller)
+            if not caller.leads:
+                return
+            following = self._queue[0] if self._queue else None
+            if following is None:
+                self._leading = False
+            else:
+                following.leads = True
+        if following is not None:
+            following.ready.release()
+
+    def _lead(self, leader: _Caller) -> None:
+        """Send everything queued in one round trip, hand out the
+        replies, and pass the lead to the first caller queued since.
+        """
+        with self._mutex:
+            batch, self._queue = self._queue, []
+        # Each distinct trailer once, after every caller's commands.
+        trailers = list(dict.fromkeys(caller.trailer for caller in batch if caller.trailer is not None))
+        try:
+            replies = self.round_trip([command for caller in batch for command in caller.commands] + trailers)
+        except BaseException as e:  # a time limit's exception too: every caller must hear of it
+            for caller in batch:
+                caller.error = e if caller is leader or isinstance(e, Exception) else _interrupted(e)
+        else:
+            at, ends = 0, dict(zip(trailers, replies[len(replies) - len(trailers) :]))
+            for caller in batch:
+                caller.replies, at = replies[at : at + len(caller.commands)], at + len(caller.commands)
+                if caller.trailer is not None:
+                    caller.replies.append(ends[caller.trailer])
+        finally:
+            self._hand_over(batch)
+
+    def _hand_over(self, batch: list[_Caller]) -> None:
+        with self._mutex:
+            following = self._queue[0] if self._queue else None
+            if following is None:
+                self._leading = False
+            else:
+                following.leads = True
+        for caller in batch:
+            if not caller.leads:
+                caller.ready.release()
+        if following is not None:
+            following.ready.release()
+
+#: One script call: script name, keys, arguments.
+Call = tuple[str, Sequence[Union[str, bytes]], Sequence[Union[str, bytes, int]]]
+
+_MIRRORED = (Connection, SSLConnection, UnixDomainSocketConnection)
+_EVALSHA = b"EVALSHA"
+
+#: How many times a lock call is sent again, on a fresh connection, when
+#: its connection failed (refused, reset, or closed by the server), by a
+#: client of :class:`~dramatiq_unique.backends.redis.RedisBackend`'s own
+#: making and by the calls here on a client that names no retry policy:
+#: redis-py gives a client made from a URL (the Redis broker's, too) none,
+#: so one dropped connection would fail a send or leave a key held until
+#: its lease ran out.  A timeout is not retried: that would multiply the
+#: socket timeout.
+DEFAULT_RETRIES = 3
+
+
+class _Retry(Retry):
+    """A policy that retries failed connections, never timeouts, even
+    those that redis-py reports as a failed connection (see
+    :func:`~dramatiq_unique.compat.timeout_in_disguise`): the
+    connection's own health check and handshake retry with it too.
+    """
+
+    def call_with_retry(self, do: Callable[[], Any], fail: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return super().call_with_retry(lambda: _unmasked(do), fail, *args, **kwargs)
+
+
+def _unmasked(do: Callable[[], Any]) -> Any:
+    """``do()``, with a timeout that redis-py raised as a
+    ``ConnectionError`` raised as its ``TimeoutError``.
+    """
+    try:
+        return do()
+    except redis.ConnectionError as e:
+        if timeout_in_disguise(e):
+            raise redis.TimeoutError(str(e)) from e
+        raise
+
+
+def default_retry() -> Retry:
+    """:data:`DEFAULT_RETRIES`, after at most 20, 40 and 80 ms (full
+    jitter).  Sending a lock call again is safe: every script survives a
+    lost reply (the owner token re-enters, a release checks the owner, a
+    send finds its message enqueued already).
+    """
+    return _Retry(FullJitterBackoff(cap=1.0, base=0.01), DEFAULT_RETRIES, supported_errors=(redis.ConnectionError,))
+
+
+def _with_retry(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Connection parameters, with :func:`default_retry` where they leave
+    retries to redis-py's default for them, which is none.
+    """
+    if kwargs.get("retry") is not None or kwargs.get("retry_on_error") or kwargs.get("retry_on_timeout"):
+        return kwargs
+    return {**kwargs, "retry": default_retry()}
+
+
+def _pack_in_python(command: tuple[Any, ...]) -> bytes:
+    """One command in RESP, as redis-py's packer writes it for str
+    (UTF-8), int and bytes arguments: the only kinds the scripts take.
+    """
+    parts = [b"*%d\r\n" % len(command)]
+    for arg in command:
+        if isinstance(arg, str):
+            arg = arg.encode()
+        elif isinstance(arg, int):
+            arg = b"%d" % arg
+        parts.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
+    return b"".join(parts)
+
+
+def _packer() -> Callable[[tuple[Any, ...]], bytes]:
+    """hiredis's packer, in C, where installed (the redis extra installs
+    it); the same bytes in Python otherwise.
+    """
+    try:
+        from hiredis import pack_command
+    except ImportError:  # pragma: no cover - without hiredis
+        return _pack_in_python
+    return pack_command  # type: ignore[no-any-return]
+
+
+#: Packs one command in RESP.
+_pack = _packer()
+
+
+def _group_timeout(client: Any) -> float:
+    """How long a grouped call waits for another thread's round trip:
+    long enough for that round trip to time out and be retried once.
+    """
+    timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
+    return DEFAULT_TIMEOUT if not timeout else 2 * timeout + 1
+
+
+def _mirrorable(client: Any) -> bool:
+    pool: Any = getattr(client, "connection_pool", None)
+    return (
+        type(client) is redis.Redis
+        and type(pool) in (redis.ConnectionPool, redis.BlockingConnectionPool)
+        and pool.connection_class in _MIRRORED
+        and getattr(pool, "cache", None) is None
+        and pool.connection_kwargs.get("encoding", "utf-8").lower().replace("-", "") == "utf8"
+        # A single-connection client keeps one connection of its own
+        # (public as ``client.connection`` since redis-py 3).
+        and getattr(client, "connection", None) is None
+    )
+
+
+class ScriptCalls:
+    """Calls Lua scripts by SHA1 on ``client``.
+
+    Parameters:
+      client(redis.Redis): A standalone client; its connection
+        parameters and retry policy are used, or :func:`default_retry`
+        where it names none.
+      sources(dict[str, str]): Script name -> Lua source.
+    """
+
+    def __init__(self, client: Any, sources: dict[str, str]) -> None:
+        self.client = client
+        self.sources = sources
+        self.shas = {name: hashlib.sha1(source.encode()).hexdigest().encode() for name, source in sources.items()}
+        self.direct = _mirrorable(client)
+        self._adding = threading.Lock()
+        self._idle: list[Any] = []
+        self._pid = pid()
+        self._group = GroupCommit(self._round_trip, timeout=_group_timeout(client)) if self.direct else None
+
+    # Connections ----------------------------------------------------
+
+    def _take(self) -> Any:
+        if self._pid != pid():
+            # Forked: the parent's sockets are not ours to use.
+            self._idle, self._pid = [], pid()
+        try:
+            conn = self._idle.pop()
+        except IndexError:
+            pool = self.client.connection_pool
+            return pool.connection_class(**_with_retry(pool.connection_kwargs))
+        # As redis-py's pool does: an idle connection that has data to
+        # read was closed by the server (a restart, an idle timeout);
+        # reconnect before sending, while that is still safe.  (A client
+        # made from a URL does not retry: the check is what saves the
+        # call.)  Only a connection whose last exchange succeeded is
+        # idle, so the check never connects: see _round_trip.
+        try:
+            if conn.can_read():
+                conn.disconnect()
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            conn.disconnect()
+        return conn
+
+    def _give(self, conn: Any) -> None:
+        if conn.pid == self._pid:
+            self._idle.append(conn)
+
+    def add(self, name: str, source: str) -> None:
+        """Make one more script callable by ``name``.  Safe beside
+        concurrent calls: callers look for ``name`` in ``sources``, which
+        gets it only once ``shas`` has it.
+        """
+        with self._adding:  # two names added at once: neither is lost
+            self.shas = {**self.shas, name: hashlib.sha1(source.encode()).hexdigest().encode()}
+            self.sources = {**self.sources, name: source}
+
+    def close(self) -> None:
+        """Disconnect the idle connections."""
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.disconnect()
+
+    def _exchange(self, conn: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """One round trip: send every command, read every reply; a
+        Redis error reply is returned in its place, not raised.  A
+        timeout is raised as redis-py's ``TimeoutError``, also where
+        redis-py reports it as a failed connection.
+        """
+        packed = b"".join(map(_pack, commands))
+        replies: list[Any] = _unmasked(lambda: self._send_and_read(conn, packed, len(commands)))
+        return replies
+
+    @staticmethod
+    def _send_and_read(conn: Any, packed: bytes, count: int) -> list[Any]:
+        conn.send_packed_command([packed])
+        replies: list[Any] = []
+        for _ in range(count):
+            try:
+                replies.append(conn.read_response())
+            except ResponseError as e:
+                replies.append(e)
+        return replies
+
+    def _round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        if not self.direct:
+            return self._through_client(commands)
+        conn = self._take()
+        try:
+            result: list[Any] = conn.retry.call_with_retry(
+                lambda: self._exchange(conn, commands), lambda _error: conn.disconnect()
+            )
+        except BaseException:
+            # Whatever broke the exchange (a time limit's exception too)
+            # may have left replies unread: never reuse the socket, nor
+            # the connection (the next call makes a fresh one).
+            conn.disconnect()
+            raise
+        self._give(conn)
+        return result
+
+    def _through_client(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        if len(commands) == 1:
+            try:
+                return [self.client.execute_command(*commands[0])]
+            except ResponseError as e:
+                return [e]
+        pipe = self.client.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        return list(pipe.execute(raise_on_error=False))
+
+    # Calls ----------------------------------------------------------
+
+    def call(self, name: str, keys: Sequence[Union[str, bytes]], args: Sequence[Union[str, bytes, int]]) -> Any:
+        """Run one script and return its reply.
+
+        Raises:
+          redis.RedisError: on a connection failure that outlived the
+            client's retries, or an error reply of the script.
+        """
+        [reply] = self.batch([(name, keys, args)])
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    def batch(
+        self, calls: Sequence[Call], *, grouped: bool = False, trailer: Optional[tuple[Any, ...]] = None
+    ) -> list[Any]:
+        """Run scripts in one round trip (two after ``NOSCRIPT``).
+
+        Parameters:
+          grouped(bool): Share the round trip with other threads' grouped
+            calls of the moment (see :mod:`.group`): for the calls that
+            every job makes on its worker thread.
+          trailer(tuple): A command sent after the scripts, on the same
+            connection (``WAIT``: how many replicas have the writes);
+            grouped, once after every caller's scripts.
+
+        Returns:
+          list: per call, its reply, or the ``ResponseError`` it got; then
+          the trailer's reply (or error), when there is a trailer.
+        """
+        shas = self.shas
+        commands = [(_EVALSHA, shas[name], len(keys), *keys, *args) for name, keys, args in calls]
+        if grouped and self._group is not None:
+            replies = self._group.call(commands, trailer=trailer)
+        else:
+            replies = self._round_trip(commands if trailer is None else [*commands, trailer])
+        for reply in replies:
+            if isinstance(reply, NoScriptError):
+                return self._reload(calls, commands, replies, trailer)
+        return replies
+
+    def _reload(
+        self,
+        calls: Sequence[Call],
+        commands: list[tuple[Any, ...]],
+        replies: list[Any],
+        trailer: Optional[tuple[Any, ...]] = None,
+    ) -> list[Any]:
+        """After a script flush or on a new server: none of the calls that
+        got ``NOSCRIPT`` ran.  Load what is missing and send those calls
+        again, in one round trip, with the trailer again after them (a
+        ``WAIT`` before them did not cover them).
+        """
+        missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        loads = [(b"SCRIPT", b"LOAD", self.sources[name]) for name in {calls[i][0] for i in missing}]
+        again = self._round_trip(loads + [commands[i] for i in missing] + ([] if trailer is None else [trailer]))
+        for error in again[: len(loads)]:
+            if isinstance(error, Exception):
+                raise error
+        for i, reply in zip(missing, again[len(loads) :]):
+            replies[i] = reply
+        if trailer is not None:
+            replies[-1] = again[-1]
+        return replies
+

@@ -1,0 +1,709 @@
+"""A lock backend on Redis, standalone or Cluster.
+
+Each lock is one hash whose key carries a Cluster hash tag around the
+digest, and every script touches that one digest's keys only.
+Deadlines come from the server's ``TIME``, so worker clocks do not
+matter.  Scripts are called through :mod:`.calls` (one pre-encoded
+``EVALSHA`` per call, reloaded after ``NOSCRIPT``) on a standalone
+client, and through redis-py's ``Script`` on a Cluster.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from importlib import resources
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from urllib.parse import urlsplit, urlunsplit
+
+try:
+    import redis
+except ModuleNotFoundError as e:  # tested in a subprocess: tests/test_install.py
+    raise ModuleNotFoundError(
+        f"{e}: RedisBackend needs redis-py, which comes with the redis extra: "
+        "run `pip install 'dramatiq-unique[redis]'`.",
+        name=e.name,
+    ) from None
+
+from ...errors import ConfigurationError, LockBackendError
+from ...settings import DEFAULT_MIN_REPLICAS, DEFAULT_MIN_REPLICAS_TIMEOUT
+from ..base import (
+    Acquisition,
+    Copy,
+    CopyVerdict,
+    CurrentCheck,
+    CurrentStatus,
+    EnqueueRecord,
+    LockBackend,
+    LockInfo,
+    Release,
+    Replacement,
+    ReplaceStatus,
+    Start,
+    Waiter,
+)
+from .calls import Call, ScriptCalls, default_retry
+
+_LUA = resources.files(__package__).joinpath("lua")
+
+
+def _source(name: str) -> str:
+    """A script's text, with each ``--@include NAME`` line replaced by
+    the library ``NAME.lua``.
+    """
+    lines = _LUA.joinpath(f"{name}.lua").read_text().splitlines(keepends=True)
+    return "".join(_source(line.split()[1]) if line.startswith("--@include ") else line for line in lines)
+
+
+_SCRIPTS = {
+    name: _source(name)
+    for name in (
+        *("acquire", "start", "release", "extend", "wait", "claim", "withdraw"),
+        *("replace", "current", "unreplace"),  # on_conflict="replace" and debounce
+        *("confirm", "reap"),  # provisional enqueue locks and the reaper
+    )
+}
+
+
+def _as_function(name: str) -> str:
+    """A script's source as a local Lua function of (KEYS, ARGV), for
+    a script that composes it.
+    """
+    return f"local function {name}(KEYS, ARGV)\n{_SCRIPTS[name]}\nend\n"
+
+
+# The common outcomes as one integer, which costs the client less to
+# read than an array: a fresh, confirmed acquisition as its fence, a
+# fresh run lock as its fence * 2 + the queue flag, a release that
+# hands nothing over as its held flag.
+_SCRIPTS["acquire"] = _as_function("acquire") + (
+    "local got = acquire(KEYS, ARGV)\nif got[1] == 1 and got[4] == 0 then return got[3] end\nreturn got\n"
+)
+_SCRIPTS["start"] = _as_function("start") + (
+    "local got = start(KEYS, ARGV)\nif got[1] == 1 then return got[3] * 2 + got[4] end\nreturn got\n"
+)
+_SCRIPTS["release"] = _as_function("release") + (
+    "local done = release(KEYS, ARGV)\nif not done[2] then return done[1] end\nreturn done\n"
+)
+
+
+def send_script(dispatch: str) -> str:
+    """send.lua behind acquire.lua and the Redis broker's ``dispatch``
+    source, each as a local function of (KEYS, ARGV).
+    """
+    acquire = f"local function acquire(KEYS, ARGV)\n{_source('acquire')}\nend\n"
+    return f"local function dispatch(KEYS, ARGV)\n{dispatch}\nend\n" + acquire + _source("send")
+
+
+class DispatchFailed(redis.ResponseError):
+    """The broker's ``dispatch.lua`` failed inside send.lua: nothing
+    was enqueued, and the lock the call took was dropped.
+    """
+
+
+class TooFewReplicas(LockBackendError):
+    """A lock call took a lock that fewer replicas acknowledged than
+    ``min_replicas`` asked for, within ``min_replicas_timeout``: a
+    failover now could lose it, so the call counts as failed.  A fresh
+    lock it took was given back, unless ``given_back`` is False (the
+    give-back failed too, or the lock guards a message already enqueued):
+    it then lapses by its TTL or lease.
+
+    Attributes:
+      key(str): The lock key.
+      acked(int): How many replicas acknowledged the write (0 when
+        ``WAIT`` itself failed).
+      wanted(int): ``min_replicas``.
+      given_back(bool): Whether the lock is known to be given back.
+    """
+
+    def __init__(self, message: str, *, backend: str, key: str, acked: int, wanted: int, given_back: bool) -> None:
+        super().__init__(message, backend=backend)
+        self.key = key
+        self.acked = acked
+        self.wanted = wanted
+        self.given_back = given_back
+
+
+#: The URL scheme that connects to a Cluster.
+CLUSTER_SCHEME = "redis+cluster://"
+
+#: Socket timeouts, in seconds as redis-py takes them, of the clients
+#: this backend makes itself: a silent Redis must fail a lock call, not
+#: hang a worker thread.
+DEFAULT_SOCKET_TIMEOUT = 5.0
+
+
+def _without_password(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _waiting(key: str) -> list[str]:
+    """The waiters and bodies keys of a run lock key: same hash tag,
+    same Cluster slot.
+    """
+    return [f"{key}:wait", f"{key}:bodies"]
+
+
+def _records(copy: Copy) -> list[str]:
+    """The keys a :class:`Copy` is settled on: its message record, then
+    the waiters and bodies of its run lock.
+    """
+    return [f"{copy.key}:m:{copy.message_id}", *_waiting(copy.key)]
+
+
+def _message_of(owner: str) -> str:
+    """The message id of a run lock owner (``<message id>/<token>``); an
+    enqueue lock's owner is its message id.
+    """
+    return owner.partition("/")[0]
+
+
+def _release_keys(key: str, owner: str) -> list[str]:
+    """release.lua's keys: the lock, its waiters and bodies, and the
+    record of the owner's message, whose run the release ends.
+    """
+    return [key, f"{key}:wait", f"{key}:bodies", f"{key}:m:{_message_of(owner)}"]
+
+
+def _copy_args(copy: Copy) -> list[Any]:
+    return [copy.message_id, copy.attempt, copy.via, copy.retries]
+
+
+def _start_call(
+    key: str, owner: str, ttl: int, limit: int, lock: str, copy: Copy, queue_key: Optional[str] = None
+) -> tuple[list[str], list[Any]]:
+    """start.lua's keys and arguments: every job's, so spelled out
+    rather than built from :func:`_records` and :func:`_copy_args`.
+    """
+    keys = [key, f"{key}:m:{copy.message_id}", f"{key}:wait", f"{key}:bodies"]  # _records(copy), inline
+    if queue_key:
+        keys.append(queue_key)
+    args = [owner, ttl, limit, lock, copy.message_id, copy.attempt, copy.via, copy.retries]
+    if copy.lock_args is not None:  # only under record_lock_args: the default call is unchanged
+        args.append(copy.lock_args)
+    return keys, args
+
+
+def _superseded(key: str) -> str:
+    """The superseded record of an enqueue lock key: same hash tag."""
+    return f"{key}:superseded"
+
+
+#: replace.lua's status codes.
+_REPLACED = {
+    0: ReplaceStatus.REFUSED,
+    1: ReplaceStatus.ACQUIRED,
+    2: ReplaceStatus.REENTERED,
+    3: ReplaceStatus.REPLACED,
+}
+
+
+def as_text(value: Any) -> str:
+    """A reply as text: redis-py answers bytes unless told to decode."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+#: A named tuple from a tuple of its fields, built in C: a named tuple's
+#: own constructor runs a Python-level ``__new__``, which costs more than
+#: the rest of reading a reply.  For the replies every job reads.
+_new = tuple.__new__
+
+#: release.lua's two short replies.
+_RELEASES = (Release(False), Release(True))
+
+
+def _acquisition(reply: Any, owner: str) -> Acquisition:
+    """acquire.lua's reply: the fence alone (a fresh, confirmed slot), or
+    {status, holder, fence, provisional}; status 3 names why a copy may
+    not run.
+    """
+    if isinstance(reply, int):
+        return Acquisition(True, holder=owner, fence=reply)
+    status, holder, fence, provisional = reply
+    if status == 3:
+        return Acquisition(False, refused=CopyVerdict(as_text(holder)))
+    return Acquisition(
+        status in (1, 2), reentered=status == 2, holder=as_text(holder), fence=int(fence), provisional=provisional == 1
+    )
+
+
+def _start(reply: Any, owner: str) -> Start:
+    """start.lua's reply: fence * 2 + the queue flag (a fresh slot), or
+    {status, holder, fence, queue}.
+    """
+    if isinstance(reply, int):  # Acquisition(True, holder=owner, fence=reply >> 1), and the queue flag
+        return _new(Start, (_new(Acquisition, (True, False, owner, reply >> 1, False, None)), bool(reply & 1)))
+    status, holder, fence, queue = reply
+    return Start(_acquisition([status, holder, fence, 0], owner), queue_released=bool(queue))
+
+
+def _release(reply: Any) -> Release:
+    """release.lua's reply: the held flag alone, or {held, message}."""
+    if isinstance(reply, int):
+        return _RELEASES[bool(reply)]
+    held, promoted = reply
+    return Release(bool(held), promoted or None)
+
+
+def _release_calls(locks: Sequence[tuple[str, str]]) -> list[Call]:
+    """release.lua calls that hand each slot over (the keys of
+    :func:`_waiting` spelled out: every job makes one).
+    """
+    return [("release", _release_keys(key, owner), [owner, 1, _message_of(owner)]) for key, owner in locks]
+
+
+def _releases(replies: Sequence[Any]) -> list[Union[Release, Exception]]:
+    return [reply if isinstance(reply, Exception) else _release(reply) for reply in replies]
+
+
+def _replication(replicas: Any, timeout: Any, cluster: bool) -> tuple[int, int]:
+    """Checked ``min_replicas`` and ``min_replicas_timeout``.
+
+    Raises:
+      ConfigurationError: a count below 0, a timeout below 1 ms (``WAIT
+        n 0`` would block for ever), or replicas asked of a Cluster,
+        whose pipelines do not keep ``WAIT`` on the script's connection.
+    """
+    for name, value, least in (("min_replicas", replicas, 0), ("min_replicas_timeout", timeout, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ConfigurationError(f"{name}={value!r} is invalid: expected a whole number, {least} or more.")
+    if replicas and cluster:
+        raise ConfigurationError(f"min_replicas={replicas!r} is not supported on a Redis Cluster.")
+    return replicas, timeout
+
+
+class RedisBackend(LockBackend):
+    """A lock backend that stores locks in Redis.
+
+    Parameters:
+      client(redis.Redis): A client to use, e.g. a
+        ``redis.cluster.RedisCluster`` or one from a Sentinel.  When
+        given, all other parameters are ignored.
+      url(str): A Redis URL.  ``redis+cluster://host:port`` connects
+        to a Cluster through any one of its nodes (for TLS, pass a
+        ``RedisCluster(..., ssl=True)`` as ``client``).  When given, it
+        wins over ``**parameters``.
+      **parameters: Passed to ``redis.Redis``, or to
+        ``redis.cluster.RedisCluster`` with a cluster URL.  Socket
+        timeouts default to :data:`DEFAULT_SOCKET_TIMEOUT` seconds, and
+        ``retry`` (not on a Cluster) to :func:`~.calls.default_retry`,
+        which sends a call again when its connection failed.
+      min_replicas(int): When above 0, every call that takes a lock is
+        followed, in the same round trip, by ``WAIT min_replicas
+        min_replicas_timeout``; a lock that fewer replicas acknowledged
+        is given back and the call raises :class:`TooFewReplicas` (see
+        ``docs/reliability.md``, "Failover").  Not on a Cluster.
+      min_replicas_timeout(int): How long ``WAIT`` waits for them, in
+        milliseconds; keep it well under the socket timeout.
+
+    Every script touches the keys of one lock only, and they share a
+    hash tag, so each call goes to one Cluster node.  With Sentinel,
+    pass the client of the primary; it follows failovers::
+
+      from redis.sentinel import Sentinel
+
+      sentinel = Sentinel([("sentinel-1", 26379), ("sentinel-2", 26379)], socket_timeout=0.5)
+      backend = RedisBackend(client=sentinel.master_for("mymaster", socket_timeout=0.5))
+
+    Warning:
+      Redis replicates asynchronously: a lock written to a primary that
+      fails before its replica saw it is gone after the failover, on
+      Sentinel and Cluster alike, and a second holder may take it.
+      Guard writes that must never overlap with
+      :func:`dramatiq_unique.fence_token`.  ``min_replicas`` narrows
+      that window; it does not close it.
+    """
+
+    def __init__(
+        self,
+        *,
+        client: Optional[Any] = None,
+        url: Optional[str] = None,
+        min_replicas: int = DEFAULT_MIN_REPLICAS,
+        min_replicas_timeout: int = DEFAULT_MIN_REPLICAS_TIMEOUT,
+        **parameters: Any,
+    ) -> None:
+        parameters.setdefault("socket_timeout", DEFAULT_SOCKET_TIMEOUT)
+        parameters.setdefault("socket_connect_timeout", DEFAULT_SOCKET_TIMEOUT)
+        if client is None and url is not None and url.startswith(CLUSTER_SCHEME):
+            client = redis.cluster.RedisCluster.from_url("redis://" + url[len(CLUSTER_SCHEME) :], **parameters)
+        elif client is None:
+            parameters.setdefault("retry", default_retry())
+            client = redis.Redis(**parameters) if url is None else redis.Redis.from_url(url, **parameters)
+        self.client: Any = client
+        self.url = url
+        self.cluster = isinstance(self.client, redis.cluster.RedisCluster)
+        self.scripts = {name: self.client.register_script(source) for name, source in _SCRIPTS.items()}
+        self.calls = None if self.cluster else ScriptCalls(self.client, _SCRIPTS)
+        self.batches_releases = self.calls is not None
+        self.min_replicas, self.min_replicas_timeout = _replication(min_replicas, min_replicas_timeout, self.cluster)
+        #: The command sent after every lock take, or None.
+        self.wait_command = (b"WAIT", self.min_replicas, self.min_replicas_timeout) if self.min_replicas else None
+
+    def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        if self.calls is not None:
+            return self.calls.call(name, keys, args)
+        return self.scripts[name](keys=keys, args=args, client=self.client)
+
+    def _take(self, name: str, keys: list[str], args: list[Any]) -> tuple[Any, Union[int, Exception, None]]:
+        """A script that may take a lock, then ``WAIT`` on the same
+        connection when ``min_replicas`` asks for it.
+
+        Returns:
+          tuple: the script's reply, and ``WAIT``'s (the replicas that
+          acknowledged, or its error), or None without ``min_replicas``.
+        """
+        if self.wait_command is None:
+            return self._call(name, keys, args), None
+        assert self.calls is not None  # refused on a Cluster at construction
+        reply, acked = self.calls.batch([(name, keys, args)], trailer=self.wait_command)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply, acked
+
+    def _untaken(self, name: str, keys: list[str], args: list[Any]) -> tuple[Any, None]:
+        """A script that takes no lock, shaped as :meth:`_take`'s reply."""
+        return self._call(name, keys, args), None
+
+    def _require(self, acked: Union[int, Exception, None], key: str, give_back: Optional[Callable[[], Any]]) -> None:
+        """Raise :class:`TooFewReplicas` when the take of ``key`` was
+        acknowledged by fewer than ``min_replicas``, after giving back
+        what it took with ``give_back`` (None: nothing to give back).
+        """
+        if acked is None or (isinstance(acked, int) and acked >= self.min_replicas):
+            return
+        failure, given_back = "", False
+        if give_back is not None:
+            try:
+                give_back()
+                given_back = True
+            except Exception as e:  # the lock then lapses by its TTL or lease
+                failure = f"; giving it back failed too ({e!r}), so it lapses by its TTL or lease"
+        count = acked if isinstance(acked, int) else 0
+        seen = f"{acked} of {self.min_replicas}" if isinstance(acked, int) else f"none (WAIT failed: {acked!r})"
+        kept = " and was given back" if given_back else " and is kept" if give_back is None else ""
+        raise TooFewReplicas(
+            f"the lock {key!r} was acknowledged by {seen} replicas within {self.min_replicas_timeout} ms"
+            f"{kept}{failure}",
+            backend=self.describe(),
+            key=key,
+            acked=count,
+            wanted=self.min_replicas,
+            given_back=given_back,
+        )
+
+    def _give_back(self, key: str, owner: str) -> Callable[[], Any]:
+        # No hand-over: the waiters' delayed copies come anyway, and a
+        # promoted message could not be enqueued from here.
+        return lambda: self.release(key, owner, hand_over=False)
+
+    def describe(self) -> str:
+        if self.url:
+            return f"RedisBackend({_without_password(self.url)})"
+        if self.cluster:
+            node = self.client.get_default_node()
+            return f"RedisBackend(cluster at {node.host}:{node.port})"
+        pool = getattr(self.client, "connection_pool", None)
+        service = getattr(pool, "service_name", None)
+        if service:
+            return f"RedisBackend(sentinel service {service})"
+        kwargs = getattr(pool, "connection_kwargs", {})
+        where = kwargs.get("path") or f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
+        return f"RedisBackend(redis at {where})"
+
+    def acquire(
+        self,
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        limit: int = 1,
+        lock: str = "",
+        lock_args: Optional[str] = None,
+        provisional: int = 0,
+        where: Optional[str] = None,
+        copy: Optional[Copy] = None,
+    ) -> Acquisition:
+        keys = [key]
+        args: list[Any] = [owner, ttl, limit, lock, lock_args or "", provisional, int(where is not None), where or ""]
+        if copy is not None:
+            keys, args = keys + _records(copy), args + _copy_args(copy)
+        reply, acked = self._take("acquire", keys, args)
+        got = _acquisition(reply, owner)
+        if acked is not None and got.acquired:
+            # A re-entered slot was held before this call: its message is out already.
+            self._require(acked, key, None if got.reentered else self._give_back(key, owner))
+        return got
+
+    @property
+    def dispatch_client(self) -> Optional[Any]:
+        """The client, when it is not a Cluster's: one script may then
+        touch the lock's and the broker's keys.
+        """
+        return None if self.calls is None else self.client
+
+    def acquire_and_dispatch(
+        self,
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        limit: int,
+        lock: str,
+        lock_args: Optional[str],
+        where: str,
+        dispatch: str,
+        namespace: str,
+        arguments: Sequence[Any],
+    ) -> Acquisition:
+        """Acquire ``key`` as :meth:`acquire` does, confirmed at once and
+        recording ``where``, and only when that succeeds run the Redis
+        broker's ``dispatch`` script source with ``arguments`` under
+        ``namespace``: one round trip (send.lua).  Only on a standalone
+        client, the broker's own Redis.
+
+        Raises:
+          DispatchFailed: ``dispatch`` failed; nothing is locked by
+            this call.
+          redis.RedisError: the call failed; when the reply was lost it
+            may have taken the lock and enqueued.
+        """
+        assert self.calls is not None, "a Cluster cannot run two slots' keys in one script"
+        name = f"send:{hashlib.sha1(dispatch.encode()).hexdigest()}"
+        if name not in self.calls.sources:
+            self.calls.add(name, send_script(dispatch))
+        args = [owner, ttl, limit, lock, lock_args or "", 0, 1, where, *arguments]
+        reply, acked = self._take(name, [key, namespace], args)
+        if isinstance(reply, int):
+            # The same script enqueued the message: its lock is kept, so
+            # that what the lock holds matches the queue (a lost reply's rule).
+            self._require(acked, key, None)
+            return Acquisition(True, holder=owner, fence=reply)
+        status, holder, fence, _ = reply
+        if status == 4:
+            raise DispatchFailed(as_text(holder))
+        if status in (1, 2):
+            self._require(acked, key, None)
+        return Acquisition(status in (1, 2), reentered=status == 2, holder=as_text(holder), fence=int(fence))
+
+    def start(
+        self, key: str, owner: str, *, ttl: int, limit: int, lock: str, copy: Copy, queue_key: Optional[str] = None
+    ) -> Start:
+        keys, args = _start_call(key, owner, ttl, limit, lock, copy, queue_key)
+        if self.calls is None:
+            return _start(self._call("start", keys, args), owner)
+        # Every job makes this call: shared with other worker threads' of the moment.
+        replies = self.calls.batch([("start", keys, args)], grouped=True, trailer=self.wait_command)
+        if isinstance(replies[0], Exception):
+            raise replies[0]
+        started = _start(replies[0], owner)
+        if self.wait_command is not None:
+            self._started_acked(started, replies[1], key, owner)
+        return started
+
+    def _started_acked(self, started: Start, acked: Any, key: str, owner: str) -> None:
+        """Raise :class:`TooFewReplicas` for a run lock taken with too few
+        replicas, given back first.  (An enqueue lock the start released
+        stays released: its message was delivered.)
+        """
+        if started.acquisition.acquired:
+            self._require(acked, key, self._give_back(key, owner))
+
+    def release_and_start(
+        self,
+        releases: Sequence[tuple[str, str]],
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        limit: int,
+        lock: str,
+        copy: Copy,
+        queue_key: Optional[str] = None,
+    ) -> tuple[list[Union[Release, Exception]], Union[Start, Exception]]:
+        if self.calls is None:
+            return super().release_and_start(
+                releases, key, owner, ttl=ttl, limit=limit, lock=lock, copy=copy, queue_key=queue_key
+            )
+        calls = _release_calls(releases)
+        calls.append(("start", *_start_call(key, owner, ttl, limit, lock, copy, queue_key)))
+        replies = self.calls.batch(calls, grouped=True, trailer=self.wait_command)
+        acked = replies.pop() if self.wait_command is not None else None
+        reply = replies.pop()
+        if isinstance(reply, Exception):
+            return _releases(replies), reply
+        started = _start(reply, owner)
+        try:
+            if acked is not None:
+                self._started_acked(started, acked, key, owner)
+        except TooFewReplicas as e:
+            return _releases(replies), e
+        return _releases(replies), started
+
+    def release(self, key: str, owner: str, *, hand_over: bool = True) -> Release:
+        return _release(self._call("release", _release_keys(key, owner), [owner, int(hand_over), _message_of(owner)]))
+
+    def release_many(self, locks: Sequence[tuple[str, str]]) -> list[Union[Release, Exception]]:
+        if self.calls is None or len(locks) < 2:
+            return super().release_many(locks)
+        return _releases(self.calls.batch(_release_calls(locks)))
+
+    def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> None:
+        self._call("wait", _records(copy), [copy.message_id, message, order, copy.attempt, ttl])
+
+    def claim(self, copy: Copy) -> bool:
+        return bool(self._call("claim", _records(copy), _copy_args(copy)))
+
+    def withdraw(self, copy: Copy) -> None:
+        self._call("withdraw", _records(copy), _copy_args(copy))
+
+    def extend(self, locks: Sequence[tuple[str, str]], ttl: int) -> list[bool]:
+        return self._each("extend", [(key, owner, ttl) for key, owner in locks])
+
+    @staticmethod
+    def extend_script() -> str:
+        """The Lua source of the script :meth:`extend` runs, for a client
+        that renews leases on a connection of its own (the lease keeper's
+        native thread under gevent): call it with :meth:`extend_call`.
+        """
+        return _SCRIPTS["extend"]
+
+    @staticmethod
+    def extend_call(key: str, owner: str, ttl: int) -> tuple[list[str], list[Union[str, int]]]:
+        """The keys and arguments of :meth:`extend_script` that extend
+        ``owner``'s hold on ``key`` to ``ttl`` ms from now, as
+        :meth:`extend` sends them.
+        """
+        return [key], [owner, ttl]
+
+    def confirm(self, locks: Sequence[tuple[str, str, int]]) -> list[bool]:
+        return self._each("confirm", locks)
+
+    def _each(self, script: str, calls: Sequence[tuple[str, str, int]]) -> list[bool]:
+        """Run a one-key ``script`` once per ``(key, owner, ttl)``, in
+        one round trip.
+        """
+        if not calls:
+            return []
+        if self.calls is not None:
+            replies = self.calls.batch([(script, [key], [owner, ttl]) for key, owner, ttl in calls])
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+            return [bool(reply) for reply in replies]
+        pipe = self.client.pipeline(transaction=False)
+        for key, owner, ttl in calls:
+            # A Cluster pipeline refuses EVALSHA but sends EVAL, one batch per node.
+            pipe.execute_command("EVAL", _SCRIPTS[script], 1, key, owner, ttl)
+        return [bool(result) for result in pipe.execute()]
+
+    def reap(self, key: str, owner: str, record: EnqueueRecord) -> bool:
+        return bool(self._call("reap", [key], [owner, record.encode()]))
+
+    def replace(
+        self,
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        lock: str = "",
+        lock_args: Optional[str] = None,
+        keep_started: bool = False,
+        debounce: int = 0,
+        debounce_max: int = 0,
+        superseded_ttl: int,
+        where: str = "",
+    ) -> Replacement:
+        (status, other, fence, delay), acked = self._take(
+            "replace",
+            [key, _superseded(key)],
+            [owner, ttl, lock, lock_args or "", int(keep_started), debounce, debounce_max, superseded_ttl, where],
+        )
+        got = Replacement(_REPLACED[int(status)], as_text(other) if other else None, int(delay), int(fence))
+        if acked is not None and got.status is not ReplaceStatus.REFUSED:
+            self._require(acked, key, self._replaced_back(key, owner, got.status))
+        return got
+
+    def _replaced_back(self, key: str, owner: str, status: ReplaceStatus) -> Optional[Callable[[], Any]]:
+        """How to give back what a replace took: the superseded message
+        current again, then the slot; nothing for a re-entered slot.
+        """
+        if status is ReplaceStatus.REENTERED:
+            return None
+        release = self._give_back(key, owner)
+        if status is ReplaceStatus.ACQUIRED:
+            return release
+        return lambda: (self.unreplace(key, owner), release())
+
+    def current(
+        self,
+        key: str,
+        owner: str,
+        *,
+        reenter: bool = False,
+        ttl: int = 0,
+        lock: str = "",
+        copy: Optional[Copy] = None,
+        where: Optional[str] = None,
+    ) -> CurrentCheck:
+        keys: list[str] = [key, _superseded(key)]
+        args: list[Any] = [owner, "reenter" if reenter else "start", ttl, lock]
+        if reenter and copy is not None:
+            keys, args = keys + _records(copy), args + [copy.attempt, copy.via, where or "", copy.retries]
+        elif reenter and where is not None:
+            args += [0, "", where]
+        # Only a re-enqueue takes a slot; a delivery marks its message started.
+        (status, other), acked = (self._take if reenter else self._untaken)("current", keys, args)
+        got = CurrentCheck(CurrentStatus(int(status)), as_text(other) if other else None)
+        if acked is not None and got.status in (CurrentStatus.CURRENT, CurrentStatus.REENTERED):
+            # Took the free key again (given back on too few replicas), or re-entered (kept).
+            self._require(acked, key, self._give_back(key, owner) if got.status is CurrentStatus.CURRENT else None)
+        return got
+
+    def unreplace(self, key: str, owner: str) -> Optional[str]:
+        previous = self._call("unreplace", [key, _superseded(key)], [owner])
+        return as_text(previous) if previous else None
+
+    def inspect(self, key: str) -> Optional[LockInfo]:
+        fields = {as_text(name): as_text(value) for name, value in self.client.hgetall(key).items()}
+        now = self._now_ms(key)
+        holders = {name: int(value) for name, value in fields.items() if not name.startswith("!") and int(value) > now}
+        if not holders:
+            return None
+        records = {owner: EnqueueRecord.decode(fields.get(f"!m:{owner}", "")) for owner in holders}
+        current = fields.get("!current")
+        return LockInfo(
+            key,
+            fields.get("!lock") or None,
+            holders,
+            fields.get("!args"),
+            int(fields.get("!fence", 0)),
+            current=current if current in holders else None,
+            superseded=int(fields.get("!superseded", 0)),
+            records={owner: record for owner, record in records.items() if record is not None},
+        )
+
+    def scan(self, pattern: str) -> Iterator[str]:
+        seen = set()
+        for key in self.client.scan_iter(match=pattern, count=1000):
+            name = as_text(key)
+            if name not in seen:
+                seen.add(name)
+                yield name
+
+    def delete(self, key: str) -> bool:
+        return bool(self.client.delete(key))
+
+    def waiters(self, key: str) -> list[Waiter]:
+        waiting = self.client.zrange(_waiting(key)[0], 0, -1, withscores=True)
+        return [Waiter(as_text(message_id), int(order)) for message_id, order in waiting]
+
+    def _now_ms(self, key: Optional[str] = None) -> int:
+        # On a Cluster, ask the node that holds the key: its clock set the deadlines.
+        where = {"target_nodes": self.client.get_node_from_key(key)} if self.cluster and key else {}
+        seconds, micros = self.client.time(**where)
+        return int(seconds) * 1000 + int(micros) // 1000

@@ -1,0 +1,400 @@
+"""The operator's view of the locks: list, inspect and release them.
+
+Lock keys look like ``{prefix}:{actor}:{<digest>}:queue`` (an enqueue
+lock, owned by a message id) or ``...:run`` (a run lock, owned by
+``<message_id>/<nonce>``).  Keys are found with ``SCAN`` through
+:meth:`LockBackend.scan`, never ``KEYS``, and the ``:wait``,
+``:bodies``, ``:m:<message id>`` and ``:superseded`` companions of a
+lock are never listed or touched.
+
+Examples:
+  >>> admin = LockAdmin(RedisBackend(url="redis://127.0.0.1:6379/0"))
+  >>> for lock in admin.locks(actor="sync_account_balance"):
+  ...     print(lock.digest, lock.phase, lock.holders)
+  >>> admin.release("9f86d081884c7d659a2feaa0c55ad015", holder="b4a1...")
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeVar
+
+from ..backends.base import EnqueueRecord, LockBackend, LockInfo, Waiter
+from ..errors import LockBackendError, UniqueError
+from ..model.spec import actor_scope
+from ..send.copies import message_id_of
+from ..settings import DEFAULT_PREFIX
+
+#: The two kinds of lock key: taken at enqueue, or around a run.
+PHASES = ("queue", "run")
+
+_KEY = re.compile(r"(?P<actor>.+):\{(?P<digest>[0-9a-f]{32})\}:(?P<phase>queue|run)")
+_DIGEST = re.compile(r"[0-9a-f]{32}")
+_GLOB_SPECIALS = re.compile(r"[*?\[\]\\]")
+
+T = TypeVar("T")
+
+if TYPE_CHECKING:
+    from .reap import ReapReport
+
+
+class UnknownLock(UniqueError, LookupError):
+    """Raised when no live lock, or no such holder, has a digest."""
+
+
+@dataclass(frozen=True)
+class Holder:
+    """One holder of a lock.
+
+    Attributes:
+      owner(str): The owner string, as the backend stores it.
+      message_id(str): The message that holds the slot.
+      deadline(int): When the slot expires, in Unix milliseconds.
+      record(EnqueueRecord): When it was taken (every lock type and
+        strategy records it), and for an enqueue lock whether it is
+        still provisional and where its message went.
+    """
+
+    owner: str
+    message_id: str
+    deadline: int
+    record: Optional[EnqueueRecord] = None
+
+    @property
+    def taken_at(self) -> Optional[int]:
+        """When the slot was taken, in Unix milliseconds, if recorded."""
+        return self.record.taken_at if self.record is not None else None
+
+    @property
+    def queue(self) -> Optional[str]:
+        """The queue an enqueue-lock holder's message was last
+        published to (without ``.DQ``), if recorded.
+        """
+        return (self.record.queue or None) if self.record is not None else None
+
+    @property
+    def provisional(self) -> bool:
+        """True while the slot waits for its message's publish to be
+        confirmed: it lapses at its (short) deadline unless confirmed.
+        """
+        return self.record is not None and self.record.provisional_until > 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "owner": self.owner,
+            "message_id": self.message_id,
+            "deadline": self.deadline,
+            "taken_at": self.taken_at,
+            "provisional": self.provisional,
+            "queue": self.queue,
+        }
+
+
+@dataclass(frozen=True)
+class Lock:
+    """One live lock key.
+
+    Attributes:
+      key(str): The full backend key.
+      actor(str): The actor part of the key (``@any`` for locks taken
+        with ``unique_across_actors``).
+      digest(str): The 32 hex characters inside the braces.
+      phase(str): ``queue`` for an enqueue lock, ``run`` for a run lock.
+      lock(str): The lock type that took it, e.g. ``while_executing``.
+      holders(tuple[Holder, ...]): Its holders, soonest deadline first.
+      lock_args(str): JSON of the lock args, when they were recorded.
+      fence(int): The last fencing token handed out.
+      waiting(tuple[Waiter, ...]): For a run lock, the messages waiting
+        to be handed it, first in line first.
+      current(str): Under ``on_conflict="replace"`` or ``debounce``,
+        the message id of the newest send, the one that runs.
+      superseded(int): How many messages sends of this key superseded
+        since it was taken.
+    """
+
+    key: str
+    actor: str
+    digest: str
+    phase: str
+    lock: Optional[str]
+    holders: tuple[Holder, ...]
+    lock_args: Optional[str] = None
+    fence: int = 0
+    waiting: tuple[Waiter, ...] = ()
+    current: Optional[str] = None
+    superseded: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict, with the lock args decoded."""
+        return {
+            "key": self.key,
+            "actor": self.actor,
+            "digest": self.digest,
+            "phase": self.phase,
+            "lock": self.lock,
+            "fence": self.fence,
+            "lock_args": _decoded(self.lock_args),
+            "holders": [holder.as_dict() for holder in self.holders],
+            "waiting": [{"message_id": w.message_id, "since": w.sent_at, "order": w.order} for w in self.waiting],
+            "current": self.current,
+            "superseded": self.superseded,
+        }
+
+
+def _decoded(lock_args: Optional[str]) -> Any:
+    if lock_args is None:
+        return None
+    try:
+        return json.loads(lock_args)
+    except ValueError:
+        return lock_args
+
+
+def _wildcard(text: str) -> str:
+    """``text`` as a glob where each glob special character matches any
+    one character.  Redis and ``fnmatch`` escape differently, so results
+    are re-checked exactly instead.
+    """
+    return _GLOB_SPECIALS.sub("?", text)
+
+
+def digest_of(text: str) -> str:
+    """The digest named by ``text``: a digest itself, or a lock key.
+
+    Raises:
+      UnknownLock: when ``text`` is neither.
+    """
+    text = text.strip()
+    if _DIGEST.fullmatch(text):
+        return text
+    found = _KEY.search(text)
+    if found is None:
+        raise UnknownLock(f"{text!r} is not a digest: expected the 32 hex characters inside the braces of a lock key.")
+    return found["digest"]
+
+
+class LockAdmin:
+    """Lists, inspects and releases the locks under one prefix.
+
+    Parameters:
+      backend(LockBackend): Where the locks live.
+      prefix(str): The prefix the middleware was given.
+
+    Every method raises :class:`LockBackendError` when the backend
+    fails, e.g. when Redis cannot be reached.
+
+    Note:
+      Releasing a run-lock holder does not hand its slot to the key's
+      longest waiter, as a worker would: this process has no broker to
+      enqueue it.  The waiter runs when its delayed copy arrives,
+      within ``reschedule_delay``.
+    """
+
+    def __init__(self, backend: LockBackend, *, prefix: str = DEFAULT_PREFIX) -> None:
+        self.backend = backend
+        self.prefix = prefix
+
+    def check(self) -> None:
+        """Make one backend call, to fail early when it is unreachable."""
+        self._call("answer", self.backend.inspect, f"{self.prefix}:!check")
+
+    def locks(
+        self, *, actor: Optional[str] = None, pattern: Optional[str] = None, phase: Optional[str] = None
+    ) -> Iterator[Lock]:
+        """Iterate over the live locks, in ``SCAN`` order.
+
+        Parameters:
+          actor(str): Only the locks of this actor; ``@any`` for the
+            locks of actors with ``unique_across_actors``.
+          pattern(str): Only the keys matching this Redis glob, matched
+            against the whole key (as with ``redis-cli --scan``).
+          phase(str): Only the ``queue`` (enqueue) or ``run`` locks.
+        """
+        scope = actor_scope(actor) if actor is not None else None
+        suffix = f":{phase}" if phase else ""
+        glob = pattern or f"{_wildcard(self.prefix)}:{_wildcard(scope) if scope else '*'}:*{suffix}"
+        for key in self._scan(glob):
+            lock = self._lock(key)
+            if lock is not None and scope in (None, lock.actor) and phase in (None, lock.phase):
+                yield lock
+
+    def inspect(self, digest: str) -> list[Lock]:
+        """Describe the live locks of one digest: its enqueue lock, its
+        run lock, or both.
+
+        Parameters:
+          digest(str): The digest, or a whole lock key.
+
+        Raises:
+          UnknownLock: when no live lock has this digest.
+        """
+        digest = digest_of(digest)
+        glob = f"{_wildcard(self.prefix)}:*:{{{digest}}}:*"
+        found = [lock for lock in map(self._lock, self._scan(glob)) if lock is not None and lock.digest == digest]
+        found.sort(key=lambda lock: PHASES.index(lock.phase))
+        if not found:
+            raise UnknownLock(f"No lock has digest {digest} under prefix {self.prefix!r}.")
+        return found
+
+    def release(self, digest: str, *, holder: Optional[str] = None, phase: Optional[str] = None) -> list[str]:
+        """Release the locks of a digest, or one of their holders.
+
+        Parameters:
+          digest(str): The digest, or a whole lock key.
+          holder(str): Release only this holder: its owner string or its
+            message id.  Its release is owner-checked, so a slot that was
+            meanwhile taken by someone else is left alone.
+          phase(str): Only the ``queue`` or the ``run`` lock.
+
+        Returns:
+          list[str]: The keys that were deleted, or, with ``holder``,
+          ``"key owner"`` for each released slot.
+
+        Raises:
+          UnknownLock: when the digest has no such lock or holder.
+        """
+        if phase is not None and phase not in PHASES:
+            raise ValueError(f"phase={phase!r} is invalid. Valid choices: {', '.join(PHASES)}.")
+        locks = [lock for lock in self.inspect(digest) if phase in (None, lock.phase)]
+        if not locks:
+            raise UnknownLock(f"Digest {digest_of(digest)} has no {phase} lock under prefix {self.prefix!r}.")
+        if holder is None:
+            return [lock.key for lock in locks if self._delete(lock.key)]
+        return self._release_holder(locks, holder)
+
+    def _release_holder(self, locks: list[Lock], holder: str) -> list[str]:
+        slots = [(lock.key, h.owner) for lock in locks for h in lock.holders if holder in (h.owner, h.message_id)]
+        if not slots:
+            raise UnknownLock(f"Digest {locks[0].digest} has no holder {holder!r}.")
+        held = [
+            self._call(f"release {key!r}", functools.partial(self.backend.release, hand_over=False), key, owner).held
+            for key, owner in slots
+        ]
+        return [f"{key} {owner}" for (key, owner), was_held in zip(slots, held) if was_held]
+
+    def release_actor(self, actor: str) -> list[str]:
+        """Delete every lock of one actor.
+
+        Returns:
+          list[str]: The keys that were deleted.
+        """
+        keys = [lock.key for lock in self.locks(actor=actor)]
+        return [key for key in keys if self._delete(key)]
+
+    def release_queue(self, queue: str) -> list[str]:
+        """Release every enqueue-lock holder whose message was last
+        published to ``queue`` (or its delay queue), as recorded by the
+        lock: after a purge on RabbitMQ, where :meth:`reap` cannot look
+        messages up.  Each release is owner-checked.
+
+        Returns:
+          list[str]: ``"key owner"`` for each released slot.
+        """
+        slots = [
+            (lock.key, h.owner)
+            for lock in self.locks(phase="queue")
+            for h in lock.holders
+            if h.record is not None and h.record.queue == queue
+        ]
+        release = functools.partial(self.backend.release, hand_over=False)
+        return [f"{key} {owner}" for key, owner in slots if self._call(f"release {key!r}", release, key, owner).held]
+
+    def reap(
+        self,
+        broker_client: Any,
+        *,
+        release: bool = False,
+        actor: Optional[str] = None,
+        min_age: Optional[int] = None,
+        batch: Optional[int] = None,
+    ) -> "ReapReport":
+        """Find the enqueue locks whose message is in no queue, delay
+        queue, dead-letter queue or worker of the Redis broker, and
+        release them when ``release`` (see :mod:`dramatiq_unique.ops.reap`).
+
+        Parameters:
+          broker_client(redis.Redis): A client of the broker's Redis.
+          release(bool): False (the default) only reports them.
+          actor(str): Only the locks of this actor.
+          min_age(int): Leave locks younger than this alone, in ms.
+          batch(int): Locks looked up per broker transaction.
+        """
+        from .reap import DEFAULT_BATCH, DEFAULT_MIN_AGE, Reaper, RedisQueues
+
+        reaper = Reaper(
+            self,
+            RedisQueues(broker_client),
+            min_age=DEFAULT_MIN_AGE if min_age is None else min_age,
+            batch=batch or DEFAULT_BATCH,
+        )
+        return reaper.run(release=release, actor=actor)
+
+    def call(self, doing: str, call: Callable[..., T], *args: Any) -> T:
+        """Run one backend call, turning its failures into
+        :class:`LockBackendError`.
+        """
+        return self._call(doing, call, *args)
+
+    def _lock(self, key: str) -> Optional[Lock]:
+        if not key.startswith(f"{self.prefix}:"):
+            return None
+        parts = _KEY.fullmatch(key[len(self.prefix) + 1 :])
+        if parts is None:
+            return None
+        info = self._call(f"inspect {key!r}", self.backend.inspect, key)
+        if info is None:
+            return None
+        waiting = []
+        if parts["phase"] == "run":
+            waiting = self._call(f"list the waiters of {key!r}", self.backend.waiters, key)
+        return _from_info(info, parts, tuple(waiting))
+
+    def _delete(self, key: str) -> bool:
+        return self._call(f"delete {key!r}", self.backend.delete, key)
+
+    def _scan(self, glob: str) -> Iterator[str]:
+        keys = self._call(f"scan {glob!r}", self.backend.scan, glob)
+        while True:
+            key = self._call(f"scan {glob!r}", next, keys, None)
+            if key is None:
+                return
+            yield key
+
+    def _call(self, doing: str, call: Callable[..., T], *args: Any) -> T:
+        """Run one backend call, turning its failures into
+        :class:`LockBackendError` with a one-line message.
+        """
+        try:
+            return call(*args)
+        except UniqueError:
+            raise
+        except Exception as e:
+            where = self.backend.describe()
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise LockBackendError(f"Lock backend {where} failed to {doing}: {reason}", backend=where) from e
+
+
+def _from_info(info: LockInfo, parts: "re.Match[str]", waiting: tuple[Waiter, ...] = ()) -> Lock:
+    holders = sorted(
+        (
+            Holder(owner, message_id_of(owner) or owner, deadline, info.records.get(owner))
+            for owner, deadline in info.holders.items()
+        ),
+        key=lambda h: (h.deadline, h.owner),
+    )
+    return Lock(
+        key=info.key,
+        actor=parts["actor"],
+        digest=parts["digest"],
+        phase=parts["phase"],
+        lock=info.lock,
+        holders=tuple(holders),
+        lock_args=info.lock_args,
+        fence=info.fence,
+        waiting=waiting,
+        current=info.current,
+        superseded=info.superseded,
+    )

@@ -1,0 +1,423 @@
+"""The ``dramatiq-unique`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from ..errors import UniqueError
+
+if TYPE_CHECKING:
+    from .admin import Lock, LockAdmin
+
+
+class CommandError(Exception):
+    """Ends the command with a one-line message on stderr."""
+
+    def __init__(self, message: str, *, status: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from . import demo
+
+    return demo.main(args.redis)
+
+
+# Lock administration ----------------------------------------------
+
+
+def _admin(args: argparse.Namespace) -> "LockAdmin":
+    """Connect to the locks named by ``--redis`` and ``--prefix``, or by
+    the ``dramatiq_unique_*`` environment variables, and check that the
+    backend answers.
+    """
+    from ..settings import from_environment
+    from .admin import LockAdmin
+
+    settings = from_environment()
+    url = args.redis or settings.redis_url
+    if url is None:
+        raise CommandError("no Redis to read locks from: give --redis URL or set dramatiq_unique_redis_url.")
+    try:
+        from ..backends.redis.client import RedisBackend
+    except ModuleNotFoundError as e:
+        if (e.name or "").partition(".")[0] != "redis":
+            raise
+        raise CommandError(
+            "the lock commands need redis-py, which comes with the redis extra: "
+            "run `pip install 'dramatiq-unique[redis]'`."
+        ) from None
+    try:
+        backend = RedisBackend(url=url, socket_connect_timeout=5, socket_timeout=30)
+    except Exception as e:
+        raise CommandError(f"cannot connect to {url}: {' '.join(str(e).split())}") from None
+    admin = LockAdmin(backend, prefix=args.prefix or settings.prefix)
+    admin.check()
+    return admin
+
+
+def _remaining(deadline: int) -> str:
+    seconds = (deadline - time.time() * 1000) / 1000
+    return _duration(seconds) if seconds > 0 else "expired"
+
+
+def _ago(since: int) -> str:
+    return _duration(max(0.0, (time.time() * 1000 - since) / 1000))
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes = int(seconds // 60)
+    if minutes < 60:
+        return f"{minutes} min {int(seconds % 60):02d} s"
+    hours = minutes // 60
+    return f"{hours} h {minutes % 60:02d} min" if hours < 48 else f"{hours // 24} d {hours % 24} h"
+
+
+def _timestamp(deadline: int) -> str:
+    return datetime.fromtimestamp(deadline / 1000, tz=timezone.utc).isoformat(timespec="seconds")
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2))
+
+
+def _print_table(rows: list[list[str]], headers: list[str]) -> None:
+    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows)]
+    for row in [headers, *rows]:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+
+
+def _age(taken_at: Optional[int]) -> str:
+    """How long ago ``taken_at`` (Unix ms) was; "?" when not recorded."""
+    return "?" if taken_at is None else _ago(taken_at)
+
+
+def _state(lock: "Lock") -> str:
+    """"provisional" while any holder awaits the confirmation of its
+    publish, "confirmed" otherwise; "-" for a run lock.
+    """
+    if lock.phase != "queue":
+        return "-"
+    return "provisional" if any(h.provisional for h in lock.holders) else "confirmed"
+
+
+def _row(lock: "Lock") -> list[str]:
+    soonest = _remaining(lock.holders[0].deadline)
+    oldest = min((h.taken_at for h in lock.holders if h.taken_at is not None), default=None)
+    age = _age(oldest)
+    waiting = str(len(lock.waiting)) if lock.phase == "run" else "-"
+    row = [lock.actor, lock.digest, lock.phase, lock.lock or "?", str(len(lock.holders)), age, soonest, _state(lock)]
+    return [*row, waiting]
+
+
+def _locks(args: argparse.Namespace) -> int:
+    admin = _admin(args)
+    locks = list(admin.locks(actor=args.actor, pattern=args.pattern))
+    if args.json:
+        _print_json([lock.as_dict() for lock in locks])
+        return 0
+    if not locks:
+        print(f"No locks under prefix {admin.prefix!r}.")
+        return 0
+    headers = ["ACTOR", "DIGEST", "PHASE", "LOCK", "HOLDERS", "AGE", "NEXT EXPIRY", "STATE", "WAITING"]
+    _print_table([_row(lock) for lock in locks], headers)
+    print(f"{len(locks)} lock{'s' if len(locks) != 1 else ''} under prefix {admin.prefix!r}.")
+    return 0
+
+
+def _print_lock(lock: "Lock") -> None:
+    print(f"key        {lock.key}")
+    print(f"actor      {lock.actor}")
+    print(f"digest     {lock.digest}")
+    print(f"phase      {lock.phase}")
+    print(f"lock       {lock.lock or '?'}")
+    print(f"fence      {lock.fence}")
+    print(f"lock args  {lock.lock_args if lock.lock_args is not None else '(not recorded)'}")
+    if lock.current is not None:
+        print(f"current    {lock.current}  (superseded {lock.superseded})")
+    print(f"holders    {len(lock.holders)}")
+    for holder in lock.holders:
+        print(f"  message {holder.message_id}  owner {holder.owner}")
+        if holder.taken_at is not None:
+            print(f"    taken   {_timestamp(holder.taken_at)} ({_age(holder.taken_at)} ago)")
+        state = "  provisional: lapses then unless its publish is confirmed" if holder.provisional else ""
+        print(f"    expires {_timestamp(holder.deadline)} (in {_remaining(holder.deadline)}){state}")
+    if lock.phase == "run":
+        print(f"waiting    {len(lock.waiting)}")
+        for waiter in lock.waiting:
+            print(f"  message {waiter.message_id}  sent {_timestamp(waiter.sent_at)} ({_ago(waiter.sent_at)} ago)")
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    locks = _admin(args).inspect(args.digest)
+    if args.json:
+        _print_json([lock.as_dict() for lock in locks])
+        return 0
+    for n, lock in enumerate(locks):
+        if n:
+            print()
+        _print_lock(lock)
+    return 0
+
+
+def _confirm(question: str) -> bool:
+    """Ask on stderr, so that stdout stays clean for ``--json``."""
+    print(f"{question} [y/N] ", end="", file=sys.stderr, flush=True)
+    answer = sys.stdin.readline()
+    if not sys.stdin.isatty():
+        print(file=sys.stderr)  # a piped answer is not echoed: end the prompt's line
+    return answer.strip().lower() in ("y", "yes")
+
+
+def _release(args: argparse.Namespace) -> int:
+    if sum(x is not None for x in (args.digest, args.actor, args.queue)) != 1:
+        raise CommandError("release takes one of a DIGEST, --actor NAME or --queue NAME.", status=2)
+    if args.digest is None and (args.holder or args.phase):
+        raise CommandError("--holder and --phase apply to a DIGEST, not to --actor or --queue.", status=2)
+    admin = _admin(args)
+    if args.actor is not None:
+        return _release_actor(admin, args)
+    if args.queue is not None:
+        return _release_queue(admin, args)
+    released = admin.release(args.digest, holder=args.holder, phase=args.phase)
+    if not released:
+        raise CommandError("nothing was released: the holder's slot had expired or been taken meanwhile.")
+    if args.json:
+        _print_json({"released": released})
+        return 0
+    for item in released:
+        key, _, owner = item.partition(" ")
+        print(f"Released holder {owner} of {key}." if owner else f"Released {key}.")
+    return 0
+
+
+def _release_actor(admin: "LockAdmin", args: argparse.Namespace) -> int:
+    count = sum(1 for _ in admin.locks(actor=args.actor))
+    question = f"Release {count} lock{'s' if count != 1 else ''} of actor {args.actor!r}?"
+    if count and not args.yes and not _confirm(question):
+        raise CommandError("aborted: nothing was released.")
+    released = admin.release_actor(args.actor) if count else []
+    if args.json:
+        _print_json({"released": released})
+    else:
+        print(f"Released {len(released)} lock{'s' if len(released) != 1 else ''} of actor {args.actor!r}.")
+    return 0
+
+
+def _release_queue(admin: "LockAdmin", args: argparse.Namespace) -> int:
+    from .reap import queue_of
+
+    count = sum(
+        1
+        for lock in admin.locks(phase="queue")
+        for h in lock.holders
+        if h.record is not None and queue_of(h.record) == args.queue
+    )
+    question = f"Release {count} enqueue lock holder{'s' if count != 1 else ''} of queue {args.queue!r}?"
+    if count and not args.yes and not _confirm(question):
+        raise CommandError("aborted: nothing was released.")
+    released = admin.release_queue(args.queue) if count else []
+    if args.json:
+        _print_json({"released": released})
+    else:
+        plural = "s" if len(released) != 1 else ""
+        print(f"Released {len(released)} enqueue lock holder{plural} of queue {args.queue!r}.")
+    return 0
+
+
+def _reap(args: argparse.Namespace) -> int:
+    if args.dry_run and args.yes:
+        raise CommandError("--dry-run and --yes contradict each other.", status=2)
+    admin = _admin(args)
+    url = args.broker_redis or args.redis or _settings_url()
+    if url is None:
+        raise CommandError("no broker Redis to look messages up in: give --broker-redis URL.")
+    try:
+        import redis
+
+        client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=30)
+        client.ping()
+    except Exception as e:
+        raise CommandError(f"cannot reach the broker's Redis at {url}: {' '.join(str(e).split())}") from None
+    report = admin.reap(client, release=args.yes, actor=args.actor, min_age=args.min_age, batch=args.batch)
+    if args.json:
+        _print_json(
+            {
+                "checked": report.checked,
+                "skipped": report.skipped,
+                "unknown": report.unknown,
+                "released": args.yes,
+                "suspects": [
+                    {
+                        "key": s.key,
+                        "actor": s.actor,
+                        "message_id": s.message_id,
+                        "lock_args": s.lock_args,
+                        "queue": s.queue,
+                        "age_ms": s.age,
+                        "released": s.released,
+                    }
+                    for s in report.suspects
+                ],
+            }
+        )
+        return 0
+    rows = [
+        [s.actor, s.message_id, s.queue, _duration(s.age / 1000), s.lock_args or "(not recorded)"]
+        for s in report.suspects
+    ]
+    if rows:
+        _print_table(rows, ["ACTOR", "MESSAGE", "QUEUE", "AGE", "LOCK ARGS"])
+    done = sum(1 for s in report.suspects if s.released) if args.yes else len(report.suspects)
+    what = f"{done} enqueue lock{'s' if done != 1 else ''} whose message is in no queue"
+    print(f"Released {what}." if args.yes else f"Would release {what} (run with --yes to release them).")
+    print(
+        f"Looked up {report.checked}; left alone {report.skipped} (provisional, younger than --min-age, "
+        f"or until_expired); {report.unknown} with no Redis broker place recorded (RabbitMQ messages cannot "
+        "be looked up by id: after a purge use 'release --queue NAME' or 'release --actor NAME')."
+    )
+    return 0
+
+
+def _settings_url() -> Optional[str]:
+    from ..settings import from_environment
+
+    return from_environment().redis_url
+
+
+def _dashboard(args: argparse.Namespace) -> int:
+    from ..dashboard import Dashboard
+    from ..dashboard.server import LOOPBACK_HOSTS, is_loopback, make_server
+
+    admin = _admin(args)
+    allowed_hosts = LOOPBACK_HOSTS | {args.host} if is_loopback(args.host) else None
+    try:
+        server = make_server(Dashboard(admin, allowed_hosts=allowed_hosts), host=args.host, port=args.port)
+    except OSError as e:
+        raise CommandError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    url = f"http://{host}:{server.server_port}/"
+    print(f"Serving the locks under prefix {admin.prefix!r} at {url}", file=sys.stderr)
+    print("The dashboard has no authentication: anyone who reaches it can release locks.", file=sys.stderr, flush=True)
+    with server:
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+class _Refused(argparse.Action):
+    """An option that other commands take and this one does not: a
+    usage error (status 2) that says why, instead of argparse's bare
+    "unrecognized arguments".  Hidden from the command's help.
+    """
+
+    def __init__(self, option_strings: Sequence[str], dest: str, *, reason: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, help=argparse.SUPPRESS, **kwargs)
+        self.reason = reason
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option: Any = None) -> None:
+        parser.error(f"{option} is not an option of this command: {self.reason}")
+
+
+def _connection_options() -> argparse.ArgumentParser:
+    """``--redis`` and ``--prefix``: every command that reads locks."""
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument("--redis", metavar="URL", help="the Redis of the locks (default: $dramatiq_unique_redis_url)")
+    options.add_argument("--prefix", help="the prefix of the lock keys (default: $dramatiq_unique_prefix or ours)")
+    return options
+
+
+def _json_option() -> argparse.ArgumentParser:
+    """``--json``: the commands whose output is data (not the demo's
+    timeline, nor the dashboard, which serves a page).
+    """
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument("--json", action="store_true", help="print JSON on stdout instead of text")
+    return options
+
+
+def _add_admin_commands(commands: Any) -> None:
+    from ..dashboard.server import DEFAULT_HOST, DEFAULT_PORT
+
+    common = [_connection_options(), _json_option()]
+    locks = commands.add_parser("locks", parents=common, help="list the live locks, using SCAN")
+    locks.add_argument("--actor", metavar="NAME", help="only the locks of this actor")
+    locks.add_argument("--pattern", metavar="GLOB", help="only the keys matching this Redis glob, e.g. '*:sync_*:*'")
+    locks.set_defaults(run=_locks)
+    inspect = commands.add_parser("inspect", parents=common, help="show the locks of one digest and their holders")
+    inspect.add_argument("digest", metavar="DIGEST", help="the 32 hex characters inside the braces of a lock key")
+    inspect.set_defaults(run=_inspect)
+    release = commands.add_parser("release", parents=common, help="release a digest's locks, a holder, or an actor's")
+    release.add_argument("digest", metavar="DIGEST", nargs="?", help="release the locks of this digest")
+    release.add_argument("--holder", metavar="ID", help="release only this holder (message id or owner)")
+    release.add_argument("--phase", choices=("queue", "run"), help="release only the enqueue or the run lock")
+    release.add_argument("--actor", metavar="NAME", help="release every lock of this actor (asks first)")
+    release.add_argument(
+        "--queue", metavar="NAME", help="release the enqueue locks of the messages published to this queue (asks first)"
+    )
+    release.add_argument("--yes", action="store_true", help="do not ask before releasing an actor's or queue's locks")
+    release.set_defaults(run=_release)
+    reap = commands.add_parser(
+        "reap", parents=common, help="find (and with --yes release) enqueue locks whose message is in no queue"
+    )
+    reap.add_argument("--dry-run", action="store_true", help="only list them (the default)")
+    reap.add_argument("--yes", action="store_true", help="release them")
+    reap.add_argument("--actor", metavar="NAME", help="only the locks of this actor")
+    reap.add_argument("--broker-redis", metavar="URL", help="the Redis broker's Redis (default: the locks' Redis)")
+    reap.add_argument(
+        "--min-age", type=int, default=None, metavar="MS", help="leave younger locks alone (default: 10000)"
+    )
+    reap.add_argument("--batch", type=int, default=None, metavar="N", help="locks per broker lookup (default: 100)")
+    reap.set_defaults(run=_reap)
+    dashboard = commands.add_parser(
+        "dashboard",
+        parents=[_connection_options()],
+        help="serve the lock dashboard (no authentication: binds 127.0.0.1 by default)",
+    )
+    dashboard.add_argument("--host", default=DEFAULT_HOST, help=f"the address to listen on (default: {DEFAULT_HOST})")
+    dashboard.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"0: any free port (default: {DEFAULT_PORT})")
+    dashboard.add_argument(
+        "--json",
+        action=_Refused,
+        reason="the dashboard serves a web page and prints no JSON (its address goes to stderr); "
+        "for the locks as JSON run `dramatiq-unique locks --json`, or read the dashboard's /api/locks.",
+    )
+    dashboard.set_defaults(run=_dashboard)
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="dramatiq-unique", description="Unique jobs and per-key locks for Dramatiq.")
+    commands = top.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="run the serialize-per-resource scenario and print its timeline")
+    demo.add_argument("--redis", metavar="URL", help="use a RedisBroker and RedisBackend at URL instead of memory")
+    demo.add_argument("--json", action=_Refused, reason="the demo prints a timeline for people to read, not JSON.")
+    demo.set_defaults(run=_demo)
+    _add_admin_commands(commands)
+    return top
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except CommandError as e:
+        print(f"dramatiq-unique: {e}", file=sys.stderr)
+        return e.status
+    except UniqueError as e:
+        # Backend failures, unknown digests and bad settings: one line, no traceback.
+        print(f"dramatiq-unique: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

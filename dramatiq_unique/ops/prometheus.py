@@ -1,0 +1,109 @@
+"""Prometheus metrics of dramatiq-unique, exposed along Dramatiq's own.
+
+Install the ``prometheus`` extra, then hand the middleware to a
+:class:`LockMetrics`::
+
+  from dramatiq.middleware.prometheus import Prometheus
+  from dramatiq_unique import UniqueMiddleware
+  from dramatiq_unique.ops.prometheus import LockMetrics
+
+  unique = UniqueMiddleware()
+  LockMetrics(unique)
+  broker.add_middleware(Prometheus())
+  broker.add_middleware(unique)
+
+The metrics (see :data:`METRICS`):
+
+* ``dramatiq_unique_lock_events_total{actor_name, event}``: a counter
+  of every lock event (:data:`dramatiq_unique.EVENTS`);
+* ``dramatiq_unique_leases_held{actor_name}``: a gauge of the run locks
+  (leases) that this process holds now.
+
+Under ``dramatiq`` worker processes, Dramatiq's ``Prometheus``
+middleware points ``prometheus_client`` at its multiprocess directory
+(``dramatiq_prom_db``) when each process boots, and its exposition
+server (``dramatiq_prom_host``:``dramatiq_prom_port``, 9191 by default)
+sums every process's files.  ``prometheus_client`` decides between
+in-process and multiprocess values when it is first imported, so
+:class:`LockMetrics` imports it only when the first event arrives, and
+its metrics land in that same exposition; the gauge uses the
+``livesum`` mode, so a process that has shut down drops out.  Do not
+import ``prometheus_client`` in your broker module for the same reason.
+Elsewhere (a web process that sends messages), the metrics go to
+``prometheus_client.REGISTRY``, or to the registry you give, for your
+own exporter.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any, Optional
+
+from ..events import LockEvent
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry, Counter, Gauge
+
+    from ..middleware import UniqueMiddleware
+
+#: The metrics, as ``(name, type, labels, meaning)``; a counter's
+#: samples carry a ``_total`` suffix.
+METRICS = (
+    ("dramatiq_unique_lock_events", "counter", ("actor_name", "event"), "lock events, by actor and event name"),
+    ("dramatiq_unique_leases_held", "gauge", ("actor_name",), "run locks (leases) this process holds now"),
+)
+
+_by_registry: "weakref.WeakKeyDictionary[Any, tuple[Counter, Gauge]]" = weakref.WeakKeyDictionary()
+_by_registry_mutex = threading.Lock()
+
+
+def _metrics(registry: Optional["CollectorRegistry"]) -> tuple["Counter", "Gauge"]:
+    """The metrics on ``registry``, created once per registry so that
+    several middlewares in one process share them.
+    """
+    import prometheus_client as prom  # here, never at import: see the module docstring
+
+    target = prom.REGISTRY if registry is None else registry
+    with _by_registry_mutex:
+        if target not in _by_registry:
+            (events, _, event_labels, event_help), (leases, _, lease_labels, lease_help) = METRICS
+            _by_registry[target] = (
+                prom.Counter(events, event_help, event_labels, registry=target),
+                prom.Gauge(leases, lease_help, lease_labels, registry=target, multiprocess_mode="livesum"),
+            )
+        return _by_registry[target]
+
+
+class LockMetrics:
+    """Counts the lock events of a :class:`UniqueMiddleware`, and
+    gauges the run leases its process holds.
+
+    Parameters:
+      middleware(UniqueMiddleware): The middleware to observe; this
+        subscribes to its events.
+      registry(prometheus_client.CollectorRegistry): Where to register
+        the metrics.  Defaults to ``prometheus_client.REGISTRY``.
+
+    Raises:
+      ImportError: when ``prometheus_client`` is not installed.
+    """
+
+    def __init__(self, middleware: "UniqueMiddleware", *, registry: Optional["CollectorRegistry"] = None) -> None:
+        if importlib.util.find_spec("prometheus_client") is None:
+            raise ImportError("LockMetrics needs prometheus_client. Run `pip install dramatiq-unique[prometheus]`.")
+        self.middleware = middleware
+        self.registry = registry
+        # Serialises reading the lease count and setting the gauge, so
+        # an older count never overwrites a newer one.
+        self._gauge_mutex = threading.Lock()
+        middleware.events.subscribe(self)
+
+    def __call__(self, event: LockEvent) -> None:
+        """Count ``event``; for a run lock, set the gauge of leases."""
+        events, leases = _metrics(self.registry)
+        events.labels(actor_name=event.actor, event=event.name).inc()
+        if event.key.endswith(":run"):
+            with self._gauge_mutex:
+                leases.labels(actor_name=event.actor).set(self.middleware.leases.count(event.actor))

@@ -1,0 +1,248 @@
+"""What the guards work with: the lock service, and the guarded
+enqueue call.
+
+The enqueue and process guards, replace and debounce, and the send fast
+path each act for one
+:class:`~dramatiq_unique.middleware.UniqueMiddleware`, but none of them
+holds it.  They use a :class:`LockService`: where the locks live, how a
+key is made, how an event is told and how a backend failure is
+reported.  The middleware makes the service and the guards; the guards
+import this module and each other downwards only (``guard`` imports
+``replace`` and ``fastpath``, never the reverse; the worker side
+imports the send side, never the reverse), and
+``tests/test_import_graph.py`` fails on any import cycle.
+
+:class:`EnqueueLocks` is what every way of taking an enqueue lock shares
+(the two-step path in :mod:`.guard`, :mod:`.replace`, the fast path
+in :mod:`.fastpath`): the locks the current guarded call took, how a
+duplicate is refused, and how a failed take fails closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+
+from ..compat import ConsumerThread
+from ..errors import DuplicateMessage, LockBackendError
+from ..events import EventHub, LockEvent
+from .copies import message_id_of
+
+if TYPE_CHECKING:
+    from ..backends.base import LockBackend
+    from ..model.spec import ActorSpec
+    from ..settings import Settings
+    from .confirm import Pending
+
+
+class LockService:
+    """The backend of one middleware, and how its guards report.
+
+    Parameters:
+      settings(Settings): The middleware's settings.
+      logger(logging.Logger): The middleware's logger.
+      events(EventHub): Where lock events go.
+      specs(dict[str, ActorSpec]): The locked actors, by name (the
+        middleware's own dict, filled as actors are declared).
+    """
+
+    def __init__(
+        self, *, settings: "Settings", logger: logging.Logger, events: EventHub, specs: dict[str, "ActorSpec"]
+    ) -> None:
+        self.settings = settings
+        self.logger = logger
+        self.events = events
+        self.specs = specs
+        #: Where the locks live; None until a broker picks the default.
+        self.backend: Optional["LockBackend"] = None
+        #: False turns all locking off (the middleware's ``enabled``).
+        self.enabled = settings.enabled
+        #: Store the lock args JSON with each lock, for operators.
+        self.record_lock_args = settings.record_lock_args
+
+    def key(self, spec: "ActorSpec", digest: str, phase: str) -> str:
+        """The backend key of one lock: prefix, actor in clear text, and
+        the digest inside a Cluster hash tag.
+        """
+        return f"{self.settings.prefix}:{spec.scope}:{{{digest}}}:{phase}"
+
+    def emit(self, name: str, spec: "ActorSpec", key: str, message: Any, holder: Optional[str] = None) -> None:
+        """Count a lock event and pass it to the listeners."""
+        listeners = self.events.tally(name, spec.actor_name)
+        if listeners:  # two events a job: built only for someone
+            message_id = getattr(message, "message_id", None)
+            event = LockEvent(name, spec.actor_name, key, message_id, message_id_of(holder) if holder else None)
+            self.events.tell(listeners, event)
+
+    def backend_error(
+        self, action: str, key: str, spec: "ActorSpec", message: Any, error: Exception
+    ) -> LockBackendError:
+        """Log and count a backend failure, and wrap it."""
+        assert self.backend is not None
+        self.emit("backend_error", spec, key, message)
+        where = self.backend.describe()
+        self.logger.error("Lock backend %s failed to %s %r: %r", where, action, key, error)
+        return LockBackendError(f"Lock backend {where} failed to {action} {key!r}: {error!r}", backend=where)
+
+    def enqueue_ttl(self, spec: "ActorSpec", delay: Optional[int]) -> int:
+        """An enqueue lock's lifetime: ``lock_ttl`` from when the message is due."""
+        return (delay or 0) + self.queue_lock_ttl(spec)
+
+    def queue_lock_ttl(self, spec: "ActorSpec") -> int:
+        """The ``lock_ttl`` of ``spec``'s enqueue locks, in ms."""
+        return spec.lock_ttl if spec.lock_ttl is not None else self.settings.lock_ttl
+
+
+class Deferred(NamedTuple):
+    """An enqueue lock noted in ``before_enqueue``, for the send fast
+    path to take in ``do_enqueue`` (see :mod:`.fastpath`).
+    """
+
+    key: str
+    ttl: int
+    lock_args: Optional[str]
+    where: str
+    spec: "ActorSpec"
+    message: Any
+
+
+class GuardedCall:
+    """What the current guarded enqueue call did to locks."""
+
+    __slots__ = ("taken", "provisional", "deferred")
+
+    def __init__(self) -> None:
+        #: Locks taken fresh: released if the publish fails.
+        self.taken: list[tuple[str, str]] = []
+        #: Provisional locks: confirmed once the publish returns.
+        self.provisional: list["Pending"] = []
+        #: Locks the send fast path takes with the publish, by
+        #: ``redis_message_id`` (a hook may enqueue another message).
+        self.deferred: Optional[dict[str, Deferred]] = None
+
+
+#: The guarded enqueue call under way in this context, if any.
+CURRENT_CALL: ContextVar[Optional[GuardedCall]] = ContextVar("dramatiq_unique_taken", default=None)
+
+
+class Refused(DuplicateMessage):
+    """A duplicate under ``on_conflict="log"``: the guarded enqueue
+    returns the message without sending it.
+    """
+
+
+def maybe_applied(error: Exception) -> bool:
+    """Whether a failed call may have taken effect: a timeout (builtin,
+    socket or redis-py) may have lost only its reply; a refused
+    connection never sent anything.
+    """
+    return "timeout" in type(error).__name__.lower()
+
+
+def is_fresh(message: Any) -> bool:
+    """Whether this enqueue is a new send, which may be refused, rather
+    than a re-enqueue, which must never raise.
+    """
+    return "unique_digest" not in message.options and not isinstance(threading.current_thread(), ConsumerThread)
+
+
+class EnqueueLocks:
+    """What every path that takes an enqueue lock shares.
+
+    Parameters:
+      service(LockService): The middleware's lock service.
+    """
+
+    def __init__(self, service: LockService) -> None:
+        self.service = service
+        #: The Redis broker's namespace, to record where each message
+        #: goes for the reaper; None on other brokers.
+        self.namespace: Optional[str] = None
+
+    def where(self, message: Any) -> str:
+        """Where ``message`` is being published, as the reaper looks for
+        it: ``namespace\tqueue\tredis_message_id`` on the Redis broker;
+        on other brokers the namespace and id are empty (a RabbitMQ
+        message cannot be looked up by id), the queue is still named.
+        """
+        redis_id = message.options.get("redis_message_id")
+        if self.namespace is None or not isinstance(redis_id, str):
+            return f"\t{message.queue_name}\t"
+        return f"{self.namespace}\t{message.queue_name}\t{redis_id}"
+
+    def lock_args(self, message: Any, spec: "ActorSpec", fresh: bool) -> Optional[str]:
+        """The lock args JSON a new send records, if the middleware
+        records them: the one stamped on the message, else worked out.
+        """
+        if not (fresh and self.service.record_lock_args):
+            return None
+        stamped = message.options.get("unique_lock_args")
+        if isinstance(stamped, str):
+            return stamped
+        return spec.canonical(spec.key_material(message.args, message.kwargs))
+
+    def stamp_lock_args(self, message: Any, spec: "ActorSpec", fresh: bool) -> None:
+        """Stamp on a new send the lock args it records, if any: the
+        worker's run lock records them from the message (see
+        :func:`~.copies.copy_of`).
+        """
+        recorded = self.lock_args(message, spec, fresh)
+        if recorded is not None:
+            message.options.setdefault("unique_lock_args", recorded)
+
+    def record(self, key: str, owner: str) -> None:
+        """Remember a lock this guarded call took, to give it back if
+        the message is not enqueued after all.
+        """
+        call = CURRENT_CALL.get()
+        if call is not None:
+            call.taken.append((key, owner))
+
+    def locked(self, message: Any, spec: "ActorSpec", key: str) -> None:
+        """A new lock was taken for ``message``: record and tell it."""
+        self.record(key, message.message_id)
+        self.service.emit("locked", spec, key, message)
+
+    def refuse(self, message: Any, spec: "ActorSpec", key: str, holder: Optional[str]) -> None:
+        """Refuse a duplicate: raise to the caller under ``raise``, else
+        :class:`Refused`, which the guarded enqueue turns into a
+        returned, unsent message.
+        """
+        service = self.service
+        message.options.pop("unique_digest", None)
+        service.emit("duplicate", spec, key, message, holder)
+        text = f"Not enqueued: {message} duplicates message {holder}, which holds lock {key!r}."
+        if spec.client == "raise":
+            raise DuplicateMessage(text, key=key, holder=holder)
+        service.logger.info("Duplicate %s not enqueued: lock %r is held by message %s.", message, key, holder)
+        raise Refused(text, key=key, holder=holder)
+
+    def lapsed(self, message: Any, spec: "ActorSpec", key: str, holder: Optional[str]) -> None:
+        """A re-enqueue found its lock lapsed and held by ``holder``: it
+        goes on unlocked, and says so.
+        """
+        self.service.logger.warning(
+            "Lock %r of %s lapsed and is held by %s; enqueueing it anyway.", key, message, holder
+        )
+        self.service.emit("lock_lost", spec, key, message, holder)
+
+    def take_failed(
+        self, message: Any, spec: "ActorSpec", key: str, fresh: bool, error: Exception, *, give_back: bool = True
+    ) -> None:
+        """A call that takes the enqueue lock failed: a new send fails
+        closed (unless told to go on unlocked); a re-enqueue goes on.
+        ``give_back`` gives back a lock the call may have taken, when it
+        fails closed: unless the same call also published the message.
+        """
+        service = self.service
+        wrapped = service.backend_error("take the enqueue lock", key, spec, message, error)
+        if fresh and service.settings.on_backend_error == "fail":
+            message.options.pop("unique_digest", None)
+            if give_back and maybe_applied(error):
+                # Only the reply may be lost: the guard gives back whatever
+                # this new message holds (and what a replace superseded).
+                self.record(key, message.message_id)
+            raise wrapped from error
+        service.logger.warning("Enqueueing %s without its lock %r.", message, key)

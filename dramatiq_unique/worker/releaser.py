@@ -1,0 +1,388 @@
+"""Releases run locks off the worker thread's own round trips.
+
+A worker thread that has run its actor queues the release of its run
+lock here and moves on to its next message.  The releases pending when
+a worker thread takes its next run lock ride in front of that call, in
+the same round trip (:meth:`LockBackend.release_and_start`): under load
+a release costs no round trip of its own.  What no worker thread has
+carried within ``linger`` milliseconds, one background thread per
+process (a :class:`~..background.BackgroundThread`) sends in one round trip (:meth:`LockBackend.release_many`).  Each
+outcome is reported where it arrived, in order with the call it rode
+with; the work a report leaves to do (enqueueing the waiter a release
+handed its key to) is done on the releaser thread.
+
+What stays true:
+
+* Each release is submitted once, by the delivery that took the lock,
+  and sent once, by whichever thread takes it off the pending list
+  first (once more if an interrupt meant for the worker thread that
+  carried it, a time limit or a shutdown notice, broke that call); the
+  release script checks the owner, so a release can never free another
+  holder's slot.  A release sent in front of another lock's call is
+  applied before it.
+* Nothing on a worker thread waits for Redis here: submitting appends
+  to a list.  A batch that has waited longer than ``stall_after`` for
+  its reply is reported (ERROR log and a ``backend_error`` per lock) by
+  the next submission, so a stuck Redis is never silent.  A release
+  that rides with a run lock's call fails with that call.
+* The lock is released a little later than the message is acked.  If
+  the process dies in between, the key stays held until its lease
+  expires (``lease``, 60 s by default), as after any crash.
+* The worker's shutdown drains the pending releases, waiting at most
+  ``drain_timeout``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence, Union
+
+from dramatiq.logging import get_logger
+
+from ..backends.base import Copy, LockBackend, Release, Start
+from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread
+from ..clock import now_ms
+from ..forks import pid
+
+#: The most releases sent in one round trip.
+DEFAULT_BATCH = 256
+
+#: After how long, in milliseconds, a batch still waiting for its reply
+#: is reported.
+DEFAULT_STALL_AFTER = 1_000
+
+#: How long, in milliseconds, the worker's shutdown waits for pending
+#: releases.
+DEFAULT_DRAIN_TIMEOUT = 10_000
+
+#: How long, in milliseconds, a release waits for a worker thread's run
+#: lock call to carry it before the releaser thread sends it.
+DEFAULT_LINGER = 2
+
+#: After how long without a submission, in milliseconds, the releaser
+#: thread stops looking every ``linger`` and waits to be woken: under
+#: load it wakes once per ``linger``, not once per release.
+QUIET_AFTER = 50
+
+Outcome = Union[Release, Exception]
+
+
+@dataclass(eq=False)
+class PendingRelease:
+    """One run lock to release, and what to do with the outcome.
+
+    Attributes:
+      key(str): The lock key.
+      owner(str): The owner token of the execution that held it.
+      actor(str): The actor, for events.
+      done(callable): Called on the thread that sent it with the
+        :class:`Release`, or the exception the release raised; it may
+        return work to do next (a hand-off), which the releaser thread
+        does, so that no worker thread waits for it.
+    """
+
+    key: str
+    owner: str
+    actor: str
+    done: Callable[[Outcome], Optional[Callable[[], None]]]
+    submitted_at: float = field(default_factory=now_ms)
+    resent: bool = False  # sent again after a call that may have applied it was broken
+
+
+#: A release and what its report left to do on the releaser thread.
+FollowUp = tuple[PendingRelease, Callable[[], None]]
+
+
+class Releaser:
+    """Releases run locks of one process in the background.
+
+    Parameters:
+      backend(LockBackend): Where the locks live.
+      on_stalled(callable): Called, on a worker thread, with the
+        releases of a batch that has waited longer than
+        ``stall_after`` for the backend.
+      batch(int): The most releases per round trip.
+      stall_after(int): In milliseconds.
+      drain_timeout(int): In milliseconds.
+      linger(int): In milliseconds; 0 sends every release at once from
+        the releaser thread.
+    """
+
+    def __init__(
+        self,
+        backend: LockBackend,
+        *,
+        on_stalled: Callable[[list[PendingRelease]], None],
+        batch: int = DEFAULT_BATCH,
+        stall_after: int = DEFAULT_STALL_AFTER,
+        drain_timeout: int = DEFAULT_DRAIN_TIMEOUT,
+        linger: int = DEFAULT_LINGER,
+    ) -> None:
+        self.logger = get_logger(__name__, type(self))
+        self.backend = backend
+        self.on_stalled = on_stalled
+        self.batch = batch
+        self.stall_after = stall_after
+        self.drain_timeout = drain_timeout
+        self.linger = linger
+        self._reset()
+        # A greenlet under gevent: it sends with the backend's own client,
+        # whose patched sockets and pool belong to the hub's thread.
+        self._thread = BackgroundThread(
+            name="dramatiq-unique-releaser", loop=self._serve, on_fork=self._reset, on_wake=self._notify
+        )
+
+    def _reset(self) -> None:
+        # Also run in a forked child, before its code runs: the parent
+        # releases what it queued, and its lock may have been held.
+        self._pending: list[PendingRelease] = []
+        self._sending: list[PendingRelease] = []
+        self._riding = 0  # releases sent by worker threads, not yet reported
+        self._draining = 0  # drains waiting: the releaser lingers for none
+        self._last_submitted = 0.0
+        self._follow_ups: list[FollowUp] = []  # what reports left to do, on the releaser thread
+        self._sending_since = 0.0
+        self._stall_reported = False
+        # A plain lock under the condition: the per-job paths take it
+        # directly, without the condition's Python-level __enter__.
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._idle = False
+
+    def _notify(self) -> None:
+        with self._wakeup:
+            self._wakeup.notify_all()
+
+    def submit(self, pending: PendingRelease) -> None:
+        """Queue one release; never waits for the backend."""
+        with self._lock:
+            self._pending.append(pending)
+            self._last_submitted = pending.submitted_at
+            if self._thread.running_in != pid():
+                self._ensure_thread()
+            if self._idle:
+                self._wakeup.notify()  # only an idle releaser needs waking; a busy one looks again
+            stalled = self._stalled() if self._sending else None
+        if stalled:
+            self.on_stalled(stalled)
+
+    def start(
+        self, key: str, owner: str, *, ttl: int, limit: int, lock: str, copy: Copy, queue_key: Optional[str] = None
+    ) -> Start:
+        """:meth:`LockBackend.start`, with the releases pending now sent
+        in front of it, in the same round trip.  (Keywords spelled out:
+        passing ``**options`` on builds a dict per call, per job.)
+
+        Raises:
+          Exception: What the start raised; the releases that rode with
+            it are reported as failed with it.
+        """
+        riders = self._board()
+        if not riders:
+            return self.backend.start(key, owner, ttl=ttl, limit=limit, lock=lock, copy=copy, queue_key=queue_key)
+        try:
+            outcomes, started = self.backend.release_and_start(
+                [(pending.key, pending.owner) for pending in riders],
+                key,
+                owner,
+                ttl=ttl,
+                limit=limit,
+                lock=lock,
+                copy=copy,
+                queue_key=queue_key,
+            )
+        except Exception as e:
+            outcomes, started = [e] * len(riders), e
+        except BaseException:
+            self._unboard(riders)
+            raise
+        self._arrived(riders, outcomes)
+        if isinstance(started, Exception):
+            raise started
+        return started
+
+    def _board(self) -> list[PendingRelease]:
+        if not self._pending:
+            return []  # read without the lock: a release missed here goes with the next call
+        with self._lock:
+            riders, self._pending = self._pending[: self.batch], self._pending[self.batch :]
+            self._riding += len(riders)
+        return riders
+
+    def _unboard(self, riders: list[PendingRelease]) -> None:
+        """Queue again, first, the releases of a call that an interrupt
+        meant for its worker thread broke (a time limit, a shutdown
+        notice): the releaser thread sends them, so their keys are freed
+        now rather than when their leases expire.  The broken call may
+        have applied them: a release found done already is not reported
+        as a lost lock.
+        """
+        for pending in riders:
+            pending.resent = True
+        with self._lock:
+            self._pending[:0] = riders
+            self._riding -= len(riders)
+            self._ensure_thread()
+            self._wakeup.notify_all()
+
+    def _arrived(self, riders: Sequence[PendingRelease], outcomes: Sequence[Outcome]) -> None:
+        """Report the releases a worker thread carried, here and in
+        order, and leave what the reports left to do (the hand-offs) to
+        the releaser thread.
+        """
+        follow_ups: list[FollowUp] = []
+        for pending, outcome in zip(riders, outcomes):
+            follow_up = self._report(pending, outcome)
+            if follow_up is not None:
+                follow_ups.append((pending, follow_up))
+        with self._lock:
+            self._riding -= len(riders) - len(follow_ups)  # a hand-off counts until it is done
+            self._follow_ups += follow_ups
+            if follow_ups:
+                self._ensure_thread()
+            if follow_ups or self._draining:
+                self._wakeup.notify_all()
+
+    def _ensure_thread(self) -> None:
+        """Start the releaser thread unless it runs; the lock is held."""
+        self._thread.ensure_started()
+
+    def _stalled(self) -> list[PendingRelease]:
+        """The batch in flight, once, when it has waited too long."""
+        if not self._sending or self._stall_reported or now_ms() - self._sending_since < self.stall_after:
+            return []
+        self._stall_reported = True
+        return list(self._sending)
+
+    def pending(self) -> int:
+        """How many releases are queued, in flight or not yet reported."""
+        with self._wakeup:
+            return self._left()
+
+    def _left(self) -> int:
+        return len(self._pending) + len(self._sending) + self._riding
+
+    def drain(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every submitted release was sent and reported, at
+        most ``timeout`` milliseconds (default ``drain_timeout``).
+
+        Returns:
+          bool: True when nothing is left.
+        """
+        deadline = now_ms() + (self.drain_timeout if timeout is None else timeout)
+        with self._wakeup:
+            self._draining += 1
+            self._wakeup.notify_all()  # a lingering releaser sends at once
+            try:
+                while self._left():
+                    if self._thread.running_in != pid() and not self._riding:
+                        return False
+                    left = deadline - now_ms()
+                    if left <= 0:
+                        return False
+                    self._wakeup.wait(timeout=left / 1000)
+            finally:
+                self._draining -= 1
+        return True
+
+    def stop(self, timeout: Optional[float] = None) -> None:
+        """Drain, then end the thread.  What is left after ``timeout``
+        milliseconds is logged and left to expire with its lease.
+        """
+        drained = self.drain(timeout)
+        # A thread stuck in a call is not waited for again: the drain did.
+        self._thread.stop(timeout=DEFAULT_STOP_TIMEOUT if drained else 0)
+        with self._wakeup:
+            left = self._left()
+        if not drained and left:
+            self.logger.warning("%d run lock(s) were not released before shutdown; their leases expire.", left)
+
+    def _serve(self, thread: BackgroundThread) -> None:
+        try:
+            while True:
+                with self._wakeup:
+                    batch, follow_ups = self._next(thread)
+                    if batch is None:
+                        thread.retire()  # under the lock: a submission from now on starts a new thread
+                        return
+                    self._sending, self._sending_since, self._stall_reported = batch, now_ms(), False
+                self._send(batch, follow_ups)
+        except BaseException:
+            with self._wakeup:
+                thread.retire()  # the next submission starts a new thread (the base logs the error)
+                self._wakeup.notify_all()  # and a drain waiting for this one stops waiting
+            raise
+
+    def _send(self, batch: list[PendingRelease], follow_ups: list[FollowUp]) -> None:
+        """Do the hand-offs left to do, then send ``batch`` in one round
+        trip and report each outcome.
+        """
+        for pending, follow_up in follow_ups:
+            self._follow(pending, follow_up)
+        outcomes = self._release(batch)
+        for pending, outcome in zip(batch, outcomes):
+            then = self._report(pending, outcome)
+            if then is not None:
+                self._follow(pending, then)
+        with self._wakeup:
+            self._sending = []
+            self._riding -= len(follow_ups)
+            self._wakeup.notify_all()
+
+    def _next(self, thread: BackgroundThread) -> tuple[Optional[list[PendingRelease]], list[FollowUp]]:
+        """Wait, holding the lock, for hand-offs to do or releases that
+        no worker thread carried within ``linger``; None to end.
+        """
+        while True:
+            if self._follow_ups:
+                follow_ups, self._follow_ups = self._follow_ups, []
+                return self._due(force=True), follow_ups
+            due = self._due(force=thread.stopping or self._draining > 0)
+            if due:
+                return due, []
+            if thread.stopping and not self._pending:
+                return None, []
+            # Idle (woken by the next submission) when there is nothing to
+            # send and either nothing to linger for or nothing submitted lately.
+            self._idle = not self._pending and (self.linger <= 0 or now_ms() - self._last_submitted > QUIET_AFTER)
+            look_again = self._linger_left() if self._pending else self.linger
+            self._wakeup.wait(timeout=1.0 if self._idle else look_again / 1000)
+            self._idle = False
+
+    def _due(self, *, force: bool) -> list[PendingRelease]:
+        if not self._pending or not (force or self._linger_left() <= 0):
+            return []
+        batch, self._pending = self._pending[: self.batch], self._pending[self.batch :]
+        return batch
+
+    def _linger_left(self) -> float:
+        first = self._pending[0]
+        return 0.0 if first.resent else first.submitted_at + self.linger - now_ms()
+
+    def _release(self, batch: list[PendingRelease]) -> list[Outcome]:
+        if not batch:
+            return []
+        try:
+            outcomes = self.backend.release_many([(pending.key, pending.owner) for pending in batch])
+        except Exception as e:
+            return [e] * len(batch)
+        if self._stall_reported:
+            self.logger.warning("The lock backend answered %d release(s) after %.0f ms.",
+                                len(batch), now_ms() - self._sending_since)
+        return outcomes
+
+    def _report(self, pending: PendingRelease, outcome: Outcome) -> Optional[Callable[[], None]]:
+        if pending.resent and isinstance(outcome, Release) and not outcome.held and outcome.promoted is None:
+            return None  # the broken call released it: nothing was lost
+        try:
+            return pending.done(outcome)
+        except Exception:
+            self.logger.exception("Could not report the release of %r.", pending.key)
+            return None
+
+    def _follow(self, pending: PendingRelease, follow_up: Callable[[], None]) -> None:
+        try:
+            follow_up()
+        except Exception:
+            self.logger.exception("Could not report the release of %r.", pending.key)

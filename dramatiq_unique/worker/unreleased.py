@@ -1,0 +1,236 @@
+"""Releases that failed, sent again off the worker thread until they land.
+
+A release that fails (a dropped connection, a timeout, Redis down for
+a while) would leave its key held until the lock expires: 60 s for a
+run lease, 24 h for an ``until_executed`` enqueue lock.  Instead it is
+queued here, and one background thread per process (a
+:class:`~..background.BackgroundThread`, a greenlet under gevent) sends
+it again, with backoff, until it is applied, or until the lock would have expired
+anyway, when there is nothing left to free.
+
+A failed release may have been applied (its reply was lost), so a
+retry that finds the owner gone reports nothing: the lock was freed,
+by the first send or by its expiry, and never by another owner's
+release (the release script checks the owner).  The worker's shutdown
+sends what is left once more and waits at most ``drain_timeout``.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+from dramatiq.logging import get_logger
+
+from ..backends.base import LockBackend, Release
+from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread
+from ..clock import now_ms
+from ..forks import pid
+
+#: Milliseconds before the first retry of a failed release; each retry
+#: waits twice as long as the one before, up to ``DEFAULT_MOST_BETWEEN``.
+DEFAULT_FIRST_RETRY = 100
+
+#: The longest wait between two retries, in milliseconds: a key is
+#: accepted again within about this long of the network coming back.
+DEFAULT_MOST_BETWEEN = 1_000
+
+#: How long, in milliseconds, the worker's shutdown waits for them.
+DEFAULT_DRAIN_TIMEOUT = 5_000
+
+#: The most releases sent in one round trip.
+BATCH = 256
+
+
+@dataclass(eq=False)
+class FailedRelease:
+    """One release to send again.
+
+    Attributes:
+      key(str): The lock key.
+      owner(str): The owner the release checks.
+      until(float): Monotonic milliseconds when the lock expires by
+        itself: no retry after that.
+      landed(callable): Called on the retry thread with the
+        :class:`Release` once a retry is applied; it may return work to
+        do next (a hand-off), done there too.
+    """
+
+    key: str
+    owner: str
+    until: float
+    landed: Callable[[Release], Optional[Callable[[], None]]]
+    due: float = 0.0
+    wait: float = DEFAULT_FIRST_RETRY
+
+
+class ReleaseRetries:
+    """Sends failed releases of one process again, in the background.
+
+    Parameters:
+      backend(LockBackend): Where the locks live.
+      first_retry(int): Milliseconds before the first retry.
+      most_between(int): The longest wait between retries, in ms.
+      drain_timeout(int): How long ``stop`` waits, in ms.
+    """
+
+    def __init__(
+        self,
+        backend: LockBackend,
+        *,
+        first_retry: int = DEFAULT_FIRST_RETRY,
+        most_between: int = DEFAULT_MOST_BETWEEN,
+        drain_timeout: int = DEFAULT_DRAIN_TIMEOUT,
+    ) -> None:
+        self.logger = get_logger(__name__, type(self))
+        self.backend = backend
+        self.first_retry = first_retry
+        self.most_between = most_between
+        self.drain_timeout = drain_timeout
+        self._reset()
+        # A greenlet under gevent: it sends with the backend's own client.
+        self._thread = BackgroundThread(
+            name="dramatiq-unique-release-retries", loop=self._run, on_fork=self._reset, on_wake=self._notify
+        )
+
+    def _reset(self) -> None:
+        # Also run in a forked child: what the parent failed to release is
+        # the parent's, and its lock may have been held at the fork.
+        self._failed: list[FailedRelease] = []
+        self._sending = 0
+        self._wakeup = threading.Condition(threading.Lock())
+
+    def _notify(self) -> None:
+        with self._wakeup:
+            self._wakeup.notify_all()
+
+    def submit(self, failed: FailedRelease) -> None:
+        """Queue a release that failed; never waits for the backend."""
+        failed.wait = self.first_retry
+        failed.due = now_ms() + self._jittered(failed.wait)
+        with self._wakeup:
+            self._failed.append(failed)
+            if self._thread.running_in != pid():
+                self._ensure_thread()
+            self._wakeup.notify_all()
+
+    def pending(self) -> int:
+        """How many releases wait for a retry, or are being sent."""
+        with self._wakeup:
+            return len(self._failed) + self._sending
+
+    def step(self, *, force: bool = False) -> None:
+        """Send, in one round trip, the releases due now (``force``: all
+        of them), and report or queue again each outcome.
+        """
+        with self._wakeup:
+            batch = self._take_due(force=force)
+        if batch:
+            self._send(batch)
+
+    def drain(self, timeout: Optional[float] = None) -> bool:
+        """Retry until nothing is left, at most ``timeout`` ms (default
+        ``drain_timeout``), on the calling thread.
+
+        Returns:
+          bool: True when nothing is left.
+        """
+        deadline = now_ms() + (self.drain_timeout if timeout is None else timeout)
+        while self.pending():
+            if now_ms() >= deadline:
+                return False
+            self.step(force=True)
+            with self._wakeup:
+                if self._failed or self._sending:
+                    self._wakeup.wait(timeout=min(self.first_retry, max(deadline - now_ms(), 0)) / 1000)
+        return True
+
+    def stop(self, timeout: Optional[float] = None) -> None:
+        """Drain, then end the thread.  What is left is logged and left
+        to expire with its lock.
+        """
+        drained = self.drain(timeout)
+        with self._wakeup:
+            left, self._failed = self._failed, []
+        # A thread stuck in a call is not waited for again: the drain did.
+        self._thread.stop(timeout=DEFAULT_STOP_TIMEOUT if drained else 0)
+        if not drained and left:
+            self.logger.warning(
+                "%d lock(s) could not be released before shutdown; they expire with their lease or lock_ttl.",
+                len(left),
+            )
+
+    # The thread ---------------------------------------------------------
+
+    def _ensure_thread(self) -> None:
+        """Start the retry thread unless it runs; the lock is held."""
+        self._thread.ensure_started()
+
+    def _run(self, thread: BackgroundThread) -> None:
+        try:
+            while True:
+                with self._wakeup:
+                    batch = self._next(thread)
+                    if batch is None:
+                        thread.retire()  # under the lock: a submission from now on starts a new thread
+                        return
+                self._send(batch)
+        except BaseException:
+            with self._wakeup:
+                thread.retire()  # the next submission starts a new thread (the base logs the error)
+            raise
+
+    def _next(self, thread: BackgroundThread) -> Optional[list[FailedRelease]]:
+        """Wait, holding the lock, for releases due; None to end."""
+        while True:
+            if thread.stopping or not self._failed:
+                return None
+            batch = self._take_due(force=False)
+            if batch:
+                return batch
+            if not self._failed:
+                continue  # every one left had expired: the thread ends
+            self._wakeup.wait(timeout=max(min(f.due for f in self._failed) - now_ms(), 1) / 1000)
+
+    def _take_due(self, *, force: bool) -> list[FailedRelease]:
+        now = now_ms()
+        expired = [f for f in self._failed if f.until <= now]
+        due = [f for f in self._failed if f.until > now and (force or f.due <= now)][:BATCH]
+        self._failed = [f for f in self._failed if f not in expired and f not in due]
+        self._sending += len(due)
+        for failed in expired:
+            self.logger.warning("Gave up releasing %r: it has expired by itself.", failed.key)
+        return due
+
+    def _send(self, batch: list[FailedRelease]) -> None:
+        try:
+            outcomes: list[Union[Release, Exception]] = self.backend.release_many([(f.key, f.owner) for f in batch])
+        except Exception as e:
+            outcomes = [e] * len(batch)
+        again = []
+        for failed, outcome in zip(batch, outcomes):
+            if isinstance(outcome, Exception):
+                self.logger.debug("Sending the release of %r again failed too: %r", failed.key, outcome)
+                failed.wait = min(failed.wait * 2, self.most_between)
+                failed.due = now_ms() + self._jittered(failed.wait)
+                again.append(failed)
+            else:
+                self._land(failed, outcome)
+        with self._wakeup:
+            self._failed += again
+            self._sending -= len(batch)
+            self._wakeup.notify_all()
+
+    def _land(self, failed: FailedRelease, outcome: Release) -> None:
+        try:
+            then = failed.landed(outcome)
+            if then is not None:
+                then()
+        except Exception:
+            self.logger.exception("Could not report the release of %r.", failed.key)
+
+    @staticmethod
+    def _jittered(wait: float) -> float:
+        return wait * random.uniform(0.5, 1.0)
