@@ -224,6 +224,8 @@ class Flight:
 class HandoffModel(RuleBasedStateMachine):
     #: Release run locks in the background, as on Redis.
     batching = False
+    #: Let the middleware's enqueues be applied twice (the soak run only).
+    duplicates = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -428,8 +430,12 @@ class HandoffModel(RuleBasedStateMachine):
     @rule(fault=st.sampled_from(("before", "after", "twice")))
     def fail_next_enqueue(self, fault: str) -> None:
         """The middleware's next enqueue fails before the broker applied
-        it, or after (its reply lost), or is applied twice.
+        it, or after (its reply lost), or is applied twice (only in the
+        soak run: see ``docs/reliability.md``, a duplicate whose first
+        run's release never landed).
         """
+        if fault == "twice" and not self.duplicates:
+            fault = "after"
         self.broker.fault = fault
 
     @precondition(lambda self: self.releaser is not None and self.releaser.busy() and self.queued(delayed=False))
@@ -571,10 +577,12 @@ def aged_clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[HandoffModel]]:
     yield running
 
 
-def explore(running: list[HandoffModel], examples: int, steps: int, *, batching: bool = False) -> None:
+def explore(
+    running: list[HandoffModel], examples: int, steps: int, *, batching: bool = False, duplicates: bool = False
+) -> None:
     class Model(HandoffModel):
         def __init__(self) -> None:
-            self.batching = batching
+            self.batching, self.duplicates = batching, duplicates
             super().__init__()
             running.append(self)
 
@@ -598,7 +606,7 @@ def test_every_interleaving_of_copies_keeps_the_invariants(aged_clock: list[Hand
 @pytest.mark.soak
 @pytest.mark.parametrize("batching", [False, True], ids=["release per call", "release in the background"])
 def test_every_interleaving_of_copies_keeps_the_invariants_long(aged_clock: list[HandoffModel], batching: bool) -> None:
-    explore(aged_clock, examples=5_000, steps=80, batching=batching)
+    explore(aged_clock, examples=5_000, steps=80, batching=batching, duplicates=True)
 
 
 def test_the_model_checks_what_it_claims() -> None:
