@@ -18,7 +18,7 @@ import threading
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from ..compat import async_to_sync
+from ..compat import async_to_sync, replace_actor_fn
 
 if TYPE_CHECKING:
     from dramatiq import Actor
@@ -90,6 +90,7 @@ def track(actor: "Actor[Any, Any]") -> bool:
             if current is not None:
                 current.ended()
 
-    actor.fn = async_to_sync(tracked)
-    actor.fn._unique_tracked = True  # type: ignore[attr-defined]
+    wrapped = async_to_sync(tracked)
+    wrapped._unique_tracked = True  # type: ignore[attr-defined]
+    replace_actor_fn(actor, wrapped)
     return True
