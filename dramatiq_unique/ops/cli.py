@@ -9,6 +9,7 @@ import time
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from ..dashboard.view import duration
 from ..errors import UniqueError
 
 if TYPE_CHECKING:
@@ -72,13 +73,8 @@ def _ago(since: int) -> str:
 
 
 def _duration(seconds: float) -> str:
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes = int(seconds // 60)
-    if minutes < 60:
-        return f"{minutes} min {int(seconds % 60):02d} s"
-    hours = minutes // 60
-    return f"{hours} h {minutes % 60:02d} min" if hours < 48 else f"{hours // 24} d {hours % 24} h"
+    # The dashboard's wording, so that the CLI and the page read alike.
+    return duration(seconds * 1000)
 
 
 def _timestamp(deadline: int) -> str:
