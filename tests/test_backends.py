@@ -267,18 +267,6 @@ def test_start_claims_takes_and_releases_the_enqueue_lock_at_once(backend):
     assert set(backend.inspect(queue_key).holders) == {"n"}
 
 
-def test_a_withdrawn_wait_leaves_the_copy_that_registered_it_running(backend):
-    backend.acquire(KEY, "holder", ttl=10_000)
-    backend.wait(waiting("m", 1), b"m", order=1, ttl=10_000)
-    backend.withdraw(Copy(KEY, "m", 0, ""))
-    assert backend.claim(Copy(KEY, "m", 0, "")) is True
-    assert backend.release(KEY, "holder").promoted is None
-    backend.wait(waiting("m", 2), b"m", order=1, ttl=10_000)
-    backend.withdraw(Copy(KEY, "m", 1, "handoff"))
-    assert backend.claim(Copy(KEY, "m", 1, "handoff")) is True
-    assert backend.claim(Copy(KEY, "m", 1, "delay")) is False
-
-
 def test_acquire_is_atomic_under_contention(backend):
     # Given 16 threads racing for a key with limit 2
     barrier = threading.Barrier(16)

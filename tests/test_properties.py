@@ -445,16 +445,6 @@ class BackendModel(RuleBasedStateMachine):
             record[:] = [attempt, via, (attempt, via)]
             self.waiting[key].pop(message_id, None)
 
-    @rule(key=st.sampled_from(KEYS), message_id=st.sampled_from(MESSAGES), attempt=st.integers(0, 3),
-          via=st.sampled_from(VIAS))
-    def withdraw(self, key: str, message_id: str, attempt: int, via: str) -> None:
-        self.backend.withdraw(self.copy(key, message_id, attempt, via))
-        self.waiting[key].pop(message_id, None)
-        if attempt == 0:
-            self.records[key].pop(message_id, None)
-        elif message_id in self.records[key]:
-            self.records[key][message_id][:2] = [attempt, via]
-
     @invariant()
     def inspect_and_scan_show_the_model(self) -> None:
         for key in KEYS:

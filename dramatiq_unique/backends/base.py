@@ -556,14 +556,6 @@ class LockBackend(LockReads):
         """
         raise NotImplementedError  # pragma: no cover
 
-    @abc.abstractmethod
-    def withdraw(self, copy: Copy) -> None:
-        """Take back the wait that ``copy`` registered (as attempt
-        ``copy.attempt + 1``) when its delayed copy was never enqueued:
-        ``copy`` is its message's winner again and no hand-off happens.
-        """
-        raise NotImplementedError  # pragma: no cover
-
     # Newest wins: on_conflict="replace" and debounce -----------------
 
     @abc.abstractmethod

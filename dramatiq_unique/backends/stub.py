@@ -317,15 +317,6 @@ class StubBackend(LockBackend):
                 self._finish(record, copy)
             return True
 
-    def withdraw(self, copy: Copy) -> None:
-        with self._mutex:
-            self._unwait(copy)
-            record = self._live_record(copy)
-            if copy.attempt == 0:
-                self._records.pop((copy.key, copy.message_id), None)
-            elif record is not None:
-                record.attempt, record.winner = copy.attempt, copy.via
-
     def _fence(self, entry: _Entry) -> int:
         self._last_fence = entry.fence = max(self._last_fence + 1, mod_time.time_ns() // 1000)
         return entry.fence

@@ -57,7 +57,7 @@ def _source(name: str) -> str:
 _SCRIPTS = {
     name: _source(name)
     for name in (
-        *("acquire", "start", "release", "extend", "wait", "claim", "withdraw"),
+        *("acquire", "start", "release", "extend", "wait", "claim"),
         *("replace", "current", "unreplace"),  # on_conflict="replace" and debounce
         *("confirm", "reap"),  # provisional enqueue locks and the reaper
     )
@@ -557,9 +557,6 @@ class RedisBackend(LockBackend):
 
     def claim(self, copy: Copy) -> bool:
         return bool(self._call("claim", _records(copy), _copy_args(copy)))
-
-    def withdraw(self, copy: Copy) -> None:
-        self._call("withdraw", _records(copy), _copy_args(copy))
 
     def extend(self, locks: Sequence[tuple[str, str]], ttl: int) -> list[bool]:
         return self._each("extend", [(key, owner, ttl) for key, owner in locks])
