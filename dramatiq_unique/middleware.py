@@ -31,8 +31,8 @@ from dramatiq.middleware import (
 )
 
 from . import settings as config
-from .backends.base import LockBackend
-from .backends.stub import StubBackend
+from .backends import for_broker, from_url
+from .backends.base import BatchedReleases, LockBackend, NewestWins, Reschedules
 from .compat import Prometheus, proxied_message
 from .errors import ConfigurationError, LockBackendError
 from .events import EventHub, Listener
@@ -72,10 +72,15 @@ class UniqueMiddleware(Middleware):
     """Locks messages by a digest of their actor, queue and arguments.
 
     Parameters:
-      backend(LockBackend): Where locks live.  Defaults to a
-        ``RedisBackend`` on ``dramatiq_unique_redis_url``, else the
-        broker's own Redis, else a ``StubBackend`` for a ``StubBroker``.
-      redis_url(str): A Redis URL for the default backend.
+      backend(LockBackend): Where locks live.  Defaults to the backend
+        that ``url`` names, else the broker's own Redis, else a
+        ``StubBackend`` for a ``StubBroker``.
+      url(str): Where the locks live, for the default backend:
+        ``redis://``, ``rediss://``, ``unix://``, ``redis+cluster://``
+        (a ``RedisBackend``), ``postgresql://`` or ``postgres://`` (a
+        ``PostgresBackend``); see
+        :func:`dramatiq_unique.backends.from_url`.
+      redis_url(str): Another name for ``url``, kept from before it.
       prefix(str): The prefix of every lock key.
       lock_ttl(int): Default lifetime of enqueue locks, in milliseconds,
         counted from when the message is due.
@@ -95,8 +100,9 @@ class UniqueMiddleware(Middleware):
       record_lock_args(bool): Store the lock args JSON with each enqueue
         lock, for operators.
       min_replicas(int): How many replicas must acknowledge each lock
-        taken (Redis ``WAIT``), for the ``RedisBackend`` made here (one
-        passed as ``backend`` takes its own); 0 (the default) none.
+        taken (Redis ``WAIT``), for the backend made here from ``url`` or
+        the broker (one passed as ``backend`` takes its own); 0 (the
+        default) none.
       min_replicas_timeout(int): How long each lock call waits for them,
         in milliseconds.
       listeners(list[callable]): Called with every :class:`LockEvent`,
@@ -115,6 +121,7 @@ class UniqueMiddleware(Middleware):
         self,
         *,
         backend: Optional[LockBackend] = None,
+        url: Optional[str] = None,
         redis_url: Optional[str] = None,
         prefix: Optional[str] = None,
         lock_ttl: Optional[int] = None,
@@ -131,6 +138,7 @@ class UniqueMiddleware(Middleware):
     ) -> None:
         self.logger = get_logger(__name__, type(self))
         self.settings = config.from_environment().merge(
+            url=url,
             redis_url=redis_url,
             prefix=prefix,
             lock_ttl=lock_ttl,
@@ -146,7 +154,7 @@ class UniqueMiddleware(Middleware):
         )
         if backend is not None and not isinstance(backend, LockBackend):
             raise ConfigurationError(
-                f"backend={backend!r} is invalid: expected a LockBackend, e.g. RedisBackend(url=...)."
+                f"backend={backend!r} is invalid: expected a LockBackend, e.g. from_url('redis://...')."
             )
         self.events = EventHub()
         for listener in listeners:
@@ -177,17 +185,19 @@ class UniqueMiddleware(Middleware):
 
     # Set-up ---------------------------------------------------------
 
-    def _backend_from_url(self) -> Optional[LockBackend]:
-        if self.settings.redis_url is None:
-            return None
-        from .backends.redis.client import RedisBackend
-
+    def _backend_options(self) -> dict[str, Any]:
+        """What the backend made here is given: the replicas to wait
+        for, only when asked (a backend without them refuses them).
+        """
         settings = self.settings
-        return RedisBackend(
-            url=settings.redis_url,
-            min_replicas=settings.min_replicas,
-            min_replicas_timeout=settings.min_replicas_timeout,
-        )
+        if not settings.min_replicas:
+            return {}
+        return {"min_replicas": settings.min_replicas, "min_replicas_timeout": settings.min_replicas_timeout}
+
+    def _backend_from_url(self) -> Optional[LockBackend]:
+        if self.settings.url is None:
+            return None
+        return from_url(self.settings.url, **self._backend_options())
 
     def attach(self, broker: "Broker") -> None:
         """Pick the backend for ``broker`` if none was given, and guard
@@ -198,22 +208,30 @@ class UniqueMiddleware(Middleware):
         self._guard.install(broker)
 
     def _backend_for(self, broker: "Broker") -> LockBackend:
-        from dramatiq.brokers.stub import StubBroker
-
-        client = getattr(broker, "client", None)
-        if type(broker).__name__ == "RedisBroker" and client is not None:
-            from .backends.redis.client import RedisBackend
-
-            settings = self.settings
-            return RedisBackend(
-                client=client, min_replicas=settings.min_replicas, min_replicas_timeout=settings.min_replicas_timeout
-            )
-        if isinstance(broker, StubBroker):
-            return StubBackend()
+        backend = for_broker(broker, **self._backend_options())
+        if backend is not None:
+            return backend
         raise ConfigurationError(
             f"UniqueMiddleware has no lock backend for a {type(broker).__name__}. Set the "
-            "dramatiq_unique_redis_url environment variable, or pass backend=RedisBackend(url=...)."
+            "dramatiq_unique_url environment variable (a redis:// or postgresql:// URL), or pass url=... "
+            "or backend=... to UniqueMiddleware."
         )
+
+    @staticmethod
+    def _check_capabilities(spec: ActorSpec, backend: LockBackend) -> None:
+        """Refuse an actor whose options need a capability ``backend``
+        lacks, naming the backend and the capability.
+
+        Raises:
+          MissingCapability: a ConfigurationError.
+        """
+        actor = f"actor {spec.actor_name!r}"
+        if spec.server == "reschedule":
+            feature = f"{actor}, with on_conflict='reschedule' (the server side's default),"
+            Reschedules.require(backend, feature=feature)
+        if spec.client == "replace":
+            option = "debounce" if spec.debounce is not None else "on_conflict='replace'"
+            NewestWins.require(backend, feature=f"{actor}, with {option},")
 
     @property
     def backend(self) -> Optional[LockBackend]:
@@ -222,6 +240,9 @@ class UniqueMiddleware(Middleware):
 
     @backend.setter
     def backend(self, backend: Optional[LockBackend]) -> None:
+        for spec in self.specs.values():  # before anything stops: a refused backend changes nothing
+            if backend is not None:
+                self._check_capabilities(spec, backend)
         # Leases renew on the backend that holds them: start afresh.
         if self._leases is not None:
             self._leases.stop()
@@ -279,10 +300,11 @@ class UniqueMiddleware(Middleware):
         """Releases run locks off the worker thread, when the backend
         batches releases; None when it does not.
         """
-        if self._releaser is None and getattr(self.backend, "batches_releases", False):
+        backend = self.backend
+        if self._releaser is None and isinstance(backend, BatchedReleases) and backend.batches_releases:
             with _RELEASER_LOCK:  # worker threads ask at once: make one
-                if self._releaser is None and self.backend is not None:
-                    self._releaser = Releaser(self.backend, on_stalled=self._process.releases_stalled)
+                if self._releaser is None:
+                    self._releaser = Releaser(backend, on_stalled=self._process.releases_stalled)
         return self._releaser
 
     @property
@@ -315,6 +337,8 @@ class UniqueMiddleware(Middleware):
         spec = actor_spec(actor)
         if spec is not None:
             self.attach(broker)
+            assert self.backend is not None
+            self._check_capabilities(spec, self.backend)
             self.specs[actor.actor_name] = spec
             if spec.lock.run_lock and track(actor):
                 self.async_actors.add(actor.actor_name)

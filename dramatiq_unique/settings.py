@@ -64,8 +64,17 @@ MAX_REPLICAS = 1000
 #: far beyond it.
 MAX_DURATION = 100 * 365 * 86_400_000
 
-#: The URL schemes ``RedisBackend`` connects to.
+#: The URL schemes of a Redis lock backend.
 REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://")
+
+#: The URL schemes of a PostgreSQL lock backend.
+POSTGRES_URL_SCHEMES = ("postgresql://", "postgres://")
+
+#: Every scheme ``dramatiq_unique.backends.from_url`` makes a backend of.
+BACKEND_URL_SCHEMES = REDIS_URL_SCHEMES + POSTGRES_URL_SCHEMES
+
+#: Settings read under a second, older name too: alias -> setting.
+ALIASES = {"redis_url": "url"}
 
 T = TypeVar("T")
 
@@ -74,7 +83,7 @@ T = TypeVar("T")
 class Settings:
     """The middleware's resolved configuration."""
 
-    redis_url: Optional[str] = None
+    url: Optional[str] = None
     prefix: str = DEFAULT_PREFIX
     lock_ttl: int = DEFAULT_LOCK_TTL
     lease: int = DEFAULT_LEASE
@@ -87,11 +96,26 @@ class Settings:
     min_replicas: int = DEFAULT_MIN_REPLICAS
     min_replicas_timeout: int = DEFAULT_MIN_REPLICAS_TIMEOUT
 
+    @property
+    def redis_url(self) -> Optional[str]:
+        """:attr:`url`, under its older name."""
+        return self.url
+
     def merge(self, **overrides: Any) -> "Settings":
         """Return a copy with every override that is not None applied
-        and validated.
+        and validated.  An alias (``redis_url=``) sets its setting
+        (``url=``); both given, they must agree.
         """
         given = {name: value for name, value in overrides.items() if value is not None}
+        for alias, name in ALIASES.items():
+            if alias in given:
+                value = _CHECKS[name](f"{alias}=", given.pop(alias))
+                if given.get(name, value) != value:
+                    raise ConfigurationError(
+                        f"{alias}={value!r} is invalid: expected the same as {name}={given[name]!r}, since {alias} "
+                        f"is another name for {name}; give one of them."
+                    )
+                given[name] = value
         for name, value in given.items():
             _CHECKS[name](f"{name}=", value)
         return replace(self, **given)
@@ -147,19 +171,43 @@ def _prefix(what: str, value: Any) -> str:
     return prefix
 
 
-def _redis_url(what: str, value: Any) -> str:
+def check_backend_url(what: str, value: Any) -> str:
+    """``value`` when it is a lock backend URL that its backend can
+    parse, of a scheme in :data:`BACKEND_URL_SCHEMES`.
+
+    Parameters:
+      what(str): What the value was given as, for the error, e.g.
+        ``"url="`` or ``"Environment variable dramatiq_unique_url="``.
+
+    Raises:
+      ConfigurationError: naming ``what``, the value and what was
+        expected.
+    """
     url = _text(what, value)
-    if not url.startswith(REDIS_URL_SCHEMES):
+    if not url.startswith(BACKEND_URL_SCHEMES):
         raise ConfigurationError(
-            f"{what}{value!r} is invalid: expected a URL starting with {', '.join(REDIS_URL_SCHEMES)}."
+            f"{what}{_shown(url)} is invalid: expected a URL starting with {', '.join(BACKEND_URL_SCHEMES)}."
         )
+    postgres = url.startswith(POSTGRES_URL_SCHEMES)
     try:
-        _parse_redis_url(url)
+        _parse_postgres_url(url) if postgres else _parse_redis_url(url)
     except ValueError as e:
+        like = "postgresql://user@host:5432/dbname" if postgres else "redis://host:6379/0"
         raise ConfigurationError(
-            f"{what}{value!r} is invalid: {str(e).rstrip('.')}; expected a URL like redis://host:6379/0."
+            f"{what}{_shown(url)} is invalid: {str(e).rstrip('.')}; expected a URL like {like}."
         ) from None
     return url
+
+
+def _shown(url: str) -> str:
+    """``url`` quoted for an error, without its password."""
+    try:
+        password = urlsplit(url).password
+    except ValueError:  # a netloc that does not parse, e.g. "[::1"
+        password = None
+    if password:
+        url = url.replace(f":{password}@", ":***@", 1)
+    return repr(url)
 
 
 def _parse_redis_url(url: str) -> None:
@@ -170,6 +218,19 @@ def _parse_redis_url(url: str) -> None:
     except ImportError:  # pragma: no cover - RedisBackend then says what to install
         return
     parse_url("redis://" + url.split("://", 1)[1] if url.startswith("redis+cluster://") else url)
+
+
+def _parse_postgres_url(url: str) -> None:
+    """Parse ``url`` as libpq will, raising ValueError."""
+    _ = urlsplit(url).port  # a port that is no number from 0 to 65535 raises
+    try:
+        from psycopg import conninfo
+    except ImportError:  # the factory then says what to install
+        return
+    try:
+        conninfo.conninfo_to_dict(url)
+    except Exception as e:  # psycopg.ProgrammingError, with libpq's words
+        raise ValueError(" ".join(str(e).split())) from None
 
 
 def _flag(what: str, value: Any) -> bool:
@@ -185,7 +246,7 @@ def _policy(what: str, value: Any) -> str:
 
 
 _CHECKS: dict[str, Callable[[str, Any], Any]] = {
-    "redis_url": _redis_url,
+    "url": check_backend_url,
     "prefix": _prefix,
     "lock_ttl": _positive_int,
     "lease": _positive_int,
@@ -227,7 +288,7 @@ _VARIABLE_PREFIX = "dramatiq_unique_"
 
 
 def _refuse_unknown(environ: Mapping[str, str]) -> None:
-    known = {f"{_VARIABLE_PREFIX}{field.name}" for field in fields(Settings)}
+    known = {f"{_VARIABLE_PREFIX}{name}" for name in [*(field.name for field in fields(Settings)), *ALIASES]}
     for name in environ:
         if (
             name.lower().startswith(_VARIABLE_PREFIX)
@@ -251,11 +312,19 @@ def from_environment(environ: Optional[Mapping[str, str]] = None) -> Settings:
     environ = os.environ if environ is None else environ
     _refuse_unknown(environ)
     found: dict[str, Any] = {}
-    for field in fields(Settings):
-        variable = f"{_VARIABLE_PREFIX}{field.name}"
+    read_as: dict[str, str] = {}
+    names = [(field.name, field.name) for field in fields(Settings)] + list(ALIASES.items())
+    for name, field in names:
+        variable = f"{_VARIABLE_PREFIX}{name}"
         for spelling in (variable, variable.upper()):
             raw = environ.get(spelling)
             if raw is not None and raw != "":
-                found[field.name] = _parse(spelling, raw, field.name)
+                value = _parse(spelling, raw, field)
+                if field in found and found[field] != value:
+                    raise ConfigurationError(
+                        f"Environment variable {spelling}={raw!r} is invalid: expected the same as "
+                        f"{read_as[field]}, since it is another name for it; set one of them."
+                    )
+                found[field], read_as[field] = value, read_as.get(field, spelling)
                 break
     return Settings(**found)

@@ -6,8 +6,9 @@ dramatiq-unique is installed:
 
 * ``unique_stub_backend``: a fresh in-memory :class:`StubBackend`;
 * ``unique_prefix``: a key prefix that no other test uses;
-* ``unique_redis_backend``: a :class:`RedisBackend` on ``REDIS_URL``
-  (default ``redis://127.0.0.1:6379/0``); every key under
+* ``unique_redis_backend``: a Redis lock backend on ``REDIS_URL``
+  (default ``redis://127.0.0.1:6379/0``), made by
+  :func:`dramatiq_unique.backends.from_url`; every key under
   ``unique_prefix`` is deleted after the test.  The test fails, saying
   how to get one, when that Redis does not answer.
 
@@ -43,8 +44,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 if TYPE_CHECKING:
     from dramatiq import Broker, Message
 
-    from .backends.redis.client import RedisBackend
-    from .backends.stub import StubBackend
+    from .backends import StubBackend
+    from .backends.base import LockBackend
     from .middleware import UniqueMiddleware
 
 #: The Redis the ``unique_redis_backend`` fixture uses when
@@ -130,40 +131,36 @@ def wait_for_releases(target: Union[UniqueMiddleware, "Broker"], timeout: int = 
             raise TimeoutError(f"{releaser.pending()} run lock release(s) still pending after {timeout} ms.")
 
 
-def redis_backend_for_tests(url: Optional[str] = None) -> "RedisBackend":
-    """A :class:`RedisBackend` on ``url``, ``REDIS_URL`` or
-    :data:`DEFAULT_TEST_REDIS_URL`.
+def redis_backend_for_tests(url: Optional[str] = None) -> "LockBackend":
+    """A Redis lock backend on ``url``, ``REDIS_URL`` or
+    :data:`DEFAULT_TEST_REDIS_URL`, made by
+    :func:`~dramatiq_unique.backends.from_url`.
 
     Raises:
       ConfigurationError: naming the URL, when Redis does not answer.
     """
-    import redis
-
-    from .backends.redis.client import RedisBackend
+    from .backends import from_url
     from .errors import ConfigurationError
 
     url = url or os.environ.get("REDIS_URL") or DEFAULT_TEST_REDIS_URL
-    backend = RedisBackend(url=url, socket_connect_timeout=2)
+    backend = from_url(url, socket_connect_timeout=2)
     try:
-        backend.client.ping()
-    except redis.RedisError as e:
-        backend.client.close()
+        backend.inspect("dramatiq-unique-test:!check")
+    except Exception as e:
+        backend.close()
         raise ConfigurationError(
             f"Redis does not answer at {url} ({e}): start one with `redis-server`, or set REDIS_URL."
         ) from None
     return backend
 
 
-def delete_prefix(backend: "RedisBackend", prefix: str) -> int:
+def delete_prefix(backend: "LockBackend", prefix: str) -> int:
     """Delete every key under ``prefix``: locks, waiters and message records.
 
     Returns:
       int: How many keys were deleted.
     """
-    keys = list(backend.client.scan_iter(match=f"{prefix}:*", count=1000))
-    for key in keys:
-        backend.client.delete(key)
-    return len(keys)
+    return backend.delete_prefix(f"{prefix}:")
 
 
 try:
@@ -176,7 +173,7 @@ if pytest is not None:
     @pytest.fixture
     def unique_stub_backend() -> "StubBackend":
         """A fresh in-memory lock backend."""
-        from .backends.stub import StubBackend
+        from .backends import StubBackend
 
         return StubBackend()
 
@@ -186,7 +183,7 @@ if pytest is not None:
         return f"dramatiq-unique-test-{uuid.uuid4().hex[:12]}"
 
     @pytest.fixture
-    def unique_redis_backend(unique_prefix: str) -> Iterator["RedisBackend"]:
+    def unique_redis_backend(unique_prefix: str) -> Iterator["LockBackend"]:
         """A Redis lock backend; the keys under ``unique_prefix`` are
         deleted after the test.
         """
@@ -198,4 +195,4 @@ if pytest is not None:
             pytest.fail(str(e), pytrace=False)
         yield backend
         delete_prefix(backend, unique_prefix)
-        backend.client.close()
+        backend.close()

@@ -56,7 +56,7 @@ def test_a_stub_broker_gets_a_stub_backend(stub_broker):
 def test_otherwise_declaring_a_locked_actor_says_what_to_set(rabbitmq_url):
     broker = RabbitmqBroker(url=rabbitmq_url)
     broker.add_middleware(UniqueMiddleware())
-    with pytest.raises(ConfigurationError, match="Set the dramatiq_unique_redis_url environment variable"):
+    with pytest.raises(ConfigurationError, match="Set the dramatiq_unique_url environment variable"):
         declare_locked(broker)
     assert "sync" not in broker.actors
     broker.close()

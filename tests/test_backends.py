@@ -18,6 +18,7 @@ from dramatiq_unique.backends.base import (
     LockReads,
     Release,
     ReplaceStatus,
+    SendsWithPublish,
     Start,
 )
 from dramatiq_unique.backends.redis import RedisBackend
@@ -105,6 +106,38 @@ def test_inspect_and_scan(backend):
     assert list(backend.scan("test:actor:*")) == [KEY]
     assert backend.inspect("test:none:{x}:run") is None
     assert backend.delete(KEY) and backend.inspect(KEY) is None
+
+
+def test_scan_reads_one_glob_on_every_backend(backend):
+    # The glob of Redis's SCAN MATCH: ? one character, [^...] none of a set, \\ a plain character
+    keys = ["g:a*b:{1}:run", "g:axb:{2}:run", "g:ab:{3}:queue", "g:a?b:{4}:run"]
+    for key in keys:
+        backend.acquire(key, "o", ttl=10_000)
+    held = lambda pattern: sorted(backend.scan(pattern))  # noqa: E731
+    assert held("g:*") == sorted(keys)
+    assert held("g:a?b:*") == ["g:a*b:{1}:run", "g:a?b:{4}:run", "g:axb:{2}:run"]
+    assert held("g:a\\*b:*") == ["g:a*b:{1}:run"]
+    assert held("g:a[^x]b:*:run") == ["g:a*b:{1}:run", "g:a?b:{4}:run"]
+    assert held("g:a[x]b:*") == ["g:axb:{2}:run"]
+    assert held("g:*:queue") == ["g:ab:{3}:queue"]
+
+
+def test_delete_prefix_drops_a_prefix_and_what_it_keeps_beside_its_locks(backend):
+    # Given locks under two prefixes, one with a waiter, a message record and a superseded record
+    backend.acquire("dp1:a:{1}:run", "holder", ttl=10_000)
+    backend.wait(Copy("dp1:a:{1}:run", "m", 1, "handoff"), b"m", order=1, ttl=10_000)
+    backend.replace("dp1:a:{2}:queue", "q1", ttl=10_000, superseded_ttl=10_000)
+    backend.replace("dp1:a:{2}:queue", "q2", ttl=10_000, superseded_ttl=10_000)
+    backend.acquire("dp10:a:{3}:run", "other", ttl=10_000)
+    # When one prefix is deleted
+    dropped = backend.delete_prefix("dp1:")
+    # Then its locks and their records are gone, and the other prefix keeps its own
+    assert dropped >= 4
+    assert list(backend.scan("dp1:*")) == [] and backend.waiters("dp1:a:{1}:run") == []
+    assert backend.claim(Copy("dp1:a:{1}:run", "m", 1, "delay")) is True  # no record of the wait is left
+    assert backend.current("dp1:a:{2}:queue", "q1").status is CurrentStatus.CURRENT  # nor of the supersession
+    assert list(backend.scan("dp10:*")) == ["dp10:a:{3}:run"]
+    assert backend.delete_prefix("dp1:") == 0
 
 
 def waiting(message_id: str, attempt: int = 1) -> Copy:
@@ -406,14 +439,12 @@ def test_the_abc_names_every_verb_and_sets_the_operator_reads_apart(backend):
     assert isinstance(backend, LockBackend) and isinstance(backend, LockReads)
     reads = {"inspect", "scan", "waiters", "describe"}
     assert reads <= set(vars(LockReads)) and not reads & set(vars(LockBackend))
-    # sending with the publish is a capability of the ABC, not found by duck typing
-    assert {"dispatch_client", "acquire_and_dispatch"} <= set(vars(LockBackend))
+    # sending with the publish is a capability, found by type, not by duck typing
+    assert {"dispatch_client", "acquire_and_dispatch"} <= set(vars(SendsWithPublish))
+    assert not {"dispatch_client", "acquire_and_dispatch"} & set(vars(LockBackend))
     if isinstance(backend, RedisBackend):
         # one script may touch the broker's keys, except across a Cluster's slots
+        assert isinstance(backend, SendsWithPublish)
         assert backend.dispatch_client is (None if backend.cluster else backend.client)
     else:
-        assert backend.dispatch_client is None
-        with pytest.raises(NotImplementedError, match="cannot take a lock and publish in one call"):
-            backend.acquire_and_dispatch(
-                KEY, "m", ttl=1, limit=1, lock="", lock_args=None, where="", dispatch="", namespace="", arguments=[]
-            )
+        assert not isinstance(backend, SendsWithPublish) and not hasattr(backend, "acquire_and_dispatch")

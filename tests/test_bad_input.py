@@ -530,10 +530,15 @@ def test_a_misspelt_option_is_refused_by_dramatiq(idle_rig: Rig, typo: str) -> N
 # Environment variables ----------------------------------------------------------
 
 #: Every variable, in both spellings.
-SPELLINGS = [n for f in fields(Settings) for n in (f"dramatiq_unique_{f.name}", f"DRAMATIQ_UNIQUE_{f.name.upper()}")]
+#: Settings read under a second name too: alias -> setting.
+ALIASES = {"redis_url": "url"}
+NAMES = [*(f.name for f in fields(Settings)), *ALIASES]
+SPELLINGS = [n for name in NAMES for n in (f"dramatiq_unique_{name}", f"DRAMATIQ_UNIQUE_{name.upper()}")]
 TRUE, FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 POLICIES = ("fail", "run_unlocked")
-SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://")
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://")
+POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+SCHEMES = REDIS_SCHEMES + POSTGRES_SCHEMES
 
 #: Strings that sit on either side of each variable's rules.
 NEAR_MISSES = [
@@ -541,6 +546,7 @@ NEAR_MISSES = [
     "true", "FALSE", " Yes ", "on", "maybe", "fail", "run_unlocked", "Fail", "ignore",
     "redis://127.0.0.1:6379/6", "rediss://h:1/2?socket_timeout=3", "unix:///tmp/redis.sock", "redis+cluster://h:7000",
     "redis://h:abc/0", "redis://h:99999", "redis://[::1", "redis://h/0?socket_timeout=x", "http://h:6379", "REDIS://h",
+    "postgresql://u@h:5432/db", "postgres:///db", "postgresql://h:99999/db", "postgresql://[::1", "POSTGRES://h",
     "app", "a{b}", "}", "  ", "caf\udce9",
 ]
 
@@ -561,15 +567,28 @@ def utf8(text: str) -> bool:
     return True
 
 
-def redis_accepts(url: str) -> bool:
-    """Whether ``RedisBackend(url=url)`` can be built (it connects later)."""
+def url_accepts(url: str) -> bool:
+    """Whether ``from_url(url)`` can parse ``url`` (it connects later):
+    a Redis URL that redis-py parses, a PostgreSQL one that libpq does
+    (when psycopg is installed; otherwise its port only).
+    """
     if not url.startswith(SCHEMES):
         return False
     try:
         _ = urlsplit(url).port  # raises ValueError on a bad port
-        redis.Redis.from_url("redis://" + url.split("://", 1)[1] if url.startswith("redis+cluster://") else url)
+        if url.startswith(REDIS_SCHEMES):
+            redis.Redis.from_url("redis://" + url.split("://", 1)[1] if url.startswith("redis+cluster://") else url)
     except ValueError:
         return False
+    if url.startswith(POSTGRES_SCHEMES):
+        try:
+            from psycopg import conninfo
+        except ImportError:
+            return True
+        try:
+            conninfo.conninfo_to_dict(url)
+        except Exception:
+            return False
     return True
 
 
@@ -605,7 +624,7 @@ def read_setting(name: str, value: Any, *, text: bool) -> tuple[bool, Any]:
         return False, None
     if name == "prefix":
         return "{" not in value and "}" not in value, value
-    return redis_accepts(value), value
+    return url_accepts(value), value
 
 
 def expected_settings(environ: dict[str, str]) -> tuple[Optional[Settings], set[str]]:
@@ -614,14 +633,15 @@ def expected_settings(environ: dict[str, str]) -> tuple[Optional[Settings], set[
     """
     found: dict[str, Any] = {}
     faults = set()
-    for f in fields(Settings):
-        lower, upper = f"dramatiq_unique_{f.name}", f"DRAMATIQ_UNIQUE_{f.name.upper()}"
+    for name in NAMES:
+        lower, upper = f"dramatiq_unique_{name}", f"DRAMATIQ_UNIQUE_{name.upper()}"
         spelling = lower if environ.get(lower) else upper if environ.get(upper) else None
         if spelling is None:
             continue
-        good, value = read_setting(f.name, environ[spelling], text=True)
-        if good:
-            found[f.name] = value
+        field = ALIASES.get(name, name)
+        good, value = read_setting(field, environ[spelling], text=True)
+        if good and found.get(field, value) == value:  # an alias must agree with its setting
+            found[field] = value
         else:
             faults.add(spelling)
     return (None, faults) if faults else (Settings(**found), faults)
@@ -703,6 +723,7 @@ constructor_arguments = st.fixed_dictionaries(
     {},
     optional={
         "backend": st.none() | st.builds(StubBackend) | st.just("redis://127.0.0.1:6379/6") | st.builds(object),
+        "url": st.none() | st.sampled_from(NEAR_MISSES).filter(constructible) | st.text(max_size=10) | st.integers(),
         "redis_url": (
             st.none() | st.sampled_from(NEAR_MISSES).filter(constructible) | st.text(max_size=10) | st.integers()
         ),
@@ -730,6 +751,9 @@ def argument_faults(arguments: dict[str, Any]) -> set[str]:
             good = value is None or read_setting(name, value, text=False)[0]
         if not good:
             faults.add(name)
+    url, alias = arguments.get("url"), arguments.get("redis_url")
+    if url is not None and alias is not None and url != alias:
+        faults.add("redis_url")  # another name for url, which must agree
     return faults
 
 

@@ -95,6 +95,19 @@ def test_locks_filters_by_actor_and_pattern(locks):
     assert sorted(lock["key"] for lock in by_pattern) == sorted([keys["sync_run"], keys["sync_queue"]])
 
 
+def test_url_names_the_locks_as_redis_did_and_the_two_must_agree(locks):
+    prefix, url, keys = locks
+    ways = ((["--url", url], {}), ([], {"dramatiq_unique_url": url}), (["--url", url, "--redis", url], {}))
+    for options, env in ways:
+        result = run("locks", "--json", "--prefix", prefix, *options, env=env)
+        assert result.returncode == 0, result.stderr
+        assert len(json.loads(result.stdout)) == len(keys)
+    other = run("locks", "--url", url, "--redis", "redis://127.0.0.1:1/0")
+    assert "--url and --redis name different locks" in one_line_error(other)
+    bad = run("locks", "--url", "http://127.0.0.1:6379")
+    assert "url='http://127.0.0.1:6379' is invalid: expected a URL starting with redis://" in one_line_error(bad)
+
+
 def test_reads_redis_and_prefix_from_the_environment(locks):
     prefix, url, keys = locks
     result = run("locks", "--json", env={"dramatiq_unique_redis_url": url, "dramatiq_unique_prefix": prefix})
@@ -183,7 +196,7 @@ def test_unknown_and_malformed_digests_are_one_line_errors(locks):
 
 
 def test_missing_or_bad_settings_are_one_line_errors(redis_url):
-    assert "give --redis URL or set dramatiq_unique_redis_url" in one_line_error(run("locks"))
+    assert "give --url URL or set dramatiq_unique_url" in one_line_error(run("locks"))
     bad = run("locks", env={"dramatiq_unique_redis_url": redis_url, "dramatiq_unique_lease": "soon"})
     assert "dramatiq_unique_lease" in one_line_error(bad)
     usage = run("release", "--redis", redis_url)

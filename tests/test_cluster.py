@@ -22,6 +22,7 @@ from dramatiq.middleware import AsyncIO
 from redis.cluster import RedisCluster
 from redis.sentinel import Sentinel
 
+from dramatiq_unique.backends import from_url
 from dramatiq_unique.backends.redis import RedisBackend
 from tests import test_backends, test_lifecycle, test_replace
 from tests.cluster import Servers, WholeCluster, start_cluster, start_sentinel
@@ -116,6 +117,15 @@ def rig(redis_url: str, redis_client: RedisCluster, redis_backend: RedisBackend)
     for key in broker.client.scan_iter(f"{broker.namespace}*"):
         broker.client.delete(key)
     broker.close()
+
+
+def test_a_cluster_url_makes_a_backend_without_what_a_cluster_cannot_do(redis_cluster, cluster_client):
+    backend = from_url(f"redis+cluster://127.0.0.1:{redis_cluster[0]}")
+    assert isinstance(backend, RedisBackend) and backend.cluster
+    # one script cannot touch two slots, nor a pipeline carry a start across nodes, nor a RESP socket follow moves
+    assert backend.dispatch_client is None and not backend.batches_releases and backend.native_extender() is None
+    assert backend.acquire("c:{1}:run", "o", ttl=10_000).acquired and backend.delete_prefix("c:") == 1
+    backend.close()
 
 
 def test_the_contract_and_lifecycle_suites_were_borrowed_whole():

@@ -62,12 +62,12 @@ def run_command(block, argv, expected):
     from dramatiq_unique.ops.cli import main
 
     out = io.StringIO()
-    os.environ["dramatiq_unique_redis_url"] = os.environ["REDIS_URL"]
+    os.environ["dramatiq_unique_url"] = os.environ["REDIS_URL"]
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             status = main(argv)
     finally:
-        del os.environ["dramatiq_unique_redis_url"]
+        del os.environ["dramatiq_unique_url"]
     where = f"{block['page']}:{block['line']}: dramatiq-unique {' '.join(argv)}"
     if status != 0:
         sys.exit(f"{where} exited with {status}:\\n{out.getvalue()}")

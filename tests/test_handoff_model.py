@@ -51,7 +51,7 @@ from hypothesis.stateful import (
 )
 
 from dramatiq_unique import LockBackendError, StubBackend, UniqueMiddleware
-from dramatiq_unique.backends.base import LockBackend
+from dramatiq_unique.backends.base import BatchedReleases, NewestWins, Reschedules, release_then_start
 from dramatiq_unique.send.copies import message_id_of
 from dramatiq_unique.events import LockEvent
 from dramatiq_unique.worker.releaser import Releaser
@@ -69,7 +69,10 @@ ACTORS = {
 }
 
 #: Calls that a fault may hit (renewals run on their own thread).
-FAULTY_CALLS = sorted(name for name in LockBackend.__abstractmethods__ if name not in ("extend", "inspect", "scan"))
+FAULTY_CALLS = sorted(
+    {name for kind in (Reschedules, NewestWins) for name in kind.__abstractmethods__}
+    - {"extend", "inspect", "scan", "delete_prefix"}
+)
 #: The calls of a worker thread that a time limit can break: taking the
 #: run lock, with the releases riding in front of it.
 INTERRUPTIBLE_CALLS = {"start", "release_and_start"}
@@ -93,13 +96,14 @@ class FaultyBackend(StubBackend):
         self.model_thread = threading.get_ident()
 
 
-class BatchingBackend(FaultyBackend):
+class BatchingBackend(FaultyBackend, BatchedReleases):
     """The same, releasing in the background as the Redis backend does:
     a release and the start it rides with are one call, which a fault
     hits whole, and so is a batch of the releaser thread.
     """
 
-    batches_releases = True
+    def release_and_start(self, releases: Any, key: str, owner: str, **start: Any) -> Any:
+        return release_then_start(self, releases, key, owner, **start)
 
 
 class SteppedReleaser(Releaser):
@@ -154,7 +158,7 @@ def _faulty(name: str, applied: Callable[..., Any]) -> Callable[..., Any]:
 for _name in FAULTY_CALLS:
     setattr(FaultyBackend, _name, _faulty(_name, getattr(StubBackend, _name)))
 for _name in ("release_many", "release_and_start"):
-    setattr(BatchingBackend, _name, _faulty(_name, getattr(StubBackend, _name)))
+    setattr(BatchingBackend, _name, _faulty(_name, getattr(BatchingBackend, _name)))
 
 
 class FaultyBroker(StubBroker):

@@ -51,11 +51,12 @@ def _base(module: str, node: ast.ImportFrom) -> str:
     return ".".join(anchor + ([node.module] if node.module else []))
 
 
-def imports_of(module: str) -> Iterator[tuple[str, ast.AST, Optional[str]]]:
+def imports_of(module: str, tree: Optional[ast.AST] = None) -> Iterator[tuple[str, ast.AST, Optional[str]]]:
     """Each package module that ``module`` imports, with the node, and
-    the name imported from it (None for the module itself).
+    the name imported from it (None for the module itself).  ``tree``
+    stands for the module's own, in the checks' own tests.
     """
-    for node in ast.walk(TREES[module]):
+    for node in ast.walk(TREES[module] if tree is None else tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name in MODULES:
@@ -157,7 +158,7 @@ def test_the_graph_sees_every_kind_of_import() -> None:
     edges = graph()
     assert len(MODULES) > 30
     assert "dramatiq_unique.backends.base" in edges["dramatiq_unique.middleware"]  # top level
-    assert "dramatiq_unique.backends.redis.client" in edges["dramatiq_unique.middleware"]  # inside a function
+    assert "dramatiq_unique.settings" in edges["dramatiq_unique.ops.cli"]  # inside a function
     assert "dramatiq_unique.middleware" in edges["dramatiq_unique"]  # under TYPE_CHECKING
 
 
@@ -307,3 +308,142 @@ def test_every_import_of_the_package_names_one_of_its_modules() -> None:
                 missing += [f"{module}:{node.lineno} imports {alias.name}" for alias in node.names
                             if alias.name.startswith(f"{PACKAGE}.") and alias.name not in MODULES]
     assert missing == []
+
+
+# The backend seam -------------------------------------------------------
+
+#: The package of the lock backends, and the one module of it that the
+#: rest of the package may import besides the package itself: the
+#: interface.  The package's ``__init__`` re-exports what is public
+#: (``StubBackend``, ``from_url``, ``for_broker``).
+_BACKENDS = f"{PACKAGE}.backends"
+_INTERFACE = f"{_BACKENDS}.base"
+
+
+def _outside_backends(module: str) -> bool:
+    return module != _BACKENDS and not module.startswith(f"{_BACKENDS}.")
+
+
+def _concrete(target: str) -> bool:
+    """Whether ``target`` is a module of a concrete backend: anything in
+    ``backends/`` but the package itself and the interface.
+    """
+    return target.startswith(f"{_BACKENDS}.") and target != _INTERFACE
+
+
+def concrete_backend_imports(trees: Optional[dict[str, ast.AST]] = None) -> list[str]:
+    """Each place outside ``backends/`` that imports a concrete backend
+    module (``backends.stub``, ``backends.redis*``, ``backends.postgres*``),
+    at the top, under ``TYPE_CHECKING`` or in a function, or names one to
+    ``importlib`` as a string.
+    """
+    trees = TREES if trees is None else trees
+    found = []
+    for module in sorted(trees):
+        if not _outside_backends(module):
+            continue
+        for target, node, _ in imports_of(module, trees[module]):
+            if _concrete(target):
+                found.append(f"{module}:{node.lineno} imports {target}")
+        for node in ast.walk(trees[module]):
+            if isinstance(node, ast.Call):
+                for arg in node.args:
+                    if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and _concrete(arg.value):
+                        found.append(f"{module}:{node.lineno} imports {arg.value} by name")
+    return found
+
+
+def _backend_class_names() -> set[str]:
+    """The classes that ``backends/`` defines, and any name of a backend
+    class yet to come (``...Backend``).
+    """
+    return {
+        node.name
+        for module, tree in TREES.items()
+        if not _outside_backends(module)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+    }
+
+
+def class_name_comparisons(trees: Optional[dict[str, ast.AST]] = None) -> list[str]:
+    """Each comparison, anywhere in the package, with the name of a
+    backend class: ``type(backend).__name__ == "RedisBackend"``, or ``in``
+    a tuple of such names.  A backend is told by the capabilities it
+    inherits (``isinstance``), never by its class's name.
+    """
+    names = _backend_class_names()
+    found = []
+    for module, tree in sorted((TREES if trees is None else trees).items()):
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Compare):
+                continue
+            for part in ast.walk(node):
+                if isinstance(part, ast.Constant) and isinstance(part.value, str):
+                    if part.value in names or part.value.endswith("Backend"):
+                        found.append(f"{module}:{node.lineno} compares with {part.value!r}")
+    return found
+
+
+def _capability_members() -> set[str]:
+    """What the capabilities add to the core: the names a duck-typing
+    probe would look for.
+    """
+    from dramatiq_unique.backends.base import CAPABILITIES, LockBackend
+
+    core = set(dir(LockBackend))
+    return {name for kind in CAPABILITIES for name in vars(kind) if not name.startswith("_") and name not in core}
+
+
+def capability_probes(trees: Optional[dict[str, ast.AST]] = None) -> list[str]:
+    """Each ``hasattr``/``getattr`` that looks for a capability's member
+    by its name, instead of ``isinstance`` against the capability.
+    """
+    members = _capability_members() - {"capability"}
+    found = []
+    for module, tree in sorted((TREES if trees is None else trees).items()):
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) >= 2):
+                continue
+            name = node.args[1]
+            if node.func.id in ("hasattr", "getattr") and isinstance(name, ast.Constant):
+                if name.value in members:
+                    found.append(f"{module}:{node.lineno} probes {name.value!r} with {node.func.id}")
+    return found
+
+
+def test_no_module_outside_backends_imports_a_concrete_backend() -> None:
+    assert concrete_backend_imports() == []
+
+
+def test_no_code_tells_a_backend_by_its_class_name_or_probes_for_a_capability() -> None:
+    assert class_name_comparisons() == []
+    assert capability_probes() == []
+
+
+def test_the_seam_checks_find_what_they_forbid() -> None:
+    source = """
+from .backends.redis.client import RedisBackend
+from .backends import StubBackend, from_url
+from .backends.base import LockBackend
+import importlib
+importlib.import_module("dramatiq_unique.backends.postgres")
+if type(backend).__name__ == "RedisBackend" or type(b).__name__ in ("PostgresBackend",):
+    pass
+if getattr(backend, "batches_releases", False) and hasattr(backend, "native_extender"):
+    pass
+"""
+    tree = ast.parse(source)
+    trees = {f"{PACKAGE}.middleware": tree}
+    assert concrete_backend_imports(trees) == [
+        f"{PACKAGE}.middleware:2 imports {PACKAGE}.backends.redis.client",
+        f"{PACKAGE}.middleware:6 imports {PACKAGE}.backends.postgres by name",
+    ]
+    assert class_name_comparisons(trees) == [
+        f"{PACKAGE}.middleware:7 compares with 'RedisBackend'",
+        f"{PACKAGE}.middleware:7 compares with 'PostgresBackend'",
+    ]
+    assert capability_probes(trees) == [
+        f"{PACKAGE}.middleware:9 probes 'batches_releases' with getattr",
+        f"{PACKAGE}.middleware:9 probes 'native_extender' with hasattr",
+    ]

@@ -44,24 +44,49 @@ def shadowed(tmp_path: Path, *names: str) -> Path:
     return shadow
 
 
+#: What a Redis URL says without the redis extra.
+NEEDS_REDIS = (
+    "a lock backend at redis://, rediss://, unix:// or redis+cluster:// URLs needs redis-py: "
+    "pip install 'dramatiq-unique[redis]'"
+)
+
+#: What a PostgreSQL URL says without the postgres extra.
+NEEDS_PSYCOPG = (
+    "a lock backend at postgresql:// or postgres:// URLs needs psycopg: pip install 'dramatiq-unique[postgres]'"
+)
+
+
 def test_without_the_redis_extra_the_command_names_it(tmp_path):
     done = run("-m", "dramatiq_unique", "locks", "--redis", "redis://127.0.0.1:1/0", path=[shadowed(tmp_path, "redis")],
                cwd=tmp_path)
     assert done.returncode == 1
-    assert done.stderr.strip() == (
-        "dramatiq-unique: the lock commands need redis-py, which comes with the redis extra: "
-        "run `pip install 'dramatiq-unique[redis]'`."
-    )
+    assert done.stderr.strip() == f"dramatiq-unique: {NEEDS_REDIS}"
 
 
 def test_without_the_redis_extra_a_redis_url_names_it(tmp_path):
     code = "from dramatiq_unique import UniqueMiddleware; UniqueMiddleware(redis_url='redis://127.0.0.1:1/0')"
     done = run("-c", code, path=[shadowed(tmp_path, "redis")], cwd=tmp_path)
     assert done.returncode == 1
-    assert done.stderr.strip().splitlines()[-1] == (
-        "ModuleNotFoundError: No module named 'redis': RedisBackend needs redis-py, which comes with the redis "
-        "extra: run `pip install 'dramatiq-unique[redis]'`."
-    )
+    assert done.stderr.strip().splitlines()[-1] == f"dramatiq_unique.errors.ConfigurationError: {NEEDS_REDIS}"
+
+
+@pytest.mark.parametrize("how", ["url=", "dramatiq_unique_url", "--url"])
+def test_without_the_postgres_extra_a_postgres_url_names_it(tmp_path, how):
+    # Given an environment where psycopg cannot be imported
+    shadow = shadowed(tmp_path, "psycopg", "psycopg_pool")
+    url = "postgresql://postgres@127.0.0.1:1/locks"
+    # When a PostgreSQL URL is given as an argument, in the environment, or to the command
+    if how == "--url":
+        done = run("-m", "dramatiq_unique", "locks", "--url", url, path=[shadow], cwd=tmp_path)
+        # Then it says which extra to install, in one line
+        assert (done.returncode, done.stderr.strip()) == (1, f"dramatiq-unique: {NEEDS_PSYCOPG}")
+        return
+    given = f"url={url!r}" if how == "url=" else ""
+    code = f"import os; os.environ['dramatiq_unique_url'] = {url!r} if {how == 'dramatiq_unique_url'} else ''\n" \
+           f"from dramatiq_unique import UniqueMiddleware; UniqueMiddleware({given})"
+    done = run("-c", code, path=[shadow], cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == f"dramatiq_unique.errors.ConfigurationError: {NEEDS_PSYCOPG}"
 
 
 def test_a_broken_dramatiq_does_not_break_an_unrelated_pytest_run(tmp_path):

@@ -372,19 +372,19 @@ def test_a_backend_on_a_unix_socket_url_takes_and_releases_locks():
 # Renewals on a connection of one's own --------------------------------------
 
 
-def test_the_backend_s_extend_script_and_call_renew_a_lease_as_extend_does(redis_client):
-    # Given a lease of 300 ms, and the script and arguments the backend gives a
-    # client of its own (the lease keeper's native thread under gevent)
-    backend = RedisBackend(client=redis_client)
+def test_the_native_extender_renews_a_lease_as_extend_does(redis_url, redis_client):
+    # Given a lease of 300 ms, and the extender the backend gives the lease
+    # keeper's native thread under gevent (a connection of its own, mirroring
+    # the client's as this redis-py describes it)
+    backend = RedisBackend(url=redis_url)
     assert backend.acquire("renewed:{k}:run", "a", ttl=300).acquired
-    keys, args = backend.extend_call("renewed:{k}:run", "a", 60_000)
-    stranger_keys, stranger_args = backend.extend_call("renewed:{k}:run", "b", 60_000)
-    # When that client runs them
-    script = backend.extend_script()
-    renewed = redis_client.eval(script, len(keys), *keys, *args)
-    refused = redis_client.eval(script, len(stranger_keys), *stranger_keys, *stranger_args)
+    extender = backend.native_extender()
+    assert extender is not None
+    # When it renews the holder's lease, and a stranger's
+    held = extender([("renewed:{k}:run", "a"), ("renewed:{k}:run", "b")], 60_000, timeout=2_000)
+    extender.close()
     # Then the holder's lease runs 60 s from now, and a stranger's renewal is refused
     seconds, micros = redis_client.time()
     now = int(seconds) * 1000 + int(micros) // 1000
-    assert (renewed, refused) == (1, 0)
+    assert held == [True, False]
     assert backend.inspect("renewed:{k}:run").holders["a"] > now + 50_000

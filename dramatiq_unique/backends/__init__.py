@@ -1,24 +1,105 @@
-"""Lock backends: :class:`StubBackend` always, :class:`RedisBackend`
-when the ``redis`` extra is installed.
+"""Lock backends: the interface and its capabilities (:mod:`.base`),
+:class:`StubBackend` always, :class:`RedisBackend` when the ``redis``
+extra is installed, ``PostgresBackend`` with the ``postgres`` extra,
+and :func:`from_url`, which makes one from a URL by its scheme.
+
+Code outside this package makes a backend with :func:`from_url` or
+:func:`for_broker` and never imports a concrete backend's module.
 """
 
 from __future__ import annotations
 
 import importlib
 import warnings
-from typing import Any
+from types import ModuleType
+from typing import Any, Optional
 
+from ..errors import ConfigurationError
+from ..settings import POSTGRES_URL_SCHEMES, REDIS_URL_SCHEMES, check_backend_url
+from .base import LockBackend
 from .stub import StubBackend
 
-__all__ = ["StubBackend", "RedisBackend"]
+__all__ = ["StubBackend", "RedisBackend", "from_url", "for_broker"]
+
+#: Each optional backend, by its module's name (also the extra that
+#: brings its driver): the driver's import name, the name to tell a user,
+#: and the URL schemes it serves.
+_EXTRAS = {
+    "redis": ("redis", "redis-py", REDIS_URL_SCHEMES),
+    "postgres": ("psycopg", "psycopg", POSTGRES_URL_SCHEMES),
+}
+
+
+def _module(extra: str) -> ModuleType:
+    """The backend module of ``extra``, imported on first use.
+
+    Raises:
+      ConfigurationError: the module or its driver is missing, saying
+        which extra to install.
+    """
+    driver, name, schemes = _EXTRAS[extra]
+    try:
+        return importlib.import_module(f"{__name__}.{extra}")
+    except ModuleNotFoundError as e:
+        if e.name is not None and not e.name.startswith((driver, f"{__name__}.{extra}")):
+            raise  # something else is broken: say what
+        where = f"{', '.join(schemes[:-1])} or {schemes[-1]}"
+        raise ConfigurationError(
+            f"a lock backend at {where} URLs needs {name}: pip install 'dramatiq-unique[{extra}]'"
+        ) from None
+
+
+def from_url(url: str, **options: Any) -> LockBackend:
+    """Make a lock backend from ``url``, by its scheme: ``redis://``,
+    ``rediss://``, ``unix://`` and ``redis+cluster://`` make a
+    ``RedisBackend``, ``postgresql://`` and ``postgres://`` a
+    ``PostgresBackend``.
+
+    Parameters:
+      url(str): Where the locks live.
+      **options: Passed to the backend: ``RedisBackend(url=url,
+        **options)`` or ``PostgresBackend.from_url(url, **options)``.
+
+    Raises:
+      ConfigurationError: naming ``url=``, for a URL that is not one, or
+        of a scheme no backend serves; or naming the extra to install
+        when the backend's driver is missing.
+    """
+    url = check_backend_url("url=", url)
+    if url.startswith(POSTGRES_URL_SCHEMES):
+        backend: LockBackend = _module("postgres").PostgresBackend.from_url(url, **options)
+        return backend
+    redis_backend: LockBackend = _module("redis").RedisBackend(url=url, **options)
+    return redis_backend
+
+
+def for_broker(broker: Any, **options: Any) -> Optional[LockBackend]:
+    """The backend a broker lends when no URL is set: a ``RedisBackend``
+    on a ``RedisBroker``'s own client, a :class:`StubBackend` for a
+    ``StubBroker``; None for any other broker.
+
+    Parameters:
+      **options: Passed to ``RedisBackend`` (``min_replicas``, say).
+    """
+    from dramatiq.brokers.stub import StubBroker
+
+    client = getattr(broker, "client", None)
+    if type(broker).__name__ == "RedisBroker" and client is not None:
+        return _module("redis").RedisBackend(client=client, **options)  # type: ignore[no-any-return]
+    if isinstance(broker, StubBroker):
+        return StubBackend()
+    return None
+
+
+#: The backends this package names lazily: class -> its extra.
+_LAZY = {"RedisBackend": "redis"}
 
 
 def __getattr__(name: str) -> Any:
-    if name != "RedisBackend":
+    if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     try:
-        return importlib.import_module(f"{__name__}.redis").RedisBackend
-    except ModuleNotFoundError:  # pragma: no cover
-        message = "RedisBackend needs redis-py. Run `pip install dramatiq-unique[redis]` to add it."
-        warnings.warn(message, category=ImportWarning, stacklevel=2)
-        raise AttributeError(message) from None
+        return getattr(_module(_LAZY[name]), name)
+    except ConfigurationError as e:  # pragma: no cover
+        warnings.warn(str(e), category=ImportWarning, stacklevel=2)
+        raise AttributeError(str(e)) from None

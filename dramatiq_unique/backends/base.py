@@ -1,4 +1,25 @@
-"""The lock backend interface.
+"""The lock backend interface: a core every backend has, and named
+capabilities that a backend has or lacks.
+
+The core (:class:`LockBackend`, with the operators' reads of
+:class:`LockReads`) is what every lock type needs.  A capability is an
+abstract class deriving from it, which a backend inherits when it can do
+what the capability says; callers check it with ``isinstance``, never by
+a backend's class name or ``hasattr``:
+
+* :class:`Reschedules`: the reschedule protocol (``wait``, ``claim``),
+  for ``on_conflict="reschedule"``;
+* :class:`NewestWins`: ``replace``, ``current`` and ``unreplace``, for
+  ``on_conflict="replace"`` and ``debounce``;
+* :class:`SendsWithPublish`: take an enqueue lock and publish to the
+  Redis broker in one call (the send fast path);
+* :class:`BatchedReleases`: releases, and the start they ride with, in
+  one round trip (the worker then releases in the background);
+* :class:`RenewsNatively`: lease renewals from a native OS thread under
+  gevent's monkey-patching.
+
+The middleware refuses, at set-up, an actor whose options need a
+capability its backend lacks (:class:`MissingCapability`).
 
 A lock is a set of holders under one key.  Each holder is an owner
 string with its own deadline, so ``limit`` holders may share a key and
@@ -14,8 +35,11 @@ from __future__ import annotations
 
 import abc
 import enum
+import re
 from dataclasses import dataclass, field
-from typing import Any, Iterator, NamedTuple, Optional, Sequence, Union
+from typing import Any, ClassVar, Iterator, NamedTuple, Optional, Protocol, Sequence, TypeVar, Union
+
+from ..errors import ConfigurationError
 
 
 class _Named(str, enum.Enum):
@@ -327,6 +351,35 @@ class Waiter:
         return self.order // SENDS_PER_MS
 
 
+def glob_pattern(glob: str) -> "re.Pattern[str]":
+    """The regular expression of a key glob, as :meth:`LockReads.scan`
+    reads it: ``*`` matches any run of characters, ``?`` one character,
+    ``[abc]`` one of a set (``[a-z]`` a range, ``[^abc]`` none of them),
+    and ``\\`` makes the next character plain.  The pattern matches the
+    whole key.  It is Redis's ``SCAN MATCH`` glob, so that every backend
+    reads a pattern as the Redis backend does.
+    """
+    parts, i = [], 0
+    while i < len(glob):
+        char = glob[i]
+        if char == "\\" and i + 1 < len(glob):
+            parts.append(re.escape(glob[i + 1]))
+            i += 2
+            continue
+        if char == "[":
+            end = glob.find("]", i + 2 if glob[i + 1 : i + 2] == "^" else i + 1)
+            if end > 0:
+                inner = glob[i + 1 : end]
+                negate = inner.startswith("^")
+                body = "".join("\\" + c if c in "\\^[]" else c for c in (inner[1:] if negate else inner))
+                parts.append(f"[{'^' if negate else ''}{body}]")
+                i = end + 1
+                continue
+        parts.append(".*" if char == "*" else "." if char == "?" else re.escape(char))
+        i += 1
+    return re.compile("".join(parts), re.DOTALL)
+
+
 class LockReads(abc.ABC):
     """What operators read of a backend: no verb here changes a lock.
     :class:`~dramatiq_unique.ops.admin.LockAdmin` and the dashboard read
@@ -340,7 +393,12 @@ class LockReads(abc.ABC):
 
     @abc.abstractmethod
     def scan(self, pattern: str) -> Iterator[str]:
-        """Iterate over the held keys matching a glob ``pattern``."""
+        """Iterate over the held keys matching ``pattern``, a glob read
+        as :func:`glob_pattern` says, each key once.  A backend may also
+        yield the keys it keeps beside a lock (waiters, records), which
+        share the lock key as their prefix: callers that want locks
+        only match the phase at the end (``*:run``, ``*:queue``).
+        """
         raise NotImplementedError  # pragma: no cover
 
     def waiters(self, key: str) -> list[Waiter]:
@@ -350,22 +408,29 @@ class LockReads(abc.ABC):
         return []
 
     def describe(self) -> str:
-        """A short description for error messages, e.g. a URL."""
+        """A short description for error messages, e.g. a URL without
+        its password.
+        """
         return type(self).__name__
+
+    def close(self) -> None:
+        """Close the connections this backend opened itself (not a
+        client it was given); a later call opens them again.  Nothing to
+        close by default.
+        """
+        return None
 
 
 class LockBackend(LockReads):
-    """ABC for lock backends.  Durations are in milliseconds.
+    """The core of every lock backend.  Durations are in milliseconds.
 
     The verbs are grouped by who calls them: the hot path (every job
-    makes these), sending with the publish (an optional capability),
-    the reschedule protocol, newest wins (``on_conflict="replace"``),
-    and operators' writes.  Operators' reads are :class:`LockReads`.
+    makes these) and operators' writes.  Operators' reads are
+    :class:`LockReads`; what only some backends can do are the
+    capabilities below (:class:`Reschedules`, :class:`NewestWins`,
+    :class:`SendsWithPublish`, :class:`BatchedReleases`,
+    :class:`RenewsNatively`).
     """
-
-    #: True when :meth:`release_many` sends its releases in one round
-    #: trip: the worker then releases run locks in the background.
-    batches_releases: bool = False
 
     # The hot path: every job -----------------------------------------
 
@@ -402,7 +467,9 @@ class LockBackend(LockReads):
             this as where its message is being published; None keeps
             none (run locks).
           copy(Copy): A re-enqueued copy of a message that may have been
-            rescheduled: nothing is taken when it may not run.
+            rescheduled: nothing is taken when it may not run.  A
+            backend without :class:`Reschedules` keeps no records, so
+            every copy may run.
         """
         raise NotImplementedError  # pragma: no cover
 
@@ -410,17 +477,18 @@ class LockBackend(LockReads):
     def start(
         self, key: str, owner: str, *, ttl: int, limit: int, lock: str, copy: Copy, queue_key: Optional[str] = None
     ) -> Start:
-        """Claim the delivered ``copy`` (see :meth:`claim`), take a slot
-        of the run lock ``key`` for ``owner``, and release the enqueue
-        lock ``queue_key`` of the message once the slot is taken: one
-        round trip for everything a delivery takes before it runs.
+        """Claim the delivered ``copy`` (see :meth:`Reschedules.claim`),
+        take a slot of the run lock ``key`` for ``owner``, and release
+        the enqueue lock ``queue_key`` of the message once the slot is
+        taken: one round trip for everything a delivery takes before it
+        runs.
         """
         raise NotImplementedError  # pragma: no cover
 
     @abc.abstractmethod
     def release(self, key: str, owner: str, *, hand_over: bool = True) -> Release:
         """Remove ``owner`` from ``key``, and hand the freed slot to the
-        longest waiter of ``key``, if any (see :meth:`wait`).
+        longest waiter of ``key``, if any (see :meth:`Reschedules.wait`).
 
         Parameters:
           hand_over(bool): False leaves the waiters waiting, for a caller
@@ -430,7 +498,8 @@ class LockBackend(LockReads):
 
     def release_many(self, locks: Sequence[tuple[str, str]]) -> list[Union[Release, Exception]]:
         """Release each ``(key, owner)`` and hand its slot over, as
-        :meth:`release` does, in as few round trips as the backend can.
+        :meth:`release` does, in as few round trips as the backend can
+        (one each here; one in all with :class:`BatchedReleases`).
 
         Returns:
           list: per lock, its :class:`Release`, or the exception its
@@ -443,32 +512,6 @@ class LockBackend(LockReads):
             except Exception as e:
                 outcomes.append(e)
         return outcomes
-
-    def release_and_start(
-        self,
-        releases: Sequence[tuple[str, str]],
-        key: str,
-        owner: str,
-        *,
-        ttl: int,
-        limit: int,
-        lock: str,
-        copy: Copy,
-        queue_key: Optional[str] = None,
-    ) -> tuple[list[Union[Release, Exception]], Union[Start, Exception]]:
-        """Release each of ``releases`` as :meth:`release_many` does,
-        then :meth:`start` ``key`` for ``owner``: in one round trip where
-        the backend batches releases.
-
-        Returns:
-          tuple: the outcome of each release, and the :class:`Start`, or
-          the exception the start raised.
-        """
-        released = self.release_many(releases)
-        try:
-            return released, self.start(key, owner, ttl=ttl, limit=limit, lock=lock, copy=copy, queue_key=queue_key)
-        except Exception as e:
-            return released, e
 
     @abc.abstractmethod
     def extend(self, locks: Sequence[tuple[str, str]], ttl: int) -> list[bool]:
@@ -492,43 +535,96 @@ class LockBackend(LockReads):
         """
         raise NotImplementedError  # pragma: no cover
 
-    # Sending with the publish (optional) -----------------------------
+    # Operators' writes -----------------------------------------------
 
-    @property
-    def dispatch_client(self) -> Optional[Any]:
-        """The standalone Redis client on which :meth:`acquire_and_dispatch`
-        runs the broker's own script, or None when this backend cannot
-        take a lock and publish in one call (the default): the send
-        fast path (:mod:`dramatiq_unique.send.fastpath`) is then off.
+    @abc.abstractmethod
+    def reap(self, key: str, owner: str, record: EnqueueRecord) -> bool:
+        """Release ``owner``'s slot of ``key`` if its enqueue record is
+        still ``record``: a reaper checked that record's message and
+        found it nowhere.
+
+        Returns:
+          bool: True when a live slot was released.
         """
-        return None
+        raise NotImplementedError  # pragma: no cover
 
-    def acquire_and_dispatch(
-        self,
-        key: str,
-        owner: str,
-        *,
-        ttl: int,
-        limit: int,
-        lock: str,
-        lock_args: Optional[str],
-        where: str,
-        dispatch: str,
-        namespace: str,
-        arguments: Sequence[Any],
-    ) -> Acquisition:
-        """Acquire ``key`` as :meth:`acquire` does, confirmed at once and
-        recording ``where``, and only when that succeeds run the Redis
-        broker's ``dispatch`` script source with ``arguments`` under
-        ``namespace``, in one round trip.  Only where
-        :attr:`dispatch_client` is not None.
+    @abc.abstractmethod
+    def delete(self, key: str) -> bool:
+        """Drop ``key`` and all its holders: an operator's override."""
+        raise NotImplementedError  # pragma: no cover
+
+    @abc.abstractmethod
+    def delete_prefix(self, prefix: str) -> int:
+        """Drop every key that starts with ``prefix`` (a plain string,
+        not a glob): locks, and what the backend keeps beside them
+        (waiters, message records, superseded records).  For tests and
+        for operators clearing an application's keys.
+
+        Returns:
+          int: How many keys were dropped (as the backend counts them).
+        """
+        raise NotImplementedError  # pragma: no cover
+
+
+# Capabilities ----------------------------------------------------------
+
+
+class MissingCapability(ConfigurationError):
+    """An actor's options need a capability that the lock backend lacks.
+
+    Attributes:
+      backend(str): The backend, as it describes itself.
+      capability(str): The capability's class name, e.g. ``NewestWins``.
+    """
+
+    def __init__(self, message: str, *, backend: str, capability: str) -> None:
+        super().__init__(message)
+        self.backend = backend
+        self.capability = capability
+
+
+C = TypeVar("C", bound="Capability")
+
+
+class Capability(LockBackend):
+    """The base of every capability: what a backend inherits to say it
+    can do more than the core.
+    """
+
+    #: What error messages call the capability.
+    capability: ClassVar[str] = "a capability"
+
+    @classmethod
+    def require(cls: type[C], backend: LockBackend, *, feature: str) -> C:
+        """``backend``, when it has this capability.
+
+        Parameters:
+          feature(str): What needs it, for the error, e.g.
+            ``"on_conflict='replace' (actor 'sync')"``.
 
         Raises:
-          NotImplementedError: this backend cannot (the default).
+          MissingCapability: naming the backend, the capability and
+            ``feature``.
         """
-        raise NotImplementedError(f"{type(self).__name__} cannot take a lock and publish in one call.")
+        if isinstance(backend, cls):
+            return backend
+        raise MissingCapability(
+            f"{feature} needs a lock backend with {cls.capability} ({cls.__name__}), "
+            f"and {backend.describe()} has none: use a backend that has it, or another option.",
+            backend=backend.describe(),
+            capability=cls.__name__,
+        )
 
-    # The reschedule protocol -----------------------------------------
+
+class Reschedules(Capability):
+    """The reschedule protocol, for ``on_conflict="reschedule"``: a
+    message that meets a held run lock waits for it (:meth:`wait`) and
+    is enqueued again twice, delayed and handed over, and the first of
+    the two copies to arrive runs (:meth:`claim`, and :meth:`~LockBackend.start`
+    with its ``copy``).  See ``docs/reliability.md``, "The hand-off model".
+    """
+
+    capability = "the reschedule protocol"
 
     @abc.abstractmethod
     def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> None:
@@ -556,7 +652,13 @@ class LockBackend(LockReads):
         """
         raise NotImplementedError  # pragma: no cover
 
-    # Newest wins: on_conflict="replace" and debounce -----------------
+
+class NewestWins(Capability):
+    """Newest wins: ``on_conflict="replace"`` and ``debounce``, where a
+    send supersedes the message that holds the enqueue lock.
+    """
+
+    capability = "newest wins (replace, current, unreplace)"
 
     @abc.abstractmethod
     def replace(
@@ -606,9 +708,10 @@ class LockBackend(LockReads):
 
         Without ``reenter`` (a delivery), a current message is marked as
         started; with it (a re-enqueue), a current message re-enters its
-        slot like :meth:`acquire`, or takes the free key again, unless
-        it is a ``copy`` that may not run (as :meth:`acquire` checks);
-        ``where`` then updates the owner's :class:`EnqueueRecord`.
+        slot like :meth:`~LockBackend.acquire`, or takes the free key
+        again, unless it is a ``copy`` that may not run (as
+        :meth:`~LockBackend.acquire` checks); ``where`` then updates the
+        owner's :class:`EnqueueRecord`.
 
         Returns:
           CurrentCheck: what was found, and the message it names (see
@@ -620,27 +723,191 @@ class LockBackend(LockReads):
     def unreplace(self, key: str, owner: str) -> Optional[str]:
         """Undo the :meth:`replace` of ``owner``, whose message was never
         published: the message it superseded is current again, with
-        ``owner``'s deadline.  ``owner``'s slot is left to :meth:`release`.
+        ``owner``'s deadline.  ``owner``'s slot is left to
+        :meth:`~LockBackend.release`.
 
         Returns:
           str: The message made current again, or None.
         """
         raise NotImplementedError  # pragma: no cover
 
-    # Operators' writes -----------------------------------------------
 
+class DispatchFailed(Exception):
+    """The broker's own enqueue failed inside
+    :meth:`SendsWithPublish.acquire_and_dispatch`: nothing was enqueued,
+    and the lock the call took was dropped.  A backend raises a subclass
+    that is also its client's error (a ``redis.ResponseError`` on
+    Redis), as the broker's own enqueue would have raised.
+    """
+
+
+class SendsWithPublish(Capability):
+    """Sending with the publish: take an enqueue lock and run the Redis
+    broker's own enqueue script in one call, when the locks live in the
+    broker's Redis (the send fast path, :mod:`dramatiq_unique.send.fastpath`).
+    """
+
+    capability = "sending with the publish"
+
+    @property
     @abc.abstractmethod
-    def reap(self, key: str, owner: str, record: EnqueueRecord) -> bool:
-        """Release ``owner``'s slot of ``key`` if its enqueue record is
-        still ``record``: a reaper checked that record's message and
-        found it nowhere.
-
-        Returns:
-          bool: True when a live slot was released.
+    def dispatch_client(self) -> Optional[Any]:
+        """The standalone Redis client on which :meth:`acquire_and_dispatch`
+        runs the broker's own script, or None when this instance cannot
+        (a Cluster): the send fast path is then off.
         """
         raise NotImplementedError  # pragma: no cover
 
     @abc.abstractmethod
-    def delete(self, key: str) -> bool:
-        """Drop ``key`` and all its holders: an operator's override."""
+    def acquire_and_dispatch(
+        self,
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        limit: int,
+        lock: str,
+        lock_args: Optional[str],
+        where: str,
+        dispatch: str,
+        namespace: str,
+        arguments: Sequence[Any],
+    ) -> Acquisition:
+        """Acquire ``key`` as :meth:`~LockBackend.acquire` does,
+        confirmed at once and recording ``where``, and only when that
+        succeeds run the Redis broker's ``dispatch`` script source with
+        ``arguments`` under ``namespace``, in one round trip.  Only where
+        :attr:`dispatch_client` is not None.
+
+        Raises:
+          DispatchFailed: ``dispatch`` failed; nothing is locked by
+            this call.
+        """
         raise NotImplementedError  # pragma: no cover
+
+
+class BatchedReleases(Capability):
+    """Batched releases: :meth:`~LockBackend.release_many` sends its
+    releases in one round trip, and :meth:`release_and_start` sends them
+    with the next start.  The worker then releases run locks off the
+    worker thread (:class:`~dramatiq_unique.worker.releaser.Releaser`).
+    """
+
+    capability = "batched releases"
+
+    #: Whether this instance batches: False where it cannot (a Redis
+    #: Cluster), which then releases as the core does.
+    batches_releases: bool = True
+
+    @abc.abstractmethod
+    def release_and_start(
+        self,
+        releases: Sequence[tuple[str, str]],
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        limit: int,
+        lock: str,
+        copy: Copy,
+        queue_key: Optional[str] = None,
+    ) -> tuple[list[Union[Release, Exception]], Union[Start, Exception]]:
+        """Release each of ``releases`` as
+        :meth:`~LockBackend.release_many` does, then
+        :meth:`~LockBackend.start` ``key`` for ``owner``, in one round
+        trip (:func:`release_then_start` does it in two).
+
+        Returns:
+          tuple: the outcome of each release, and the :class:`Start`, or
+          the exception the start raised.
+        """
+        raise NotImplementedError  # pragma: no cover
+
+
+def release_then_start(
+    backend: LockBackend,
+    releases: Sequence[tuple[str, str]],
+    key: str,
+    owner: str,
+    *,
+    ttl: int,
+    limit: int,
+    lock: str,
+    copy: Copy,
+    queue_key: Optional[str] = None,
+) -> tuple[list[Union[Release, Exception]], Union[Start, Exception]]:
+    """:meth:`BatchedReleases.release_and_start` in two calls: the
+    releases, then the start, on any backend.
+    """
+    released = backend.release_many(releases)
+    try:
+        return released, backend.start(key, owner, ttl=ttl, limit=limit, lock=lock, copy=copy, queue_key=queue_key)
+    except Exception as e:
+        return released, e
+
+
+class NativeExtender(Protocol):
+    """:meth:`LockBackend.extend` on a connection of its own, for a
+    native OS thread under gevent's monkey-patching: made with the
+    original (unpatched) socket module (``compat.original``), so that no
+    greenlet-patched socket or pool lock is touched from another OS
+    thread.  Used by one thread at a time.
+    """
+
+    def __call__(self, locks: Sequence[tuple[str, str]], ttl: int, *, timeout: float) -> list[bool]:
+        """Extend each ``(key, owner)`` to ``ttl`` ms from now, as
+        :meth:`LockBackend.extend` does, waiting at most ``timeout`` ms
+        for the whole exchange (the caller's lease deadline).
+
+        Raises:
+          TimeoutError: no answer in time (or ``timeout`` <= 0); the
+            connection is closed.
+          OSError: the connection failed; it is closed.
+          RuntimeError: the backend refused the renewal.
+        """
+        ...  # pragma: no cover
+
+    def close(self) -> None:
+        """Close the connection; the next call opens a new one."""
+        ...  # pragma: no cover
+
+
+class RenewsNatively(Capability):
+    """Renewal from a native thread: under gevent the lease keeper runs
+    on a native OS thread, so that leases renew while an actor holds the
+    hub in a C call or a CPU loop, and renews through
+    :meth:`native_extender`.  Without it, leases renew on a greenlet.
+
+    A backend implements it with a connection that it drives from the
+    native thread without gevent's patched modules: the Redis backend
+    speaks RESP on an unpatched socket; a PostgreSQL backend would use
+    a libpq-level connection of its own (psycopg's ``pgconn``), waiting
+    on its socket with the original ``select``, and run its extend
+    statement there.
+    """
+
+    capability = "renewal from a native thread"
+
+    @abc.abstractmethod
+    def native_extender(self) -> Optional[NativeExtender]:
+        """A new :class:`NativeExtender` on a connection of its own, or
+        None when this instance cannot make one (TLS, Sentinel, a
+        Cluster, a client of someone else's making): the caller then
+        renews on a greenlet.  Called once per process, on the hub.
+        """
+        raise NotImplementedError  # pragma: no cover
+
+
+#: Every capability, in the order the docs list them.
+CAPABILITIES: tuple[type[Capability], ...] = (
+    Reschedules,
+    NewestWins,
+    SendsWithPublish,
+    BatchedReleases,
+    RenewsNatively,
+)
+
+
+def capabilities(backend: LockBackend) -> list[str]:
+    """The names of the capabilities ``backend`` has, e.g. for a log."""
+    return [kind.__name__ for kind in CAPABILITIES if isinstance(backend, kind)]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 import threading
 import time as mod_time
 from dataclasses import dataclass, field
@@ -16,13 +15,15 @@ from .base import (
     CurrentCheck,
     CurrentStatus,
     EnqueueRecord,
-    LockBackend,
     LockInfo,
+    NewestWins,
     Release,
     Replacement,
     ReplaceStatus,
+    Reschedules,
     Start,
     Waiter,
+    glob_pattern,
 )
 
 
@@ -94,9 +95,11 @@ class _Superseded:
     expires_at: int = 0
 
 
-class StubBackend(LockBackend):
+class StubBackend(Reschedules, NewestWins):
     """An in-memory lock backend.  Locks live in this process only,
-    so it suits tests, the demo and single-process workers.
+    so it suits tests, the demo and single-process workers.  It has the
+    reschedule protocol and newest wins (see
+    :mod:`~dramatiq_unique.backends.base`).
 
     Deadlines follow ``time.monotonic``.
     """
@@ -502,12 +505,25 @@ class StubBackend(LockBackend):
     def scan(self, pattern: str) -> Iterator[str]:
         with self._mutex:
             now = _now_ms()
-            keys = [key for key in list(self._entries) if self._live(key, now) and fnmatch.fnmatchcase(key, pattern)]
+            match = glob_pattern(pattern).fullmatch
+            keys = [key for key in list(self._entries) if self._live(key, now) and match(key)]
         return iter(sorted(keys))
 
     def delete(self, key: str) -> bool:
         with self._mutex:
             return self._entries.pop(key, None) is not None
+
+    def delete_prefix(self, prefix: str) -> int:
+        with self._mutex:
+            dropped = 0
+            for table in (self._entries, self._waiters, self._superseded):
+                for key in [key for key in table if key.startswith(prefix)]:
+                    del table[key]
+                    dropped += 1
+            for record in [record for record in self._records if record[0].startswith(prefix)]:
+                del self._records[record]
+                dropped += 1
+            return dropped
 
     def waiters(self, key: str) -> list[Waiter]:
         with self._mutex:

@@ -13,9 +13,9 @@ Warning:
   ``dramatiq-unique dashboard``).
 
 Examples:
-  >>> from dramatiq_unique.backends.redis import RedisBackend
+  >>> from dramatiq_unique.backends import from_url
   >>> from dramatiq_unique.dashboard import make_app
-  >>> app = make_app(RedisBackend(url="redis://127.0.0.1:6379/0"), prefix="dramatiq-unique")
+  >>> app = make_app(from_url("redis://127.0.0.1:6379/0"), prefix="dramatiq-unique")
 """
 
 from __future__ import annotations

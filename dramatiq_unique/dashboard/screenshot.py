@@ -65,11 +65,11 @@ def demo_locks(redis_url: str) -> Iterator[Any]:
     import dramatiq
     from dramatiq.brokers.stub import StubBroker
 
-    from ..backends.redis.client import RedisBackend
+    from ..backends import from_url
     from ..middleware import UniqueMiddleware
 
-    backend = RedisBackend(url=redis_url)
-    backend.client.flushdb()
+    backend = from_url(redis_url)
+    backend.delete_prefix(f"{PREFIX}:")
     broker = StubBroker()
     unique = UniqueMiddleware(backend=backend, prefix=PREFIX, record_lock_args=True, reschedule_delay=600_000)
     broker.add_middleware(unique)

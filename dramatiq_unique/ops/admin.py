@@ -8,7 +8,7 @@ lock, owned by a message id) or ``...:run`` (a run lock, owned by
 lock are never listed or touched.
 
 Examples:
-  >>> admin = LockAdmin(RedisBackend(url="redis://127.0.0.1:6379/0"))
+  >>> admin = LockAdmin(from_url("redis://127.0.0.1:6379/0"))
   >>> for lock in admin.locks(actor="sync_account_balance"):
   ...     print(lock.digest, lock.phase, lock.holders)
   >>> admin.release("9f86d081884c7d659a2feaa0c55ad015", holder="b4a1...")

@@ -27,35 +27,40 @@ class CommandError(Exception):
 def _demo(args: argparse.Namespace) -> int:
     from . import demo
 
-    return demo.main(args.redis)
+    return demo.main(args.redis, url=args.url)
 
 
 # Lock administration ----------------------------------------------
 
 
+def _locks_url(args: argparse.Namespace) -> Optional[str]:
+    """Where the locks are: ``--url``, or ``--redis``, its older name,
+    or ``dramatiq_unique_url``.
+    """
+    from ..settings import from_environment
+
+    if args.url and args.redis and args.url != args.redis:
+        raise CommandError("--url and --redis name different locks: --redis is another name for --url; give one.")
+    return args.url or args.redis or from_environment().url
+
+
 def _admin(args: argparse.Namespace) -> "LockAdmin":
-    """Connect to the locks named by ``--redis`` and ``--prefix``, or by
+    """Connect to the locks named by ``--url`` and ``--prefix``, or by
     the ``dramatiq_unique_*`` environment variables, and check that the
     backend answers.
     """
+    from ..backends import from_url
     from ..settings import from_environment
     from .admin import LockAdmin
 
     settings = from_environment()
-    url = args.redis or settings.redis_url
+    url = _locks_url(args)
     if url is None:
-        raise CommandError("no Redis to read locks from: give --redis URL or set dramatiq_unique_redis_url.")
+        raise CommandError("no lock backend to read locks from: give --url URL or set dramatiq_unique_url.")
     try:
-        from ..backends.redis.client import RedisBackend
-    except ModuleNotFoundError as e:
-        if (e.name or "").partition(".")[0] != "redis":
-            raise
-        raise CommandError(
-            "the lock commands need redis-py, which comes with the redis extra: "
-            "run `pip install 'dramatiq-unique[redis]'`."
-        ) from None
-    try:
-        backend = RedisBackend(url=url, socket_connect_timeout=5, socket_timeout=30)
+        backend = from_url(url)
+    except UniqueError:
+        raise  # a bad URL or a missing extra: its own words
     except Exception as e:
         raise CommandError(f"cannot connect to {url}: {' '.join(str(e).split())}") from None
     admin = LockAdmin(backend, prefix=args.prefix or settings.prefix)
@@ -233,7 +238,7 @@ def _reap(args: argparse.Namespace) -> int:
     if args.dry_run and args.yes:
         raise CommandError("--dry-run and --yes contradict each other.", status=2)
     admin = _admin(args)
-    url = args.broker_redis or args.redis or _settings_url()
+    url = args.broker_redis or _redis_url(_locks_url(args))
     if url is None:
         raise CommandError("no broker Redis to look messages up in: give --broker-redis URL.")
     try:
@@ -283,10 +288,13 @@ def _reap(args: argparse.Namespace) -> int:
     return 0
 
 
-def _settings_url() -> Optional[str]:
-    from ..settings import from_environment
+def _redis_url(url: Optional[str]) -> Optional[str]:
+    """``url`` when it names a Redis (the broker's, by default the
+    locks'), else None.
+    """
+    from ..settings import REDIS_URL_SCHEMES
 
-    return from_environment().redis_url
+    return url if url is not None and url.startswith(REDIS_URL_SCHEMES) else None
 
 
 def _dashboard(args: argparse.Namespace) -> int:
@@ -326,9 +334,14 @@ class _Refused(argparse.Action):
 
 
 def _connection_options() -> argparse.ArgumentParser:
-    """``--redis`` and ``--prefix``: every command that reads locks."""
+    """``--url`` (or ``--redis``) and ``--prefix``: every command that
+    reads locks.
+    """
     options = argparse.ArgumentParser(add_help=False)
-    options.add_argument("--redis", metavar="URL", help="the Redis of the locks (default: $dramatiq_unique_redis_url)")
+    options.add_argument(
+        "--url", metavar="URL", help="where the locks are: redis://, postgresql://... (default: $dramatiq_unique_url)"
+    )
+    options.add_argument("--redis", metavar="URL", help="another name for --url, kept from before it")
     options.add_argument("--prefix", help="the prefix of the lock keys (default: $dramatiq_unique_prefix or ours)")
     return options
 
@@ -395,7 +408,8 @@ def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="dramatiq-unique", description="Unique jobs and per-key locks for Dramatiq.")
     commands = top.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="run the serialize-per-resource scenario and print its timeline")
-    demo.add_argument("--redis", metavar="URL", help="use a RedisBroker and RedisBackend at URL instead of memory")
+    demo.add_argument("--redis", metavar="URL", help="use a RedisBroker, and locks, at URL instead of memory")
+    demo.add_argument("--url", metavar="URL", help="keep the locks at URL (redis://, postgresql://...) instead")
     demo.add_argument("--json", action=_Refused, reason="the demo prints a timeline for people to read, not JSON.")
     demo.set_defaults(run=_demo)
     _add_admin_commands(commands)

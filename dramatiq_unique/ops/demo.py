@@ -5,7 +5,8 @@ Several balance syncs for account 42 and one each for accounts 43 and
 ``on_conflict="reschedule"``.  The syncs for 42 run one after another;
 43 and 44 run alongside them.  By default everything is in memory (a
 ``StubBroker`` and a ``StubBackend``); ``--redis URL`` uses a
-``RedisBroker`` and a ``RedisBackend`` instead.
+``RedisBroker`` and locks in that Redis instead, and ``--url URL`` keeps
+the locks where the URL says (:func:`~..backends.from_url`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, Optional
 import dramatiq
 from dramatiq import Worker
 
+from ..backends import from_url
 from ..middleware import UniqueMiddleware
 
 #: How long one simulated sync takes, in seconds.
@@ -36,28 +38,32 @@ class Run:
     end: float
 
 
-def _broker(redis_url: Optional[str]) -> tuple[dramatiq.Broker, UniqueMiddleware]:
+def _broker(redis_url: Optional[str], url: Optional[str] = None) -> tuple[dramatiq.Broker, UniqueMiddleware]:
     if redis_url is None:
         from dramatiq.brokers.stub import StubBroker
 
         broker: dramatiq.Broker = StubBroker()
-        unique = UniqueMiddleware(reschedule_delay=RESCHEDULE_DELAY)
     else:
         from dramatiq.brokers.redis import RedisBroker
 
-        from ..backends.redis.client import RedisBackend
-
         broker = RedisBroker(url=redis_url, namespace="dramatiq-unique-demo")
-        unique = UniqueMiddleware(
-            backend=RedisBackend(url=redis_url), prefix="dramatiq-unique-demo", reschedule_delay=RESCHEDULE_DELAY
-        )
+    locks = url or redis_url
+    backend = from_url(locks) if locks is not None else None
+    if backend is not None:
+        backend.delete_prefix("dramatiq-unique-demo:")  # what an interrupted run left
+    unique = UniqueMiddleware(backend=backend, prefix="dramatiq-unique-demo", reschedule_delay=RESCHEDULE_DELAY)
     broker.add_middleware(unique)
     return broker, unique
 
 
-def run(redis_url: Optional[str] = None, out: Any = None) -> list[Run]:
-    """Run the scenario and print its timeline; return the runs."""
-    broker, unique = _broker(redis_url)
+def run(redis_url: Optional[str] = None, out: Any = None, *, url: Optional[str] = None) -> list[Run]:
+    """Run the scenario and print its timeline; return the runs.
+
+    Parameters:
+      redis_url(str): A Redis for a ``RedisBroker`` (and the locks).
+      url(str): Where the locks are, when not in the broker.
+    """
+    broker, unique = _broker(redis_url, url)
     runs: list[Run] = []
     mutex = threading.Lock()
     started = time.monotonic()
@@ -133,10 +139,10 @@ def _quiet_skips(record: logging.LogRecord) -> bool:
     return not record.getMessage().endswith("was skipped.")
 
 
-def main(redis_url: Optional[str] = None) -> int:
+def main(redis_url: Optional[str] = None, *, url: Optional[str] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for handler in logging.getLogger().handlers:
         handler.addFilter(_quiet_skips)
-    runs = run(redis_url)
+    runs = run(redis_url, url=url)
     ok = not overlaps(runs, 42) and len(runs) == len(ACCOUNTS)
     return 0 if ok else 1

@@ -104,6 +104,13 @@ def queue_of(record: EnqueueRecord) -> str:
     return record.queue
 
 
+def _text(value: Any) -> str:
+    """A reply of the broker's client as text: redis-py answers bytes
+    unless told to decode.
+    """
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 class RedisQueues:
     """Looks messages up in a Redis broker's keys (see Dramatiq's
     ``dispatch.lua``: a hash of messages per queue, keyed by
@@ -124,9 +131,7 @@ class RedisQueues:
         """
         places = [[p for p in map(Place.parse, (r.where, r.before)) if p is not None] for r in records]
         namespaces = {place.namespace for found in places for place in found}
-        from ..backends.redis.client import as_text  # a Redis broker's client: redis-py is there
-
-        workers = {ns: [as_text(w) for w in self.client.zrange(f"{ns}:__heartbeats__", 0, -1)] for ns in namespaces}
+        workers = {ns: [_text(w) for w in self.client.zrange(f"{ns}:__heartbeats__", 0, -1)] for ns in namespaces}
         pipe = self.client.pipeline(transaction=True)
         counts = []
         for found in places:

@@ -62,6 +62,16 @@ class LockService:
         #: Store the lock args JSON with each lock, for operators.
         self.record_lock_args = settings.record_lock_args
 
+    @property
+    def locks(self) -> "LockBackend":
+        """The backend, once a broker picked it.  A capability's verbs
+        are reached with ``Capability.require(service.locks, ...)``: the
+        middleware checked it when it declared each actor that needs it.
+        """
+        backend = self.backend
+        assert backend is not None
+        return backend
+
     def key(self, spec: "ActorSpec", digest: str, phase: str) -> str:
         """The backend key of one lock: prefix, actor in clear text, and
         the digest inside a Cluster hash tag.

@@ -25,7 +25,8 @@ that fails inside the script drops the lock it took in the same script.
 The path is taken only when it is known to be exact, else the usual two
 steps are: a ``RedisBroker`` itself (not a subclass) whose
 ``do_enqueue`` nobody else replaced, with a ``dispatch.lua`` this module
-knows; a :class:`~..backends.redis.RedisBackend` on the same standalone
+knows; a backend that sends with the publish (the Redis backend, see
+:class:`~..backends.base.SendsWithPublish`) on the same standalone
 Redis and database (not Cluster, not Sentinel); no later middleware
 with its own ``before_enqueue`` (it would otherwise see a refused
 duplicate that it never saw before); and a new send, not a re-enqueue
@@ -47,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from dramatiq.common import current_millis
 from dramatiq.middleware import Middleware
 
-from ..backends.base import Acquisition, LockBackend
+from ..backends.base import Acquisition, DispatchFailed, LockBackend, SendsWithPublish
 from ..compat import RedisDispatch, redis_dispatch, replace_redis_do_enqueue
 from ..model.spec import ActorSpec
 from .context import CURRENT_CALL, Deferred, EnqueueLocks, maybe_applied
@@ -105,10 +106,10 @@ def _standalone(client: Any) -> Optional[dict[str, Any]]:
 
 def same_redis(backend: Optional[LockBackend], broker: Any) -> bool:
     """Whether ``backend`` can take a lock and publish in one call
-    (:attr:`~..backends.base.LockBackend.dispatch_client`) on the standalone
+    (:attr:`~..backends.base.SendsWithPublish.dispatch_client`) on the standalone
     Redis database of ``broker``.
     """
-    client = backend.dispatch_client if backend is not None else None
+    client = backend.dispatch_client if isinstance(backend, SendsWithPublish) else None
     if client is None:
         return False
     a, b = _standalone(client), _standalone(broker.client)
@@ -252,8 +253,6 @@ class SendPath:
         data: bytes,
     ) -> None:
         """Take the deferred lock and enqueue, in one round trip."""
-        from ..backends.redis.client import DispatchFailed
-
         spec, message, key = deferred.spec, deferred.message, deferred.key
         arguments = [
             "enqueue",
@@ -268,7 +267,7 @@ class SendPath:
             data,
         ]
         try:
-            got = self.service.backend.acquire_and_dispatch(  # type: ignore[union-attr]
+            got = SendsWithPublish.require(self.service.locks, feature="the send fast path").acquire_and_dispatch(
                 key,
                 message.message_id,
                 ttl=deferred.ttl,

@@ -21,7 +21,7 @@ from typing import Any, Optional
 from dramatiq.common import current_millis
 from dramatiq.middleware import MiddlewareError
 
-from ..backends.base import CurrentStatus, ReplaceStatus
+from ..backends.base import CurrentStatus, NewestWins, ReplaceStatus
 from ..model.spec import ActorSpec
 from .context import EnqueueLocks, LockService, is_fresh
 from .copies import copy_of
@@ -59,7 +59,7 @@ def take(locks: EnqueueLocks, message: Any, delay: Optional[int], spec: ActorSpe
 def _replace(locks: EnqueueLocks, message: Any, delay: Optional[int], spec: ActorSpec, key: str, ttl: int) -> None:
     service = locks.service
     recorded = locks.lock_args(message, spec, True)
-    got = service.backend.replace(  # type: ignore[union-attr]
+    got = NewestWins.require(service.locks, feature="on_conflict='replace'").replace(
         key,
         message.message_id,
         ttl=ttl,
@@ -91,7 +91,7 @@ def _reenter(locks: EnqueueLocks, message: Any, spec: ActorSpec, key: str, ttl: 
     # A copy of a reschedule that may not run must not take the lock back (see Copy).
     run_key = service.key(spec, message.options["unique_digest"], "run")
     copy = copy_of(message, run_key) if spec.lock.run_lock else None
-    status, other = service.backend.current(  # type: ignore[union-attr]
+    status, other = NewestWins.require(service.locks, feature="on_conflict='replace'").current(
         key, message.message_id, reenter=True, ttl=ttl, lock=spec.lock.name, copy=copy, where=locks.where(message)
     )
     # SUPERSEDED goes on and is skipped when delivered: raising would
@@ -115,7 +115,7 @@ def restore(service: LockService, message: Any, taken: list[tuple[str, str]]) ->
         return
     for key, owner in taken:
         try:
-            previous = service.backend.unreplace(key, owner)  # type: ignore[union-attr]
+            previous = NewestWins.require(service.locks, feature="on_conflict='replace'").unreplace(key, owner)
         except Exception as e:
             service.backend_error("restore the message superseded by an unsent one in", key, spec, message, e)
             continue

@@ -21,17 +21,15 @@ Timeline of a lost lease, with a 60 s lease::
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional
 
 from dramatiq.logging import get_logger
 
-from ..backends.base import LockBackend
+from ..backends.base import LockBackend, NativeExtender, RenewsNatively
 from ..background import BackgroundThread
 from ..clock import now_ms
-from ..compat import original
 from ..forks import pid
 
 #: How soon a failed renewal is tried again, in milliseconds.
@@ -91,12 +89,14 @@ class LeaseKeeper:
     """Renews leases of ``lease`` milliseconds on ``backend``.
 
     Under gevent's monkey-patching the keeper runs on a native OS
-    thread, with a connection of its own on an unpatched socket
-    (:class:`NativeExtend`), so that a lease is renewed while its actor
-    holds the hub in a C call or a CPU loop; what it reports (a lost
-    lease, a failed renewal, its logs) runs on the hub.  A backend with
-    no such connection (the in-memory one, a Cluster, TLS, Sentinel)
-    renews on a greenlet, as before, and says so once.
+    thread, with a connection of its own that no patched module touches
+    (the backend's :class:`~..backends.base.NativeExtender`, see
+    :class:`~..backends.base.RenewsNatively`), so that a lease is
+    renewed while its actor holds the hub in a C call or a CPU loop;
+    what it reports (a lost lease, a failed renewal, its logs) runs on
+    the hub.  A backend with no such connection (the in-memory one, a
+    Cluster, TLS, Sentinel) renews on a greenlet, as before, and says
+    so once.
 
     Parameters:
       backend(LockBackend): Where the leases live.
@@ -121,7 +121,7 @@ class LeaseKeeper:
         self.on_error = on_error
         self._leases: dict[int, Lease] = {}
         self._renewal: Optional[_Renewal] = None
-        self._native_extend: Optional[NativeExtend] = None
+        self._native_extend: Optional[NativeExtender] = None
         self._thread = BackgroundThread(
             name="dramatiq-unique-leases", loop=self._serve, native=self._can_renew_natively, on_fork=self._forked
         )
@@ -241,186 +241,10 @@ class LeaseKeeper:
             call()  # on the keeper's own thread, as before: its errors reach the loop
 
 
-# A connection for a native thread ------------------------------------------
-
-
-class NativeExtend:
-    """``extend`` on a connection of its own, made with the original
-    (unpatched) socket module, for the keeper's native thread under
-    gevent: a greenlet-patched socket or pool lock must not be used from
-    another OS thread.  It sends the backend's own ``extend.lua``, one
-    ``EVALSHA`` per lock in one write (``EVAL`` after a ``NOSCRIPT``),
-    and reads RESP2 replies.  Used by one thread at a time.
-
-    Parameters:
-      address(tuple or str): ``(host, port)``, or a Unix socket path.
-      db(int): The database to select.
-      username(str), password(str): For ``AUTH``, when set.
-      script(str): The source of ``extend.lua``
-        (:meth:`~..backends.redis.RedisBackend.extend_script`).
-      call(callable): ``(key, owner, ttl)`` -> the script's keys and
-        arguments (:meth:`~..backends.redis.RedisBackend.extend_call`).
-      connect_timeout(float): In seconds.
+def native_extend(backend: LockBackend) -> Optional[NativeExtender]:
+    """A :class:`~..backends.base.NativeExtender` of ``backend``, when it
+    renews from a native thread (:class:`~..backends.base.RenewsNatively`)
+    and this instance can; None otherwise (the caller renews on a
+    greenlet).
     """
-
-    def __init__(
-        self,
-        *,
-        address: Any,
-        db: int = 0,
-        username: Optional[str] = None,
-        password: Optional[str] = None,
-        script: str,
-        call: Callable[[str, str, int], tuple[Sequence[Any], Sequence[Any]]],
-        connect_timeout: float = 5.0,
-    ) -> None:
-        self.address = address
-        self.db = db
-        self.username = username
-        self.password = password
-        self.script = script.encode()
-        self.sha = hashlib.sha1(self.script).hexdigest().encode()
-        self.call = call
-        self.connect_timeout = connect_timeout
-        self._sock: Any = None
-        self._file: Any = None
-
-    def __call__(self, locks: Sequence[tuple[str, str]], ttl: int, *, timeout: float) -> list[bool]:
-        """Extend each ``(key, owner)`` to ``ttl`` ms from now, waiting at
-        most ``timeout`` ms for the whole exchange.
-
-        Raises:
-          TimeoutError: no answer in time; the connection is closed.
-          OSError: the connection failed; it is closed.
-          RuntimeError: an error reply other than ``NOSCRIPT``.
-        """
-        if timeout <= 0:
-            raise TimeoutError("the lease ran out before it could be renewed")
-        try:
-            return self._exchange(locks, ttl, timeout / 1000)
-        except BaseException:
-            self.close()
-            raise
-
-    def _exchange(self, locks: Sequence[tuple[str, str]], ttl: int, timeout: float) -> list[bool]:
-        if self._sock is None:
-            self._connect(min(timeout, self.connect_timeout))
-        self._sock.settimeout(timeout)
-        calls = [self._evalsha(*self.call(key, owner, ttl)) for key, owner in locks]
-        replies = self._round_trip(calls)
-        missing = [i for i, reply in enumerate(replies) if isinstance(reply, _ErrorReply) and reply.noscript]
-        if missing:
-            again = self._round_trip([[b"EVAL", self.script, *calls[i][2:]] for i in missing])
-            for i, reply in zip(missing, again):
-                replies[i] = reply
-        for reply in replies:
-            if isinstance(reply, _ErrorReply):
-                raise RuntimeError(f"the lock backend refused a renewal: {reply.text}")
-        return [bool(reply) for reply in replies]
-
-    def _evalsha(self, keys: Sequence[Any], args: Sequence[Any]) -> list[bytes]:
-        return [b"EVALSHA", self.sha, str(len(keys)).encode(), *map(_encoded, keys), *map(_encoded, args)]
-
-    def _connect(self, timeout: float) -> None:
-        make_socket = original("socket", "socket")
-        if isinstance(self.address, str):
-            import socket as socket_module
-
-            sock = make_socket(socket_module.AF_UNIX, socket_module.SOCK_STREAM)
-            target: Any = self.address
-        else:
-            family, kind, proto, _, target = original("socket", "getaddrinfo")(*self.address, 0, 1)[0]
-            sock = make_socket(family, kind, proto)
-        sock.settimeout(timeout)
-        try:
-            sock.connect(target)
-        except BaseException:
-            sock.close()
-            raise
-        self._sock, self._file = sock, sock.makefile("rb")
-        handshake = []
-        if self.password:
-            handshake.append([b"AUTH", *([self.username.encode()] if self.username else []), self.password.encode()])
-        if self.db:
-            handshake.append([b"SELECT", str(self.db).encode()])
-        for reply in self._round_trip(handshake) if handshake else []:
-            if isinstance(reply, _ErrorReply):
-                raise RuntimeError(f"the lock backend refused the renewal connection: {reply.text}")
-
-    def _round_trip(self, commands: list[list[bytes]]) -> list[Any]:
-        self._sock.sendall(b"".join(_pack(command) for command in commands))
-        return [_read_reply(self._file) for _ in commands]
-
-    def close(self) -> None:
-        """Close the connection; the next call opens a new one."""
-        sock, file, self._sock, self._file = self._sock, self._file, None, None
-        for closable in (file, sock):
-            if closable is not None:
-                try:
-                    closable.close()
-                except OSError:
-                    pass
-
-
-class _ErrorReply:
-    """A RESP error reply."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-        self.noscript = text.startswith("NOSCRIPT")
-
-
-def _encoded(value: Any) -> bytes:
-    return value if isinstance(value, bytes) else str(value).encode()
-
-
-def _pack(command: list[bytes]) -> bytes:
-    return b"*%d\r\n" % len(command) + b"".join(b"$%d\r\n%s\r\n" % (len(arg), arg) for arg in command)
-
-
-def _read_reply(file: Any) -> Any:
-    line = file.readline()
-    if not line.endswith(b"\r\n"):
-        raise ConnectionError("the lock backend closed the renewal connection")
-    kind, rest = line[:1], line[1:-2]
-    if kind == b":":
-        return int(rest)
-    if kind == b"+":
-        return rest
-    if kind == b"-":
-        return _ErrorReply(rest.decode(errors="replace"))
-    if kind == b"$":
-        size = int(rest)
-        return None if size < 0 else file.read(size + 2)[:-2]
-    if kind == b"*":
-        size = int(rest)
-        return None if size < 0 else [_read_reply(file) for _ in range(size)]
-    raise ConnectionError(f"the lock backend sent an unexpected reply: {line[:40]!r}")
-
-
-def native_extend(backend: LockBackend) -> Optional[NativeExtend]:
-    """A :class:`NativeExtend` for ``backend``'s Redis, when it is a
-    standalone :class:`~..backends.redis.RedisBackend` on a plain TCP or
-    Unix connection; None otherwise (the caller renews as before).
-    """
-    if type(backend).__name__ != "RedisBackend" or getattr(backend, "cluster", True):
-        return None
-    import redis
-
-    pool = getattr(backend.client, "connection_pool", None)  # type: ignore[attr-defined]
-    if type(pool) is not redis.ConnectionPool or pool.connection_class not in (
-        redis.Connection,
-        redis.UnixDomainSocketConnection,
-    ):
-        return None  # TLS, Sentinel, or a connection of someone's making: not ours to mirror
-    kwargs = pool.connection_kwargs
-    address = kwargs.get("path") or (kwargs.get("host", "localhost"), int(kwargs.get("port", 6379)))
-    return NativeExtend(
-        address=address,
-        db=int(kwargs.get("db", 0) or 0),
-        username=kwargs.get("username"),
-        password=kwargs.get("password"),
-        script=backend.extend_script(),  # type: ignore[attr-defined]
-        call=backend.extend_call,  # type: ignore[attr-defined]
-        connect_timeout=float(kwargs.get("socket_connect_timeout") or 5.0),
-    )
+    return backend.native_extender() if isinstance(backend, RenewsNatively) else None

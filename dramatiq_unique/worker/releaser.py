@@ -3,7 +3,7 @@
 A worker thread that has run its actor queues the release of its run
 lock here and moves on to its next message.  The releases pending when
 a worker thread takes its next run lock ride in front of that call, in
-the same round trip (:meth:`LockBackend.release_and_start`): under load
+the same round trip (:meth:`BatchedReleases.release_and_start`): under load
 a release costs no round trip of its own.  What no worker thread has
 carried within ``linger`` milliseconds, one background thread per
 process (a :class:`~..background.BackgroundThread`) sends in one round trip (:meth:`LockBackend.release_many`).  Each
@@ -40,7 +40,7 @@ from typing import Callable, Optional, Sequence, Union
 
 from dramatiq.logging import get_logger
 
-from ..backends.base import Copy, LockBackend, Release, Start
+from ..backends.base import BatchedReleases, Copy, Release, Start
 from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread
 from ..clock import now_ms
 from ..forks import pid
@@ -98,7 +98,8 @@ class Releaser:
     """Releases run locks of one process in the background.
 
     Parameters:
-      backend(LockBackend): Where the locks live.
+      backend(BatchedReleases): Where the locks live: a backend that
+        batches releases.
       on_stalled(callable): Called, on a worker thread, with the
         releases of a batch that has waited longer than
         ``stall_after`` for the backend.
@@ -111,7 +112,7 @@ class Releaser:
 
     def __init__(
         self,
-        backend: LockBackend,
+        backend: BatchedReleases,
         *,
         on_stalled: Callable[[list[PendingRelease]], None],
         batch: int = DEFAULT_BATCH,

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, NoReturn, Optional
 from dramatiq import Message
 from dramatiq.middleware import AgeLimit, SkipMessage
 
-from ..backends.base import Copy, CopyVerdict, Release
+from ..backends.base import Copy, CopyVerdict, Release, Reschedules
 from ..compat import age_limit_module
 from ..errors import CopySkipped, LockConflict, Rescheduled
 from ..events import LockEvent
@@ -199,7 +199,7 @@ class ProcessGuard:
         if state.claimed or not copy.attempt:
             return
         try:
-            may_run = self.backend.claim(copy)
+            may_run = Reschedules.require(self.service.locks, feature="a rescheduled message").claim(copy)
         except Exception as e:
             error = service.backend_error("settle the copies of", copy.key, state.spec, message, e)
             if strict and service.settings.on_backend_error == "fail":
@@ -248,7 +248,8 @@ class ProcessGuard:
             handed = message.copy(options={**options, "unique_via": "handoff"})
             waiting = Copy(key, message.message_id, attempt, "handoff")
             order, ttl = send_order(message), service.settings.lock_ttl
-            self.backend.wait(waiting, handed.encode(), order=order, ttl=ttl)
+            rescheduling = Reschedules.require(service.locks, feature="on_conflict='reschedule'")
+            rescheduling.wait(waiting, handed.encode(), order=order, ttl=ttl)
         except Exception as e:
             # It may have been applied: a hand-off copy of the attempt may come.
             self._stand_in(message, state, attempt)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from dramatiq.middleware import SkipMessage
 
-from ..backends.base import CurrentStatus
+from ..backends.base import CurrentStatus, NewestWins, Reschedules
 from ..errors import Superseded
 from ..send.context import LockService
 from ..send.copies import copy_of
@@ -43,7 +43,7 @@ def skip_if_superseded(
         return
     key = service.key(spec, state.digest, "queue")
     try:
-        status, by = service.backend.current(key, message.message_id)  # type: ignore[union-attr]
+        status, by = NewestWins.require(service.locks, feature="on_conflict='replace'").current(key, message.message_id)
     except Exception as e:
         error = service.backend_error("check whether it was superseded", key, spec, message, e)
         if service.settings.on_backend_error == "run_unlocked":
@@ -73,7 +73,7 @@ def _withdraw_waiter(service: LockService, message: "MessageProxy", state: Deliv
         return
     key = service.key(state.spec, state.digest, "run")
     try:
-        service.backend.claim(copy_of(message, key))  # type: ignore[union-attr]
+        Reschedules.require(service.locks, feature="a rescheduled message").claim(copy_of(message, key))
     except Exception as e:
         service.backend_error("withdraw the waiter of", key, state.spec, message, e)
 

@@ -11,6 +11,7 @@ client, and through redis-py's ``Script`` on a Cluster.
 from __future__ import annotations
 
 import hashlib
+import re
 from importlib import resources
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 from urllib.parse import urlsplit, urlunsplit
@@ -28,20 +29,28 @@ from ...errors import ConfigurationError, LockBackendError
 from ...settings import DEFAULT_MIN_REPLICAS, DEFAULT_MIN_REPLICAS_TIMEOUT
 from ..base import (
     Acquisition,
+    BatchedReleases,
     Copy,
     CopyVerdict,
     CurrentCheck,
     CurrentStatus,
+    DispatchFailed,
     EnqueueRecord,
-    LockBackend,
     LockInfo,
+    NativeExtender,
+    NewestWins,
     Release,
+    RenewsNatively,
     Replacement,
     ReplaceStatus,
+    Reschedules,
+    SendsWithPublish,
     Start,
     Waiter,
+    release_then_start,
 )
 from .calls import Call, ScriptCalls, default_retry
+from .native import native_extend
 
 _LUA = resources.files(__package__).joinpath("lua")
 
@@ -94,9 +103,10 @@ def send_script(dispatch: str) -> str:
     return f"local function dispatch(KEYS, ARGV)\n{dispatch}\nend\n" + acquire + _source("send")
 
 
-class DispatchFailed(redis.ResponseError):
+class RedisDispatchFailed(DispatchFailed, redis.ResponseError):
     """The broker's ``dispatch.lua`` failed inside send.lua: nothing
-    was enqueued, and the lock the call took was dropped.
+    was enqueued, and the lock the call took was dropped.  A
+    ``redis.ResponseError``, as the broker's own enqueue raises it.
     """
 
 
@@ -202,6 +212,10 @@ _REPLACED = {
 }
 
 
+#: The characters a key glob reads as wildcards (see ``glob_pattern``).
+_GLOB_SPECIALS = re.compile(r"[*?\[\]\\]")
+
+
 def as_text(value: Any) -> str:
     """A reply as text: redis-py answers bytes unless told to decode."""
     return value.decode() if isinstance(value, bytes) else str(value)
@@ -276,8 +290,13 @@ def _replication(replicas: Any, timeout: Any, cluster: bool) -> tuple[int, int]:
     return replicas, timeout
 
 
-class RedisBackend(LockBackend):
-    """A lock backend that stores locks in Redis.
+class RedisBackend(Reschedules, NewestWins, SendsWithPublish, BatchedReleases, RenewsNatively):
+    """A lock backend that stores locks in Redis.  It has every
+    capability of :mod:`~dramatiq_unique.backends.base`; on a Cluster,
+    sending with the publish, batched releases and renewal from a
+    native thread are off (:attr:`dispatch_client` and
+    :meth:`native_extender` give None, :attr:`batches_releases` is
+    False).
 
     Parameters:
       client(redis.Redis): A client to use, e.g. a
@@ -329,6 +348,8 @@ class RedisBackend(LockBackend):
     ) -> None:
         parameters.setdefault("socket_timeout", DEFAULT_SOCKET_TIMEOUT)
         parameters.setdefault("socket_connect_timeout", DEFAULT_SOCKET_TIMEOUT)
+        #: Whether the client is this backend's own, to close with it.
+        self.owns_client = client is None
         if client is None and url is not None and url.startswith(CLUSTER_SCHEME):
             client = redis.cluster.RedisCluster.from_url("redis://" + url[len(CLUSTER_SCHEME) :], **parameters)
         elif client is None:
@@ -467,7 +488,7 @@ class RedisBackend(LockBackend):
         client, the broker's own Redis.
 
         Raises:
-          DispatchFailed: ``dispatch`` failed; nothing is locked by
+          RedisDispatchFailed: ``dispatch`` failed; nothing is locked by
             this call.
           redis.RedisError: the call failed; when the reply was lost it
             may have taken the lock and enqueued.
@@ -485,7 +506,7 @@ class RedisBackend(LockBackend):
             return Acquisition(True, holder=owner, fence=reply)
         status, holder, fence, _ = reply
         if status == 4:
-            raise DispatchFailed(as_text(holder))
+            raise RedisDispatchFailed(as_text(holder))
         if status in (1, 2):
             self._require(acked, key, None)
         return Acquisition(status in (1, 2), reentered=status == 2, holder=as_text(holder), fence=int(fence))
@@ -526,8 +547,8 @@ class RedisBackend(LockBackend):
         queue_key: Optional[str] = None,
     ) -> tuple[list[Union[Release, Exception]], Union[Start, Exception]]:
         if self.calls is None:
-            return super().release_and_start(
-                releases, key, owner, ttl=ttl, limit=limit, lock=lock, copy=copy, queue_key=queue_key
+            return release_then_start(
+                self, releases, key, owner, ttl=ttl, limit=limit, lock=lock, copy=copy, queue_key=queue_key
             )
         calls = _release_calls(releases)
         calls.append(("start", *_start_call(key, owner, ttl, limit, lock, copy, queue_key)))
@@ -561,21 +582,12 @@ class RedisBackend(LockBackend):
     def extend(self, locks: Sequence[tuple[str, str]], ttl: int) -> list[bool]:
         return self._each("extend", [(key, owner, ttl) for key, owner in locks])
 
-    @staticmethod
-    def extend_script() -> str:
-        """The Lua source of the script :meth:`extend` runs, for a client
-        that renews leases on a connection of its own (the lease keeper's
-        native thread under gevent): call it with :meth:`extend_call`.
+    def native_extender(self) -> Optional[NativeExtender]:
+        """``extend.lua`` on a connection of its own that mirrors this
+        client's (:class:`~.native.NativeExtend`), for a standalone
+        client on plain TCP or a Unix socket; None otherwise.
         """
-        return _SCRIPTS["extend"]
-
-    @staticmethod
-    def extend_call(key: str, owner: str, ttl: int) -> tuple[list[str], list[Union[str, int]]]:
-        """The keys and arguments of :meth:`extend_script` that extend
-        ``owner``'s hold on ``key`` to ``ttl`` ms from now, as
-        :meth:`extend` sends them.
-        """
-        return [key], [owner, ttl]
+        return None if self.cluster else native_extend(self.client, script=_SCRIPTS["extend"])
 
     def confirm(self, locks: Sequence[tuple[str, str, int]]) -> list[bool]:
         return self._each("confirm", locks)
@@ -694,6 +706,15 @@ class RedisBackend(LockBackend):
 
     def delete(self, key: str) -> bool:
         return bool(self.client.delete(key))
+
+    def close(self) -> None:
+        if self.owns_client:
+            self.client.close()
+
+    def delete_prefix(self, prefix: str) -> int:
+        # One key per DEL: on a Cluster the keys of a prefix are on every node.
+        keys = list(self.scan(_GLOB_SPECIALS.sub(r"\\\g<0>", prefix) + "*"))
+        return sum(int(self.client.delete(key)) for key in keys)
 
     def waiters(self, key: str) -> list[Waiter]:
         waiting = self.client.zrange(_waiting(key)[0], 0, -1, withscores=True)
