@@ -345,3 +345,22 @@ def test_the_options_every_command_takes_are_theirs() -> None:
         assert [name for name, taken in options.items() if option not in taken] == [], option
     for option in re.findall(r"`(--[a-z-]+)", rest):
         assert {name for name, taken in options.items() if option not in taken} == but, option
+
+
+# What a first-day user reads -----------------------------------------------------
+
+
+def test_installs_are_from_the_checkout_until_the_package_is_published() -> None:
+    # dramatiq-unique is not on PyPI: a line that installs it by name is
+    # marked as for later, beside the install from the checkout.
+    for path in [ROOT / "README.md", DOCS / "index.md"]:
+        lines = path.read_text().splitlines()
+        by_name = [line for line in lines if re.search(r"pip install .*'dramatiq-unique\[", line)]
+        assert by_name and all("once published" in line for line in by_name), f"{path.name}: {by_name}"
+        assert any(line.startswith("pip install -e '.[redis]'") for line in lines), path.name
+
+
+def test_the_readme_names_the_variables_the_suite_reads() -> None:
+    readme = (ROOT / "README.md").read_text()
+    testing = readme[readme.index("Run the tests"):readme.index("`bash .ci/run`")]
+    assert "`REDIS_URL`" in testing and "`RABBITMQ_URL`" in testing
