@@ -139,3 +139,20 @@ def test_no_test_names_a_rabbitmq_server_but_through_rabbitmq_url():
     named = [f"{path.relative_to(ROOT)}:{n}" for path in files if path not in (here, ROOT / "tests" / "conftest.py")
              for n, line in enumerate(path.read_text().splitlines(), 1) if server.search(line)]
     assert named == []
+
+
+# Warnings -----------------------------------------------------------------------
+
+
+def test_a_new_warning_fails_the_test_that_raised_it(tmp_path):
+    # setup.cfg's filterwarnings: a warning is an error unless ignored there, with why.
+    (tmp_path / "test_warns.py").write_text(
+        "import warnings\n\n\ndef test_warns():\n    warnings.warn('something new', UserWarning)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(ROOT / "setup.cfg"),
+         "--rootdir", str(tmp_path), str(tmp_path / "test_warns.py")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 1, done.stdout[-3000:]
+    assert "UserWarning: something new" in done.stdout and "1 failed" in done.stdout
