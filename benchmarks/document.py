@@ -461,8 +461,9 @@ def _footprint(results: Results) -> str:
         return ""
     return (f"**Footprint.** Each held lock is one Redis hash of {min(f.bytes for f in ours):.0f}–"
             f"{max(f.bytes for f in ours):.0f} bytes (`MEMORY USAGE`), deleted with its last holder. A key that "
-            "messages are waiting for (the `reschedule` strategy) also has `<key>:wait` and `<key>:tickets` while "
-            "they wait. `until_expired` keeps its key until `lock_ttl` by design.")
+            "messages are waiting for (the `reschedule` strategy) also has `<key>:wait` and `<key>:bodies` while "
+            "they wait, and a record `<key>:m:<message id>` per rescheduled message. `until_expired` keeps its key "
+            "until `lock_ttl` by design.")
 
 
 def _makespan(results: Results) -> str:

@@ -284,6 +284,14 @@ LOG_LINES: tuple[LogLine, ...] = (
         "a published message's lock could not be handed to the confirmer, e.g. at interpreter shutdown",
     ),
     LogLine(
+        "ERROR",
+        _MIDDLEWARE,
+        "Lock backend %s does not answer at worker boot (%s); the worker goes on, and until it answers, "
+        "on_backend_error=%r decides what locked messages do.",
+        "the worker booted with a lock backend it cannot reach (an unknown host, a closed port): the line names "
+        "the backend and the reason",
+    ),
+    LogLine(
         "WARNING",
         _MIDDLEWARE,
         "reap_interval is set, but a %s cannot look messages up by id: no periodic reaper.",

@@ -41,6 +41,7 @@ from .ops.admin import LockAdmin
 from .ops.reap import PeriodicReaper, RedisQueues
 from .send.context import LockService
 from .send.guard import EnqueueGuard
+from .worker.boot import check_backend
 from .worker.coroutines import track
 from .worker.delivery import Delivery, attach, delivery
 from .worker.leases import LeaseKeeper
@@ -352,6 +353,11 @@ class UniqueMiddleware(Middleware):
         if self.specs:
             self._move_before_interrupters(broker, worker)
             quiet_our_skips()
+            if self.enabled and self.backend is not None:  # says so now if it does not answer
+                settings = self.settings
+                check_backend(
+                    self.backend, prefix=settings.prefix, on_backend_error=settings.on_backend_error, logger=self.logger
+                )
         if self._reaper is None:
             self._reaper = self._start_reaper(broker)
 

@@ -130,10 +130,10 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
     client.close()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def rabbitmq_url() -> str:
     """The RabbitMQ that ``RABBITMQ_URL`` names (this machine's by
-    default); fails with how to start it.
+    default, on its default virtual host); fails with how to start it.
     """
     parts = urlsplit(RABBITMQ_URL)
     host, port = parts.hostname or "127.0.0.1", parts.port or 5672
@@ -217,5 +217,6 @@ def proxy(redis_url: str) -> Iterator[Proxy]:
 @pytest.fixture
 def rabbitmq_proxy(rabbitmq_url: str) -> Iterator[Proxy]:
     """A :class:`Proxy` in front of the suite's RabbitMQ."""
-    with Proxy(urlsplit(rabbitmq_url).port or 5672) as proxy:
+    parts = urlsplit(rabbitmq_url)
+    with Proxy(parts.port or 5672, target_host=parts.hostname or "127.0.0.1") as proxy:
         yield proxy

@@ -305,3 +305,62 @@ def test_the_api_reference_names_every_public_name() -> None:
     public += [f"dramatiq_unique.testing.{name}" for name in ("disabled", "assert_duplicate", "wait_for_releases")]
     assert [name for name in public if name not in text] == []
     assert "`dramatiq_unique.LOCK_TYPES`" in text and "`dramatiq_unique.STRATEGIES`" in text
+
+
+def test_the_cluster_page_names_the_keys_of_a_digest_that_exist(redis_client: Any) -> None:
+    """Every key of one digest, made by the verbs that make them, is one
+    the Redis Cluster page names, and it names no other.
+    """
+    from dramatiq_unique.backends.base import Copy
+    from dramatiq_unique.backends.redis import RedisBackend
+
+    backend, minute = RedisBackend(client=redis_client), 60_000
+    stem = "dramatiq-unique:sync_account_balance:{" + "3f0c" * 8 + "}"
+    queue, run = f"{stem}:queue", f"{stem}:run"
+    assert backend.acquire(queue, "m1", ttl=minute, lock="until_and_while_executing").acquired
+    backend.replace(queue, "m2", ttl=minute, superseded_ttl=minute)  # newest wins: m1 is superseded
+    assert backend.start(run, "m2/t", ttl=minute, limit=1, lock="until_and_while_executing",
+                         copy=Copy(run, "m2")).acquisition.acquired
+    backend.wait(Copy(run, "m3"), b"the encoded message", order=1, ttl=minute)  # m3 is rescheduled
+    made = {key.decode()[len(stem):].replace(":m3", ":<message id>") for key in redis_client.keys("*")}
+    text = " ".join((DOCS / "redis-cluster.md").read_text().split())
+    bullet = text[text.index("all keys of one digest"):text.index("live in the same slot")]
+    assert set(re.findall(r"`…(:[^`]+)`", bullet)) == made
+
+
+def test_the_options_every_command_takes_are_theirs() -> None:
+    """"Every subcommand takes X, and every one but C takes Y": each
+    option is an option of exactly the commands the page says.
+    """
+    from dramatiq_unique.ops.cli import parser
+
+    commands = next(action.choices for action in parser()._actions if action.dest == "command")
+    options = {name: {o for a in command._actions for o in a.option_strings} for name, command in commands.items()}
+    text = " ".join((DOCS / "operations.md").read_text().split())
+    sentence = re.search(r"Every subcommand takes (.*?);", text)
+    assert sentence is not None
+    every, _, rest = sentence[1].partition("every one but ")
+    but = set(re.findall(r"`([a-z]+)`", rest.partition(",")[0]))
+    for option in re.findall(r"`(--[a-z-]+)", every):
+        assert [name for name, taken in options.items() if option not in taken] == [], option
+    for option in re.findall(r"`(--[a-z-]+)", rest):
+        assert {name for name, taken in options.items() if option not in taken} == but, option
+
+
+# What a first-day user reads -----------------------------------------------------
+
+
+def test_installs_are_from_the_checkout_until_the_package_is_published() -> None:
+    # dramatiq-unique is not on PyPI: a line that installs it by name is
+    # marked as for later, beside the install from the checkout.
+    for path in [ROOT / "README.md", DOCS / "index.md"]:
+        lines = path.read_text().splitlines()
+        by_name = [line for line in lines if re.search(r"pip install .*'dramatiq-unique\[", line)]
+        assert by_name and all("once published" in line for line in by_name), f"{path.name}: {by_name}"
+        assert any(line.startswith("pip install -e '.[redis]'") for line in lines), path.name
+
+
+def test_the_readme_names_the_variables_the_suite_reads() -> None:
+    readme = (ROOT / "README.md").read_text()
+    testing = readme[readme.index("Run the tests"):readme.index("`bash .ci/run`")]
+    assert "`REDIS_URL`" in testing and "`RABBITMQ_URL`" in testing

@@ -21,6 +21,7 @@ import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
+from urllib.parse import urlsplit, urlunsplit
 
 import pika  # type: ignore[import-untyped]
 import pytest
@@ -80,13 +81,14 @@ def vhost_url(rabbitmq_url: str) -> str:
     """The URL of this module's own RabbitMQ virtual host, made when
     ``rabbitmqctl`` can make it; fails with how to make it otherwise.
     """
-    url = f"{rabbitmq_url.rstrip('/')}/{VHOST}"
+    parts = urlsplit(rabbitmq_url)  # RABBITMQ_URL's server and user, on this module's own virtual host
+    url, user = urlunsplit(parts._replace(path=f"/{VHOST}")), parts.username or "guest"
     if not _reachable(url) and shutil.which("rabbitmqctl"):
-        for command in (["add_vhost", VHOST], ["set_permissions", "-p", VHOST, "guest", ".*", ".*", ".*"]):
+        for command in (["add_vhost", VHOST], ["set_permissions", "-p", VHOST, user, ".*", ".*", ".*"]):
             subprocess.run(["rabbitmqctl", *command], capture_output=True, timeout=60)
     if not _reachable(url):
-        pytest.fail(f"RabbitMQ has no virtual host {VHOST} for guest: run `rabbitmqctl add_vhost {VHOST}` and "
-                    f"`rabbitmqctl set_permissions -p {VHOST} guest '.*' '.*' '.*'`.")
+        pytest.fail(f"RabbitMQ has no virtual host {VHOST} for {user}: run `rabbitmqctl add_vhost {VHOST}` and "
+                    f"`rabbitmqctl set_permissions -p {VHOST} {user} '.*' '.*' '.*'`.")
     return url
 
 

@@ -16,7 +16,6 @@ Each prints what it measured (run with ``-s`` to see it).
 from __future__ import annotations
 
 import json
-import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -59,11 +58,7 @@ def rig(request: pytest.FixtureRequest, redis_url: str) -> Iterator[Rig]:
     env = {"NEWEST_BROKER": kind, "NEWEST_REDIS_URL": redis_url, "NEWEST_NAMESPACE": namespace,
            "NEWEST_RABBITMQ_URL": "", "dramatiq_worker_timeout": "100"}
     if kind == "rabbitmq":
-        try:
-            socket.create_connection(("127.0.0.1", 5672), timeout=2).close()
-        except OSError:
-            pytest.fail("RabbitMQ is not reachable at 127.0.0.1:5672. Start it with `rabbitmq-server -detached`.")
-        env["NEWEST_RABBITMQ_URL"] = "amqp://guest:guest@127.0.0.1:5672"
+        env["NEWEST_RABBITMQ_URL"] = request.getfixturevalue("rabbitmq_url")
     broker, actors = newest.build(env)
     records = redis.Redis.from_url(redis_url)
     workers = WorkerGroup("tests.apps.newest:broker", processes=2, threads=4, env=env)

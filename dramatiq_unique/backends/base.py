@@ -420,6 +420,22 @@ class LockReads(abc.ABC):
         """
         return None
 
+    def check(self, key: str) -> None:
+        """Make one read that changes nothing, to find out whether the
+        backend answers: a worker does at boot, the CLI before it reads.
+
+        Parameters:
+          key(str): A key to read, under the locks' prefix (so that a
+            client allowed only those keys may read it); nobody holds it.
+
+        Raises:
+          Exception: What the backend's client raises when it cannot be
+            reached, e.g. redis-py's ``ConnectionError: Error -2
+            connecting to no-such-host.invalid:6379. Name or service not
+            known.``
+        """
+        self.inspect(key)
+
 
 class LockBackend(LockReads):
     """The core of every lock backend.  Durations are in milliseconds.

@@ -199,7 +199,7 @@ class LockAdmin:
 
     def check(self) -> None:
         """Make one backend call, to fail early when it is unreachable."""
-        self._call("answer", self.backend.inspect, f"{self.prefix}:!check")
+        self._call("answer", self.backend.check, f"{self.prefix}:!check")
 
     def locks(
         self, *, actor: Optional[str] = None, pattern: Optional[str] = None, phase: Optional[str] = None

@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
+import os
 import sys
 import time
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
 
 from ..dashboard.view import duration
 from ..errors import UniqueError
 
 if TYPE_CHECKING:
     from .admin import Lock, LockAdmin
+
+
+#: The status of a command whose output pipe closed (``... | head``):
+#: 128 + SIGPIPE, what a shell reports for a program that signal ended.
+CLOSED_PIPE_STATUS = 141
 
 
 class CommandError(Exception):
@@ -416,6 +424,33 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
+class _Main(Protocol):
+    def __call__(self, argv: Optional[Sequence[str]] = None) -> int: ...
+
+
+def _quiet_on_closed_pipe(main: _Main) -> _Main:
+    """End the command quietly, with :data:`CLOSED_PIPE_STATUS`, when
+    whatever reads its output stops reading (``inspect D --json | head``),
+    instead of with a ``BrokenPipeError`` traceback.
+    """
+
+    @functools.wraps(main)
+    def quietly(argv: Optional[Sequence[str]] = None) -> int:
+        try:
+            try:
+                return main(argv)
+            finally:
+                sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
+        except BrokenPipeError:
+            # What is left in the buffer goes nowhere when the interpreter flushes it at exit.
+            with contextlib.suppress(OSError, ValueError):  # not a file (a StringIO): nothing to do
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return CLOSED_PIPE_STATUS
+
+    return quietly
+
+
+@_quiet_on_closed_pipe
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser().parse_args(argv)
     try:
