@@ -363,8 +363,9 @@ class LockBackend(LockReads):
     and operators' writes.  Operators' reads are :class:`LockReads`.
     """
 
-    #: True when :meth:`release_many` sends its releases in one round
-    #: trip: the worker then releases run locks in the background.
+    #: True when the worker is to release run locks in the background:
+    #: for a backend whose :meth:`release_many` and
+    #: :meth:`release_and_start` send their calls in one round trip.
     batches_releases: bool = False
 
     # The hot path: every job -----------------------------------------
