@@ -59,7 +59,7 @@ FULL = Plan(sent=3000, rounds=5, chunk=100, audit=1000, makespans=((10, 5), (100
 QUICK = Plan(sent=600, rounds=2, chunk=100, audit=300, makespans=((10, 2), (100, 1)), locks=300, calls=500,
              layers=False)
 #: Only the rounds of the throughput layer (``--layers``).
-LAYERS = Plan(sent=2000, rounds=6, chunk=100, audit=0, makespans=(), locks=0, calls=0, configs=(PREFETCH_64,))
+LAYERS = Plan(sent=2000, rounds=8, chunk=100, audit=0, makespans=(), locks=0, calls=0, configs=(PREFETCH_64,))
 
 
 def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:

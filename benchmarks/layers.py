@@ -99,6 +99,10 @@ def section(results: Results, meta: str = "") -> str:
         return ""
     rounds = len(results.samples[figure_name("process", DEFAULT.name)][PLAIN])
     rounds_said = "in 1 round" if rounds == 1 else f"over {rounds} rounds"
+    inner = median_interval(list(range(rounds)))
+    spread = "here their whole range" if inner == (0, rounds - 1) else "the second lowest to the second highest here"
+    if inner is not None and inner[0] > 1:
+        spread = f"the {inner[0] + 1}th lowest to the {inner[0] + 1}th highest here"
     return f"""{HEADING}
 
 The throughput layer is the releaser (`worker/releaser.py`: releases run off the worker thread,
@@ -108,8 +112,8 @@ trip).  Each can be switched off: `RedisBackend(release_in_background=False)` re
 on the worker thread in its own call, `RedisBackend(group_commit=False)` sends each start in its own
 call.  Here `while_executing` runs as shipped and with either or both off, in the same rounds as bare
 Dramatiq.  A piece's gain is the rate with it over the rate without it, within each round: the
-median, and the interval of the ratios that covers the true median with {CONFIDENCE:.0%} confidence (with 5
-rounds or fewer, their whole range), measured {rounds_said}.  A piece is kept where taking it out of
+median, and the interval of the ratios that covers the true median with {CONFIDENCE:.0%} confidence
+({spread}), measured {rounds_said}.  A piece is kept where taking it out of
 the lock as shipped costs {KEEP_AT - 1:.0%} or more.
 {meta}
 {rate_table(results)}
