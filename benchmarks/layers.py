@@ -71,22 +71,33 @@ def rate_table(results: Results) -> str:
                    "÷ as shipped, within each round", "worker CPU µs/job"], rows)
 
 
-def pays(results: Results, piece: str, config: str) -> Optional[bool]:
+#: The verdicts on a piece in one configuration.
+PAYS = f"pays (≥ {KEEP_AT:.2f}, interval above 1)"
+PAYS_AT_MEDIAN = f"pays at the median (≥ {KEEP_AT:.2f}), but its interval holds 1"
+DOES_NOT_PAY = f"does not pay (< {KEEP_AT:.2f})"
+
+
+def pays(results: Results, piece: str, config: str) -> Optional[str]:
     """Whether taking ``piece`` out of the lock as shipped costs
-    :data:`KEEP_AT` or more in ``config``; None when not measured.
+    :data:`KEEP_AT` or more in ``config``, and whether the rounds tell
+    that from no gain at all; None when not measured.
     """
     values = gains(results, config, *PIECES[piece][0])
-    return median(values) >= KEEP_AT if values else None
+    interval = median_interval(values)
+    if interval is None:
+        return None
+    if median(values) < KEEP_AT:
+        return DOES_NOT_PAY
+    return PAYS if interval[0] > 1 else PAYS_AT_MEDIAN
 
 
 def gain_table(results: Results) -> str:
     rows = []
     for piece, (shipped, other_off) in PIECES.items():
         for config in (c.name for c in CONFIGS):
-            kept = pays(results, piece, config)
-            if kept is None:
+            verdict = pays(results, piece, config)
+            if verdict is None:
                 continue
-            verdict = f"pays (≥ {KEEP_AT:.2f})" if kept else f"does not pay (< {KEEP_AT:.2f})"
             rows.append([piece, config, _paired(gains(results, config, *shipped)),
                          _paired(gains(results, config, *other_off)), verdict])
     return _table(["piece", "configuration", "with it ÷ without it, the other piece on (as shipped)",

@@ -257,3 +257,16 @@ def test_a_layers_run_replaces_its_own_section_and_nothing_else() -> None:
     assert first == page.replace("## Notes", f"{layers.HEADING}\n\nold figures\n\n## Notes")
     second = layers.splice(first, f"{layers.HEADING}\n\nnew figures\n")
     assert second == first.replace("old figures", "new figures")
+
+
+@pytest.mark.parametrize("without, verdict", [
+    ([80.0, 82, 84, 86, 85, 83, 81, 84], layers.PAYS),  # 1.16-1.25 x: above 1 in every round
+    ([80.0, 82, 110, 86, 105, 83, 120, 84], layers.PAYS_AT_MEDIAN),  # 1.16 at the median, below 1 in 3 rounds
+    ([99.0, 98, 100, 97, 99, 98, 101, 99], layers.DOES_NOT_PAY),  # 1.01: under 3%
+])
+def test_a_piece_pays_where_taking_it_out_costs_3_percent_and_says_whether_the_rounds_show_it(
+    without: list[float], verdict: str
+) -> None:
+    results = _results("default", {layers.SHIPPED: [100.0] * 8, app.NO_RELEASER: without})
+    assert layers.pays(results, "releaser", "default") == verdict
+    assert verdict in layers.gain_table(results)
