@@ -1,8 +1,10 @@
-"""``python -m benchmarks [--quick] [--redis URL] [--output PATH]``
+"""``python -m benchmarks [--quick | --layers] [--redis URL] [--output PATH]``
 
 Measures every contender side by side, prints the tables and writes
 ``docs/performance.md``.  Exits with 1 when a run broke a guarantee
 (a job ran twice or not at all, or two same-key runs overlapped).
+With ``--layers``, runs only the rounds of the throughput layer (see
+:mod:`.layers`) and replaces that section of the document.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Optional, Sequence
 
 import redis
 
-from . import app, costs, document, footprint, replace_cost, serial, throughput
+from . import app, costs, document, footprint, layers, replace_cost, serial, throughput
 from .report import CONFIG_CONTENDERS, Results, figure_name, tables
 from .runs import CPU_1MS, DEFAULT, MIN_REPLICAS_1, PREFETCH_64, SLEEP_1MS, Config
 from .server import BenchmarkError, PrivateRedis, connect, replicas_of
@@ -39,6 +41,7 @@ class Plan:
     # Rounds of the configurations: their few contenders cost little a round, and their targets compare
     # figures within a few percent of each other, on machines whose rate moves by more from round to round.
     config_rounds: int = 0  # 0: as many as rounds
+    layers: bool = True  # the throughput layer's variants in the rounds of layers.CONFIGS
 
     @property
     def every_config_round(self) -> int:
@@ -53,12 +56,17 @@ RENEWAL_JOBS, RENEWAL_SECONDS, RENEWAL_LEASE = 16, 2.5, 3_000
 
 FULL = Plan(sent=3000, rounds=5, chunk=100, audit=1000, makespans=((10, 5), (100, 2)), locks=2000, calls=2000,
             config_rounds=9)
-QUICK = Plan(sent=600, rounds=2, chunk=100, audit=300, makespans=((10, 2), (100, 1)), locks=300, calls=500)
+QUICK = Plan(sent=600, rounds=2, chunk=100, audit=300, makespans=((10, 2), (100, 1)), locks=300, calls=500,
+             layers=False)
+#: Only the rounds of the throughput layer (``--layers``).
+LAYERS = Plan(sent=2000, rounds=8, chunk=100, audit=0, makespans=(), locks=0, calls=0, configs=(PREFETCH_64,))
 
 
 def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[1])
     parser.add_argument("--quick", action="store_true", help="a fast check with fewer jobs and rounds")
+    parser.add_argument("--layers", action="store_true", help="only what each piece of the throughput layer buys "
+                        "(%d rounds); replaces that section of the report" % LAYERS.rounds)
     parser.add_argument("--redis", metavar="URL", help="measure on this Redis instead of a private redis-server; "
                         "the harness only touches keys under its own bench-* namespaces")
     parser.add_argument("--output", metavar="PATH", default=str(ROOT / "docs" / "performance.md"),
@@ -115,13 +123,29 @@ def measure(client: redis.Redis, url: str, plan: Plan, results: Results) -> None
         results.footprints += footprint.footprints(client, url, contender, plan.locks)
 
 
+def measure_layers(client: redis.Redis, url: str, plan: Plan, results: Results) -> None:
+    """Only the rounds of :mod:`.layers`: its contenders, in its configurations."""
+    for round_ in range(plan.rounds):
+        for config in layers.CONFIGS:
+            rate_round(client, url, plan, results, round_, config, only=layers.CONTENDERS)
+
+
 def rate_round(
-    client: redis.Redis, url: str, plan: Plan, results: Results, round_: int, config: Optional[Config] = None
+    client: redis.Redis,
+    url: str,
+    plan: Plan,
+    results: Results,
+    round_: int,
+    config: Optional[Config] = None,
+    only: Optional[Sequence[str]] = None,
 ) -> None:
     """Send every contender's jobs in turns, then run each one's worker:
-    every contender at the defaults, or those of ``config``.
+    every contender at the defaults, or those of ``config``, or ``only``
+    those given; the throughput layer's too in its configurations.
     """
-    contenders = results.contenders if config is None else list(CONFIG_CONTENDERS)
+    contenders = list(only or (results.contenders if config is None else CONFIG_CONTENDERS))
+    if only is None and plan.layers and (config or DEFAULT) in layers.CONFIGS:
+        contenders += [name for name in layers.CONTENDERS if name not in contenders]
     order = rotated(contenders, round_)
     rounds = plan.rounds if config is None else plan.every_config_round
     progress(f"round {round_ + 1}/{rounds}{'' if config is None else ', ' + config.name}: {', '.join(order)}")
@@ -177,7 +201,7 @@ def record(
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse(argv)
-    plan = QUICK if args.quick else FULL
+    plan = LAYERS if args.layers else QUICK if args.quick else FULL
     if args.redis:
         # The harness replicates only its own private Redis.
         plan = replace(plan, configs=tuple(config for config in plan.configs if not config.replicas))
@@ -188,8 +212,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         url = args.redis or server.url  # type: ignore[union-attr]
         client = connect(url)
-        results = Results(meta={}, contenders=list(app.CONTENDERS))
-        measure(client, url, plan, results)
+        results = Results(meta={}, contenders=list(layers.CONTENDERS if args.layers else app.CONTENDERS))
+        (measure_layers if args.layers else measure)(client, url, plan, results)
         results.meta = document.meta(client, args, plan, started, load)
     except BenchmarkError as e:
         progress(f"benchmark failed: {e}")
@@ -197,10 +221,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         if server is not None:
             server.stop()
-    print(tables(results))
-    if args.output != "-":
-        Path(args.output).write_text(document.render(results))
-        progress(f"wrote {args.output}")
+    if args.layers:
+        text = layers.section(results, document.layers_meta(results))
+        print(text)
+        if args.output != "-":
+            path = Path(args.output)
+            path.write_text(layers.splice(path.read_text() if path.exists() else "", text))
+            progress(f"wrote {args.output}")
+    else:
+        print(tables(results))
+        if args.output != "-":
+            Path(args.output).write_text(document.render(results))
+            progress(f"wrote {args.output}")
     for violation in results.violations:
         progress(f"GUARANTEE BROKEN: {violation}")
     return 1 if results.violations else 0

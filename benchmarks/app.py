@@ -25,6 +25,7 @@ from dramatiq.rate_limits.backends import RedisBackend as RateLimiterBackend
 
 from dramatiq_unique import DEFAULT_LEASE, EVENTS, LOCK_TYPES, UniqueMiddleware
 from dramatiq_unique.backends.redis import RedisBackend
+from dramatiq_unique.settings import from_environment as from_settings
 
 from . import trips
 
@@ -51,6 +52,16 @@ FLOOR_RAW = "floor0"
 #: scripts can go below.
 FLOOR_LOCK = "floorL"
 CONTENDERS = (BARE, *LOCK_TYPES, RECIPE, FLOOR, FLOOR_ONE, FLOOR_RAW, FLOOR_LOCK)
+
+#: ``while_executing`` with pieces of the throughput layer switched off,
+#: by ``RedisBackend(group_commit=..., release_in_background=...)``:
+#: contender -> (group commit, releases in the background).  Without the
+#: releaser each release goes out on the worker thread, in its own call;
+#: without the group commit each start goes out in its own call.
+NO_RELEASER = "while_executing/no-releaser"
+NO_GROUP = "while_executing/no-group-commit"
+PLAIN = "while_executing/plain-calls"
+LAYER_SWITCHES = {NO_RELEASER: (True, False), NO_GROUP: (False, True), PLAIN: (False, False)}
 
 #: Set to "1" in a worker's environment to record release latencies.
 LATENCY = "BENCH_LATENCY"
@@ -303,8 +314,9 @@ def build(
     Raises:
       ValueError: for an unknown contender.
     """
-    if contender not in CONTENDERS:
-        raise ValueError(f"Unknown contender {contender!r}. Valid choices: {', '.join(CONTENDERS)}.")
+    if contender not in CONTENDERS and contender not in LAYER_SWITCHES:
+        valid = (*CONTENDERS, *LAYER_SWITCHES)
+        raise ValueError(f"Unknown contender {contender!r}. Valid choices: {', '.join(valid)}.")
     broker = RedisBroker(url=redis_url, namespace=namespace)
     unique: Optional[UniqueMiddleware] = None
     options: dict[str, Any] = {}
@@ -312,6 +324,10 @@ def build(
         unique = UniqueMiddleware(prefix=namespace)
         broker.add_middleware(unique)
         options = {"lock": contender, "lock_args": ["key"]}
+    if contender in LAYER_SWITCHES:
+        unique = UniqueMiddleware(prefix=namespace, backend=_switched_backend(broker, contender))
+        broker.add_middleware(unique)
+        options = {"lock": "while_executing", "lock_args": ["key"]}
     if contender == FLOOR:
         broker.add_middleware(Floor())
     if contender == FLOOR_ONE:
@@ -327,6 +343,17 @@ def build(
         body = _under_mutex(body, RateLimiterBackend(url=redis_url), namespace)
     actor = dramatiq.actor(broker=broker, actor_name="job", queue_name=QUEUE, **options)(body)
     return broker, actor
+
+
+def _switched_backend(broker: RedisBroker, contender: str) -> RedisBackend:
+    """The backend the middleware would pick for ``broker`` (its client,
+    the settings' replicas), with the switches of ``contender``.
+    """
+    group_commit, in_background = LAYER_SWITCHES[contender]
+    settings = from_settings()
+    return RedisBackend(client=broker.client, min_replicas=settings.min_replicas,
+                        min_replicas_timeout=settings.min_replicas_timeout, group_commit=group_commit,
+                        release_in_background=in_background)
 
 
 def _body(recorder: Recorder, seconds: float, cpu: float) -> Callable[[int, int], None]:

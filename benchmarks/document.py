@@ -16,6 +16,7 @@ from typing import Any, Optional
 import redis
 import redis.utils
 
+from . import layers
 from .app import BARE, FLOOR, FLOOR_LOCK, FLOOR_ONE, FLOOR_RAW, RECIPE
 from .report import Results, figure_name, number, paired, percentile, tables
 from .costs import ENQUEUE_HOOK, HOOKS, LOCKED_SEND, SEND
@@ -47,6 +48,10 @@ def _git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
 
+#: What a plan with the throughput layer's rounds adds to the page's plan line.
+LAYER_PLAN = "; beside them, the throughput layer's three variants, at the defaults and at prefetch 64"
+
+
 def meta(
     client: redis.Redis, args: argparse.Namespace, plan: Any, started: float, load: tuple[float, ...]
 ) -> dict[str, str]:
@@ -61,13 +66,23 @@ def meta(
                      f"dramatiq-unique {metadata.version('dramatiq-unique')} at {_commit()}"),
         "redis": (f"{args.redis} (given with --redis; its other clients count in the commands)" if args.redis
                   else "a private redis-server the harness started"),
-        "plan": (f"{'--quick' if args.quick else 'full'}: {plan.rounds} rounds of {plan.sent} jobs per contender "
+        "plan": (f"{plan.rounds} rounds of {plan.sent} jobs per contender, sent in turns of {plan.chunk}, "
+                 "in each of its configurations" if getattr(args, "layers", False) else
+                 f"{'--quick' if args.quick else 'full'}: {plan.rounds} rounds of {plan.sent} jobs per contender "
                  f"(bare Dramatiq, `while_executing` and the three floors: {plan.every_config_round} in every "
-                 "configuration, the default included), "
+                 "configuration, the default included"
+                 f"{LAYER_PLAN if plan.layers else ''}), "
                  f"sent in turns of {plan.chunk}; round trips counted over {plan.audit} jobs; "
                  f"makespans {', '.join(f'N={jobs} × {rounds}' for jobs, rounds in plan.makespans)}; "
                  f"footprint of {plan.locks} held locks; {plan.calls} single calls of each kind"),
     }
+
+
+def layers_meta(results: Results) -> str:
+    """Where and when a ``--layers`` run measured, for its section alone."""
+    m = results.meta
+    return (f"\nWritten by `python -m benchmarks --layers`, apart from the rest of the page: {m['date']}, "
+            f"{m['duration']}; {m['load']}; dramatiq-unique at {_commit()}; {m['plan']}.\n")
 
 
 def render(results: Results) -> str:
@@ -147,6 +162,7 @@ holds many locks through the middleware's real code path and reads
 
 {tables(results)}
 
+{layers.section(results)}
 {notes(results)}
 """
 

@@ -19,7 +19,7 @@ import redis
 from dramatiq_unique.backends.base import Copy
 from dramatiq_unique.backends.redis import RedisBackend
 
-from . import app, document, trips
+from . import app, document, layers, throughput, trips
 from .app import BARE, FLOOR_LOCK, FLOOR_ONE, FLOOR_RAW
 from .report import (AT_FLOOR, AT_LOCK_FLOOR, FLOOR_MISSES, LOCK_FLOOR_MISSES, MET, NOT_MET, Results, figure_name,
                      median_interval, verdicts)
@@ -230,3 +230,43 @@ def test_what_stands_between_the_lock_and_the_one_ping_target_is_read_off_the_lo
     results = _results("prefetch 64", {BARE: [100.0] * 5, "while_executing": [63.0] * 5, FLOOR_ONE: [66.0] * 5,
                                        FLOOR_LOCK: lock})
     assert f"what stands between the lock and the target is {blamed}" in document._lock_floor_at_prefetch(results)
+
+
+@pytest.mark.parametrize("contender", list(app.LAYER_SWITCHES))
+def test_the_throughput_layer_switches_off_what_they_name(redis_url: str, client: redis.Redis, contender: str) -> None:
+    # A real worker of 8 threads: without the releaser every release goes out on the worker thread in a
+    # round trip of its own, and never rides with a start; without the group commit no round trip
+    # carries two threads' starts.
+    group_commit, in_background = app.LAYER_SWITCHES[contender]
+    sent = 400
+    _, run = throughput.audit(client, redis_url, contender, sent)
+    assert run.exactly_once
+    labels = set(run.worker_trips)
+    if not group_commit:
+        assert not any("(grouped)" in name for name in labels), run.worker_trips
+        starts = sum(n for name, n in run.worker_trips.items() if name.startswith("lock:start"))
+        assert starts == sent, run.worker_trips  # one round trip per start
+    if not in_background:
+        assert not any("+releases" in name for name in labels), run.worker_trips
+        assert run.worker_trips.get("lock:release") == sent, run.worker_trips
+
+
+def test_a_layers_run_replaces_its_own_section_and_nothing_else() -> None:
+    page = "# Performance\n\n## How it measures\n\ntext\n\n## Notes\n\nnotes\n"
+    first = layers.splice(page, f"{layers.HEADING}\n\nold figures\n")
+    assert first == page.replace("## Notes", f"{layers.HEADING}\n\nold figures\n\n## Notes")
+    second = layers.splice(first, f"{layers.HEADING}\n\nnew figures\n")
+    assert second == first.replace("old figures", "new figures")
+
+
+@pytest.mark.parametrize("without, verdict", [
+    ([80.0, 82, 84, 86, 85, 83, 81, 84], layers.PAYS),  # 1.16-1.25 x: above 1 in every round
+    ([80.0, 82, 110, 86, 105, 83, 120, 84], layers.PAYS_AT_MEDIAN),  # 1.16 at the median, below 1 in 3 rounds
+    ([99.0, 98, 100, 97, 99, 98, 101, 99], layers.DOES_NOT_PAY),  # 1.01: under 3%
+])
+def test_a_piece_pays_where_taking_it_out_costs_3_percent_and_says_whether_the_rounds_show_it(
+    without: list[float], verdict: str
+) -> None:
+    results = _results("default", {layers.SHIPPED: [100.0] * 8, app.NO_RELEASER: without})
+    assert layers.pays(results, "releaser", "default") == verdict
+    assert verdict in layers.gain_table(results)

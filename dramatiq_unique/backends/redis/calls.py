@@ -326,9 +326,12 @@ class ScriptCalls:
         parameters and retry policy are used, or :func:`default_retry`
         where it names none.
       sources(dict[str, str]): Script name -> Lua source.
+      group_commit(bool): False sends every grouped call on its own,
+        in its caller's own round trip (for measuring what the group
+        commit buys).
     """
 
-    def __init__(self, client: Any, sources: dict[str, str]) -> None:
+    def __init__(self, client: Any, sources: dict[str, str], *, group_commit: bool = True) -> None:
         self.client = client
         self.sources = sources
         self.shas = {name: hashlib.sha1(source.encode()).hexdigest().encode() for name, source in sources.items()}
@@ -336,7 +339,8 @@ class ScriptCalls:
         self._adding = threading.Lock()
         self._idle: list[Any] = []
         self._pid = pid()
-        self._group = GroupCommit(self._round_trip, timeout=_group_timeout(client)) if self.direct else None
+        grouping = self.direct and group_commit
+        self._group = GroupCommit(self._round_trip, timeout=_group_timeout(client)) if grouping else None
 
     # Connections ----------------------------------------------------
 

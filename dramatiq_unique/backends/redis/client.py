@@ -318,6 +318,16 @@ class RedisBackend(Reschedules, NewestWins, SendsWithPublish, BatchedReleases, R
         ``docs/reliability.md``, "Failover").  Not on a Cluster.
       min_replicas_timeout(int): How long ``WAIT`` waits for them, in
         milliseconds; keep it well under the socket timeout.
+      group_commit(bool): True (the default) lets the run lock calls
+        that worker threads make at the same moment share one round
+        trip (see :mod:`.calls`); False sends each in its own.
+      release_in_background(bool): True (the default) lets the worker
+        release run locks off the worker thread, riding in front of the
+        next run lock call or sent by the releaser thread (see
+        :mod:`dramatiq_unique.worker.releaser`); False releases each on
+        the worker thread, in its own round trip.  Both switches are
+        there to measure what each piece buys (``docs/performance.md``,
+        "The throughput layer"); the defaults are the fast ones.
 
     Every script touches the keys of one lock only, and they share a
     hash tag, so each call goes to one Cluster node.  With Sentinel,
@@ -344,6 +354,8 @@ class RedisBackend(Reschedules, NewestWins, SendsWithPublish, BatchedReleases, R
         url: Optional[str] = None,
         min_replicas: int = DEFAULT_MIN_REPLICAS,
         min_replicas_timeout: int = DEFAULT_MIN_REPLICAS_TIMEOUT,
+        group_commit: bool = True,
+        release_in_background: bool = True,
         **parameters: Any,
     ) -> None:
         parameters.setdefault("socket_timeout", DEFAULT_SOCKET_TIMEOUT)
@@ -359,8 +371,8 @@ class RedisBackend(Reschedules, NewestWins, SendsWithPublish, BatchedReleases, R
         self.url = url
         self.cluster = isinstance(self.client, redis.cluster.RedisCluster)
         self.scripts = {name: self.client.register_script(source) for name, source in _SCRIPTS.items()}
-        self.calls = None if self.cluster else ScriptCalls(self.client, _SCRIPTS)
-        self.batches_releases = self.calls is not None
+        self.calls = None if self.cluster else ScriptCalls(self.client, _SCRIPTS, group_commit=group_commit)
+        self.batches_releases = self.calls is not None and release_in_background
         self.min_replicas, self.min_replicas_timeout = _replication(min_replicas, min_replicas_timeout, self.cluster)
         #: The command sent after every lock take, or None.
         self.wait_command = (b"WAIT", self.min_replicas, self.min_replicas_timeout) if self.min_replicas else None

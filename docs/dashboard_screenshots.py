@@ -4,12 +4,14 @@ It starts a throw-away ``redis-server`` (or uses ``--redis``), takes
 locks through :class:`UniqueMiddleware` on a stub broker, some held by
 running workers with messages waiting behind them, serves the
 dashboard, and saves it from Debian's ``chromium`` through Playwright
-(``pip install playwright``; no ``playwright install`` needed)::
+(``pip install playwright``; no ``playwright install`` needed).  From
+a checkout, with the package installed::
 
-  python -m dramatiq_unique.dashboard.screenshot --out docs/_static
+  python docs/dashboard_screenshots.py
 
-writes ``dashboard-1000.png`` and ``dashboard-1400.png``.  It is a tool
-for the docs, not part of the dashboard.
+writes ``dashboard-1000.png`` and ``dashboard-1400.png`` into
+``docs/_static`` (``--out`` for another folder).  It is a tool for the
+docs, not part of the package.
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ import tempfile
 import threading
 import time
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any, Iterator
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 WIDTHS = (1000, 1400)
 PREFIX = "dramatiq-unique"
+#: Where the docs take their images from: ``_static`` beside this script.
+STATIC = Path(__file__).resolve().parent / "_static"
 
 
 @contextmanager
@@ -65,8 +70,8 @@ def demo_locks(redis_url: str) -> Iterator[Any]:
     import dramatiq
     from dramatiq.brokers.stub import StubBroker
 
-    from ..backends import from_url
-    from ..middleware import UniqueMiddleware
+    from dramatiq_unique import UniqueMiddleware
+    from dramatiq_unique.backends import from_url
 
     backend = from_url(redis_url)
     backend.delete_prefix(f"{PREFIX}:")
@@ -154,11 +159,11 @@ def screenshots(url: str, out: str, widths: tuple[int, ...] = WIDTHS) -> list[st
 
 
 def main(argv: Any = None) -> int:
-    from . import make_app
-    from .server import make_server
+    from dramatiq_unique.dashboard import make_app
+    from dramatiq_unique.dashboard.server import make_server
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=os.path.join("docs", "_static"), help="the folder of the PNGs")
+    parser.add_argument("--out", default=str(STATIC), help="the folder of the PNGs (default: the docs' _static)")
     parser.add_argument("--redis", help="a Redis database to use (it is flushed); default: start one on --port")
     parser.add_argument("--port", type=int, default=6427, help="the port of the redis-server it starts")
     args = parser.parse_args(argv)
