@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 import threading
 import time as mod_time
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
@@ -26,12 +27,26 @@ from .base import (
 )
 
 
+#: A clock that replaces this process's for the call under way, in Unix
+#: microseconds, or None: a backend that runs these rules on state it
+#: loaded (``PostgresBackend``) sets its server's clock here, so that
+#: every deadline and fence follows the server.
+CLOCK: ContextVar[Optional[int]] = ContextVar("dramatiq_unique_stub_clock", default=None)
+
+
 def _now_ms() -> int:
-    return mod_time.monotonic_ns() // 1_000_000
+    clock = CLOCK.get()
+    return mod_time.monotonic_ns() // 1_000_000 if clock is None else clock // 1000
 
 
 def _unix_ms() -> int:
-    return mod_time.time_ns() // 1_000_000
+    clock = CLOCK.get()
+    return mod_time.time_ns() // 1_000_000 if clock is None else clock // 1000
+
+
+def _unix_us() -> int:
+    clock = CLOCK.get()
+    return mod_time.time_ns() // 1000 if clock is None else clock
 
 
 @dataclass
@@ -168,7 +183,7 @@ class StubBackend(LockBackend):
             return Acquisition(True, reentered=True, holder=owner, fence=entry.fence, provisional=short)
         if len(entry.holders) >= limit:
             return Acquisition(False, holder=next(iter(entry.holders)), fence=entry.fence)
-        self._last_fence = entry.fence = max(self._last_fence + 1, mod_time.time_ns() // 1000)
+        self._last_fence = entry.fence = max(self._last_fence + 1, _unix_us())
         entry.holders[owner] = now + (provisional if short else ttl)
         entry.taken(lock, lock_args)
         # As _take.lua: a slot taken without a place (a run lock) still records when.
@@ -327,7 +342,7 @@ class StubBackend(LockBackend):
                 record.attempt, record.winner = copy.attempt, copy.via
 
     def _fence(self, entry: _Entry) -> int:
-        self._last_fence = entry.fence = max(self._last_fence + 1, mod_time.time_ns() // 1000)
+        self._last_fence = entry.fence = max(self._last_fence + 1, _unix_us())
         return entry.fence
 
     def _superseded_by(self, key: str, owner: str, now: int) -> Optional[str]:
@@ -494,7 +509,7 @@ class StubBackend(LockBackend):
             entry = self._live(key, now)
             if entry is None:
                 return None
-            offset = mod_time.time_ns() // 1_000_000 - now
+            offset = _unix_ms() - now
             holders = {owner: deadline + offset for owner, deadline in entry.holders.items()}
             current = entry.current if entry.current in entry.holders else None
             return LockInfo(
