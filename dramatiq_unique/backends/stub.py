@@ -7,7 +7,7 @@ import threading
 import time as mod_time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, NamedTuple, Optional, Sequence
 
 from .base import (
     DUPLICATE_WINDOW,
@@ -109,6 +109,20 @@ class _Superseded:
     expires_at: int = 0
 
 
+class KeyState(NamedTuple):
+    """Everything a :class:`StubBackend` keeps of one key, for a backend
+    that stores it elsewhere and runs these rules on it
+    (``PostgresBackend``): the lock, its waiters, its superseded
+    record, its messages' records by message id, and the last fence.
+    """
+
+    entry: Optional[_Entry]
+    waiters: Optional[_Waiters]
+    superseded: Optional[_Superseded]
+    records: dict[str, _Record]
+    last_fence: int
+
+
 class StubBackend(LockBackend):
     """An in-memory lock backend.  Locks live in this process only,
     so it suits tests, the demo and single-process workers.
@@ -123,6 +137,24 @@ class StubBackend(LockBackend):
         self._waiters: dict[str, _Waiters] = {}
         self._superseded: dict[str, _Superseded] = {}
         self._records: dict[tuple[str, str], _Record] = {}
+
+    def key_state(self, key: str) -> KeyState:
+        """What this backend keeps of ``key``, as it is (nothing pruned)."""
+        records = {message_id: record for (of, message_id), record in self._records.items() if of == key}
+        entry, waiters, superseded = self._entries.get(key), self._waiters.get(key), self._superseded.get(key)
+        return KeyState(entry, waiters, superseded, records, self._last_fence)
+
+    def load_key_state(self, key: str, state: KeyState) -> None:
+        """Keep ``state`` as what this backend holds of ``key``."""
+        if state.entry is not None:
+            self._entries[key] = state.entry
+        if state.waiters is not None:
+            self._waiters[key] = state.waiters
+        if state.superseded is not None:
+            self._superseded[key] = state.superseded
+        for message_id, record in state.records.items():
+            self._records[(key, message_id)] = record
+        self._last_fence = max(self._last_fence, state.last_fence)
 
     def _live(self, key: str, now: int) -> Optional[_Entry]:
         entry = self._entries.get(key)

@@ -70,7 +70,7 @@ class NativeExtender:
         if self._conn is None:
             conn = pq.PGconn.connect(self.conninfo.encode())
             if conn.status != pq.ConnStatus.OK:
-                message = conn.get_error_message()
+                message = conn.error_message
                 conn.finish()
                 raise _error(message)
             self._conn = conn
@@ -80,7 +80,7 @@ class NativeExtender:
         conn = self._connection()
         result = conn.exec_params(sql.numbered(statement).encode(), [p.encode() for p in params])
         if result.status not in (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK):
-            raise _error(result.error_message)
+            raise _error(result.error_message or b"")
         return [
             tuple(None if value is None else bytes(value).decode() for value in (
                 result.get_value(row, column) for column in range(result.nfields)))

@@ -19,28 +19,24 @@ import base64
 import dataclasses
 import functools
 import typing
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Union
 
 from .. import stub as stub_module
-from ..stub import StubBackend
+from ..stub import KeyState, StubBackend
 
-#: The state a row holds, by top-level name: the attribute of
-#: StubBackend that keeps it by key, and its dataclass (``records`` is
-#: kept by key and message id).
-_PARTS = {
-    "entry": ("_entries", stub_module._Entry),
-    "waiters": ("_waiters", stub_module._Waiters),
-    "superseded": ("_superseded", stub_module._Superseded),
-}
-
-#: The StubBackend attributes this module stores; a test checks that the
-#: stub keeps no other state.
-STORED_ATTRIBUTES = frozenset({"_mutex", "_last_fence", "_records", *(name for name, _ in _PARTS.values())})
+#: The parts of a row's state that are the stub's dataclasses: the
+#: fields of :class:`~..stub.KeyState` other than the records and fence.
+_PARTS = ("entry", "waiters", "superseded")
 
 
 @functools.lru_cache(maxsize=None)
-def _hints(cls: type) -> dict[str, Any]:
+def _hints(cls: Any) -> dict[str, Any]:
     return typing.get_type_hints(cls, vars(stub_module))
+
+
+def _dataclass_of(hint: Any) -> Any:
+    """The dataclass of a hint ``Optional[X]`` or ``dict[str, X]``."""
+    return next(arg for arg in typing.get_args(hint) if dataclasses.is_dataclass(arg))
 
 
 def _encode(value: Any, hint: Any) -> Any:
@@ -95,7 +91,7 @@ def _default(field: dataclasses.Field) -> Any:
 
 def encode_dataclass(value: Any) -> dict[str, Any]:
     """A dataclass instance as a JSON object, its default fields left out."""
-    hints = _hints(type(value))
+    hints = _hints(type(value))  # type: ignore[arg-type]
     encoded = {}
     for field in dataclasses.fields(value):
         item = getattr(value, field.name)
@@ -104,7 +100,7 @@ def encode_dataclass(value: Any) -> dict[str, Any]:
     return encoded
 
 
-def decode_dataclass(data: dict[str, Any], cls: type) -> Any:
+def decode_dataclass(data: dict[str, Any], cls: Any) -> Any:
     """The instance of dataclass ``cls`` that :func:`encode_dataclass` wrote."""
     hints = _hints(cls)
     names = {field.name for field in dataclasses.fields(cls)}
@@ -132,33 +128,32 @@ def last_fence(state: dict[str, Any]) -> int:
 
 def load(stub: StubBackend, key: str, state: dict[str, Any]) -> None:
     """Put a row's ``state`` of ``key`` into ``stub``."""
-    for part, (attribute, cls) in _PARTS.items():
-        if part in state:
-            getattr(stub, attribute)[key] = decode_dataclass(state[part], cls)
-    for message_id, record in state.get("records", {}).items():
-        stub._records[(key, message_id)] = decode_dataclass(record, stub_module._Record)
-    stub._last_fence = max(stub._last_fence, last_fence(state))
+    hints = _hints(KeyState)
+    parts = {part: decode_dataclass(state[part], _dataclass_of(hints[part])) if part in state else None
+             for part in _PARTS}
+    record = _dataclass_of(hints["records"])
+    records = {message_id: decode_dataclass(data, record) for message_id, data in state.get("records", {}).items()}
+    stub.load_key_state(key, KeyState(**parts, records=records, last_fence=last_fence(state)))
 
 
 def dump(stub: StubBackend, key: str, *, fence: int = 0) -> Dumped:
     """Take the state of ``key`` out of ``stub``, with ``fence`` the last
     fence of the key known before (kept when the entry is gone).
     """
+    kept = stub.key_state(key)
     state: dict[str, Any] = {}
     deadlines = [0]
-    entry: Optional[stub_module._Entry] = stub._entries.get(key)
-    for part, (attribute, _) in _PARTS.items():
-        value = getattr(stub, attribute).get(key)
+    for part in _PARTS:
+        value = getattr(kept, part)
         if value is not None:
             state[part] = encode_dataclass(value)
             deadlines.append(getattr(value, "expires_at", 0))
-    if entry is not None:
-        deadlines.extend(entry.holders.values())
-        fence = max(fence, entry.fence)
-    records = {message_id: record for (owner, message_id), record in stub._records.items() if owner == key}
-    if records:
-        state["records"] = {message_id: encode_dataclass(record) for message_id, record in records.items()}
-        deadlines.extend(record.expires_at for record in records.values())
+    if kept.entry is not None:
+        deadlines.extend(kept.entry.holders.values())
+        fence = max(fence, kept.entry.fence)
+    if kept.records:
+        state["records"] = {message_id: encode_dataclass(record) for message_id, record in kept.records.items()}
+        deadlines.extend(record.expires_at for record in kept.records.values())
     if fence:
         state["fence"] = fence
     return Dumped(state, max(deadlines) if len(state) > ("fence" in state) else 0)
