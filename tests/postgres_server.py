@@ -18,6 +18,7 @@ import time
 import uuid
 from pathlib import Path
 from typing import Iterator, Optional
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
@@ -105,18 +106,21 @@ class PostgresServer:
 def database_on(url: str) -> Iterator[str]:
     """A fresh database on the server at ``url``, dropped afterwards."""
     import psycopg
-    from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
     name = f"du_test_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {name}")
     try:
-        params = conninfo_to_dict(url)
-        params["dbname"] = name
-        yield make_conninfo(**params)
+        yield with_database(url, name)
     finally:
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def with_database(url: str, name: str) -> str:
+    """``url`` (a ``postgresql://`` URL) naming database ``name`` instead."""
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(path=f"/{name}"))
 
 
 class PgBouncer:

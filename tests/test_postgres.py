@@ -24,7 +24,7 @@ from dramatiq_unique.backends.postgres import PostgresBackend, sql
 from dramatiq_unique.backends.postgres.state import dump, load
 from dramatiq_unique.errors import ConfigurationError, LockBackendError
 from tests.conftest import free_port
-from tests.postgres_server import PgBouncer, database_on
+from tests.postgres_server import PgBouncer, database_on, with_database
 
 KEY = "t:actor:{abc}:run"
 QUEUE_KEY = "t:actor:{abc}:queue"
@@ -132,11 +132,7 @@ def test_contending_threads_never_hold_a_limited_key_together(postgres_backend: 
 @pytest.fixture
 def fresh_database(postgres_url: str) -> Iterator[str]:
     """A database of its own, without the backend's table."""
-    from psycopg.conninfo import conninfo_to_dict, make_conninfo
-
-    params = conninfo_to_dict(postgres_url)
-    params["dbname"] = "postgres"
-    yield from database_on(make_conninfo(**params))
+    yield from database_on(with_database(postgres_url, "postgres"))
 
 
 def test_the_schema_is_made_once_when_processes_start_together(fresh_database: str) -> None:
@@ -166,7 +162,7 @@ def test_a_database_that_refuses_the_schema_gets_a_clear_error(fresh_database: s
         conn.execute(f"CREATE ROLE {role} LOGIN")
         conn.execute(f"REVOKE CREATE ON SCHEMA public FROM PUBLIC, {role}")
     try:
-        url = fresh_database.replace("user=postgres", f"user={role}")
+        url = fresh_database.replace("//postgres@", f"//{role}@")
         assert url != fresh_database
         backend = PostgresBackend(url=url)
         with pytest.raises(LockBackendError, match=rf"refused to create the table {sql.LOCKS}.*permission denied"):
