@@ -91,6 +91,11 @@ SWEEP = f"""WITH gone AS (
 #: milliseconds (libpq-level calls have no other timeout).
 STATEMENT_TIMEOUT = "SELECT set_config('statement_timeout', %s, true)"
 
+#: The same, and the transaction's ``synchronous_commit``.
+STATEMENT_TIMEOUT_AND_COMMIT = (
+    "SELECT set_config('statement_timeout', %s, true), set_config('synchronous_commit', %s, true)"
+)
+
 
 def numbered(statement: str) -> str:
     """``statement`` with its ``%s`` placeholders as ``$1``, ``$2``..."""
