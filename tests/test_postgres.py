@@ -341,3 +341,31 @@ def test_reap_checks_the_record(postgres_backend: PostgresBackend) -> None:
     assert not postgres_backend.reap(QUEUE_KEY, "m", EnqueueRecord(1, 0, "elsewhere"))
     assert postgres_backend.reap(QUEUE_KEY, "m", record)
     assert postgres_backend.inspect(QUEUE_KEY) is None
+
+
+def test_the_first_call_after_a_server_restart_finds_a_live_connection() -> None:
+    from tests.postgres_server import PostgresServer
+
+    server = PostgresServer(free_port())
+    server.start()
+    try:
+        backend = PostgresBackend(url=server.url)
+        done = []
+
+        def hold(n: int) -> None:  # several connections in the pool at once
+            done.append(backend.acquire(f"t:{n}:{{k}}:run", "a", ttl=60_000).acquired)
+
+        threads = [threading.Thread(target=hold, args=(n,)) for n in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert done == [True] * 4
+        server.stop("fast")
+        server.start()
+        # the pool's idle connections all died with the server: the call is sent again on a new one
+        assert backend.release("t:0:{k}:run", "a").held
+        assert backend.acquire("t:0:{k}:run", "b", ttl=60_000).acquired
+        backend.close()
+    finally:
+        server.remove()

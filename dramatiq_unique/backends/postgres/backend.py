@@ -283,7 +283,7 @@ class PostgresBackend(LockBackend):
         self._ensure_schema()
         payload = json.dumps(sorted(set(keys)))
         for attempt in range(2):
-            sent = False
+            sent, conn = False, None
             try:
                 with self._connection() as conn, conn.pipeline():
                     conn.execute("BEGIN")
@@ -298,9 +298,11 @@ class PostgresBackend(LockBackend):
                     conn.execute("COMMIT")
                 break
             except psycopg.OperationalError:
-                # Not one write was sent: the transaction rolled back, so
-                # it is safe to try again, once, on a checked connection.
-                if sent or attempt:
+                # A connection that broke before one write was sent: the
+                # transaction rolled back, so it is safe to try again,
+                # once, after the pool dropped its other dead connections
+                # (a restarted server leaves every idle one dead).
+                if sent or attempt or conn is None or not conn.broken:
                     raise
                 self.pool.check()
         self._maybe_sweep()
