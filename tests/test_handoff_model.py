@@ -125,6 +125,7 @@ def postgres_backends(url: str) -> tuple[type, type]:
 
     class FaultyPostgres(PostgresBackend):
         fault: Optional[str] = None
+        batches_releases = False  # released in its own call: the model's first mode
 
         def __init__(self) -> None:
             super().__init__(url=url)

@@ -17,7 +17,7 @@ import logging
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, TypeVar, Union
 
 try:
     import psycopg
@@ -233,7 +233,7 @@ class PostgresBackend(LockBackend):
                 raise
             raise LockBackendError(
                 f"{self.describe()} refused to create the table {sql.LOCKS}: {e}".rstrip()
-                + ". Run PostgresBackend(...).create_schema() (or `dramatiq-unique postgres-schema`) as a role "
+                + ". Run PostgresBackend(...).create_schema() as a role "
                 "that may create tables in the schema, or grant CREATE on it; nothing was created.",
                 backend=self.describe(),
             ) from e
@@ -380,6 +380,41 @@ class PostgresBackend(LockBackend):
 
     def release(self, key: str, owner: str, *, hand_over: bool = True) -> Release:
         return self._locked([key], lambda stub: stub.release(key, owner, hand_over=hand_over))
+
+    #: Releases go in one transaction, and ride in front of the next
+    #: start: the worker releases run locks in the background.
+    batches_releases = True
+
+    def release_many(self, locks: Sequence[tuple[str, str]]) -> list[Union[Release, Exception]]:
+        if not locks:
+            return []
+        try:
+            return self._locked([key for key, _ in locks], lambda stub: stub.release_many(locks))
+        except Exception as e:
+            return [e] * len(locks)
+
+    def release_and_start(
+        self,
+        releases: Sequence[tuple[str, str]],
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        limit: int,
+        lock: str,
+        copy: Copy,
+        queue_key: Optional[str] = None,
+    ) -> tuple[list[Union[Release, Exception]], Union[Start, Exception]]:
+        keys = [name for name, _ in releases] + [key, copy.key] + ([queue_key] if queue_key else [])
+        try:
+            return self._locked(
+                keys,
+                lambda stub: stub.release_and_start(
+                    releases, key, owner, ttl=ttl, limit=limit, lock=lock, copy=copy, queue_key=queue_key
+                ),
+            )
+        except Exception as e:
+            return [e] * len(releases), e
 
     def extend(self, locks: Sequence[tuple[str, str]], ttl: int) -> list[bool]:
         if not locks:
