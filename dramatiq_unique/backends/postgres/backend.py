@@ -291,10 +291,10 @@ class PostgresBackend(LockBackend):
                     rows: list[Row] = conn.execute(sql.LOCK, [payload]).fetchall()
                     applied = apply(rows, verb, fence_memory=self.fence_memory)
                     sent = True
-                    if applied.writes:
-                        conn.execute(sql.WRITE, [json.dumps(applied.writes)])
-                    if applied.deletes:
-                        conn.execute(sql.DELETE, [json.dumps(applied.deletes)])
+                    for write in applied.writes:
+                        conn.execute(sql.WRITE, write)
+                    for key in applied.deletes:
+                        conn.execute(sql.DELETE, [key])
                     conn.execute("COMMIT")
                 break
             except psycopg.OperationalError:
@@ -499,10 +499,10 @@ class PostgresBackend(LockBackend):
         return self._locked([key], lambda stub: stub.delete(key))
 
     def inspect(self, key: str) -> Optional[LockInfo]:
-        return self._read(sql.READ, json.dumps([key]), lambda stub: stub.inspect(key))
+        return self._read(sql.READ, key, lambda stub: stub.inspect(key))
 
     def waiters(self, key: str) -> list[Waiter]:
-        return self._read(sql.READ, json.dumps([key]), lambda stub: stub.waiters(key))
+        return self._read(sql.READ, key, lambda stub: stub.waiters(key))
 
     def scan(self, pattern: str) -> Iterator[str]:
         keys = self._read(sql.SCAN, sql.like_prefix(pattern), lambda stub: list(stub.scan(pattern)))

@@ -59,10 +59,10 @@ class NativeExtender:
         self._query(sql.STATEMENT_TIMEOUT, [str(max(timeout, 1))])
         rows = self._query(sql.LOCK, [json.dumps(sorted({key for key, _ in locks}))])
         applied = apply(rows, lambda stub: stub.extend(locks, ttl), fence_memory=self.fence_memory)
-        if applied.writes:
-            self._query(sql.WRITE, [json.dumps(applied.writes)])
-        if applied.deletes:
-            self._query(sql.DELETE, [json.dumps(applied.deletes)])
+        for write in applied.writes:
+            self._query(sql.WRITE, write)
+        for key in applied.deletes:
+            self._query(sql.DELETE, [key])
         self._query("COMMIT", [])
         return list(applied.result)
 

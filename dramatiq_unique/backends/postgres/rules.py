@@ -33,14 +33,14 @@ class Applied(NamedTuple):
 
     Attributes:
       result: What the stub's method returned.
-      writes(list): ``{"key", "state", "expires_at"}`` of each row that
-        changed, for :data:`.sql.WRITE`.
+      writes(list): The parameters of :data:`.sql.WRITE` for each row
+        that changed: state (JSON), expires at, key.
       deletes(list[str]): The keys whose rows hold nothing, not even a
         fence: rows made for this call.
     """
 
     result: Any
-    writes: list[dict[str, Any]]
+    writes: list[list[str]]
     deletes: list[str]
 
 
@@ -89,7 +89,7 @@ def apply(rows: Sequence[Row], verb: Callable[[StubBackend], Any], *, fence_memo
                 deletes.append(key)
             elif state != old:
                 expires_at = expires_at or clock // 1000 + fence_memory
-                writes.append({"key": key, "state": state, "expires_at": expires_at})
+                writes.append([json.dumps(state), str(expires_at), key])
     finally:
         CLOCK.reset(token)
     return Applied(result, writes, deletes)

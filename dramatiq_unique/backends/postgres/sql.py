@@ -56,10 +56,9 @@ LOCK = f"""INSERT INTO {LOCKS} AS t (key, state, expires_at)
     ON CONFLICT (key) DO UPDATE SET key = EXCLUDED.key
     RETURNING t.key, t.state::text, {CLOCK}"""
 
-#: Read the rows of a JSON array of keys without locking them; a last
-#: row with a NULL key carries the clock.
-READ = f"""SELECT key, state::text, NULL FROM {LOCKS} WHERE key = ANY(
-        SELECT jsonb_array_elements_text(%s::jsonb))
+#: Read the row of a key without locking it; a last row with a NULL key
+#: carries the clock.
+READ = f"""SELECT key, state::text, NULL FROM {LOCKS} WHERE key = %s
     UNION ALL SELECT NULL, NULL, {CLOCK}"""
 
 #: The keys starting with a prefix (``LIKE`` pattern), with their state;
@@ -68,14 +67,13 @@ SCAN = f"""SELECT key, state::text, NULL FROM {LOCKS}
     WHERE key LIKE %s AND expires_at > clock_timestamp()
     UNION ALL SELECT NULL, NULL, {CLOCK}"""
 
-#: Store a JSON array of ``{"key", "state", "expires_at"}`` (server
-#: Unix milliseconds).
-WRITE = f"""UPDATE {LOCKS} AS t SET state = v.state, expires_at = to_timestamp(v.expires_at / 1000.0)
-    FROM jsonb_to_recordset(%s::jsonb) AS v(key text, state jsonb, expires_at bigint)
-    WHERE t.key = v.key"""
+#: Store a key's state (JSON), and when it expires (server Unix
+#: milliseconds).  One statement per key, each an index lookup: the
+#: calls pipeline them.
+WRITE = f"UPDATE {LOCKS} SET state = %s::jsonb, expires_at = to_timestamp(%s::bigint / 1000.0) WHERE key = %s"
 
-#: Drop the rows of a JSON array of keys.
-DELETE = f"DELETE FROM {LOCKS} WHERE key IN (SELECT jsonb_array_elements_text(%s::jsonb))"
+#: Drop a key's row.
+DELETE = f"DELETE FROM {LOCKS} WHERE key = %s"
 
 #: Whether this transaction holds the sweep: one process sweeps at a time.
 SWEEPING = f"SELECT pg_try_advisory_xact_lock({SWEEP_LOCK})::text"
