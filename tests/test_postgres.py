@@ -369,3 +369,12 @@ def test_the_first_call_after_a_server_restart_finds_a_live_connection() -> None
         backend.close()
     finally:
         server.remove()
+
+
+def test_scan_takes_a_glob_and_escapes_what_like_would_read(postgres_backend: PostgresBackend) -> None:
+    for key in ("a_b:1:run", "aXb:1:run", "a%b:2:run", "a_b:2:queue"):
+        postgres_backend.acquire(key, "o", ttl=10_000)
+    assert list(postgres_backend.scan("a_b:*")) == ["a_b:1:run", "a_b:2:queue"]
+    assert list(postgres_backend.scan("a?b:1:*")) == ["aXb:1:run", "a_b:1:run"]
+    assert list(postgres_backend.scan("a%b:*")) == ["a%b:2:run"]
+    assert list(postgres_backend.scan("*:queue")) == ["a_b:2:queue"]
