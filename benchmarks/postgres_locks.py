@@ -5,7 +5,8 @@ as the server has it, and off) beside RedisBackend, one thread and 8.
 
 Each pair takes a run lock of a key of its own thread and releases it.
 It prints the median milliseconds per pair on one thread, and pairs
-per second over 8 threads.
+per second over 8 threads; and, as the server's floor, the median of
+one committed single-row upsert (synchronous_commit on and off).
 """
 
 from __future__ import annotations
@@ -61,6 +62,29 @@ def threaded(backend: LockBackend, threads: int, seconds: float) -> float:
     return sum(done) / seconds
 
 
+def floor(url: str, pairs: int) -> str:
+    """The median milliseconds of one committed single-row upsert, with
+    ``synchronous_commit`` on and off.
+    """
+    import psycopg
+
+    medians = []
+    with psycopg.connect(url, autocommit=True, prepare_threshold=None) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS dramatiq_unique_bench_floor (k text PRIMARY KEY, v int)")
+        for setting in ("on", "off"):
+            conn.execute(f"SET synchronous_commit = {setting}")
+            times = []
+            for _ in range(pairs):
+                started = time.perf_counter()
+                conn.execute(
+                    "INSERT INTO dramatiq_unique_bench_floor AS f VALUES ('k', 1) ON CONFLICT (k) DO UPDATE SET v = f.v + 1"
+                )
+                times.append((time.perf_counter() - started) * 1000)
+            medians.append(f"{statistics.median(times):.3f} ms ({setting})")
+        conn.execute("DROP TABLE dramatiq_unique_bench_floor")
+    return ", ".join(medians)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--postgres", required=True)
@@ -80,6 +104,7 @@ def main() -> None:
         from dramatiq_unique.backends.redis import RedisBackend
 
         makers["redis"] = lambda: RedisBackend(url=args.redis)
+    print(f"floor, one committed single-row upsert: {floor(args.postgres, args.pairs)}")
     for name, make in makers.items():
         backend = make()
         ms = single(backend, args.pairs)
