@@ -21,6 +21,9 @@ from typing import Any, Callable
 from dramatiq_unique.backends.base import LockBackend
 
 DEFAULT_PAIRS = 300
+
+#: The floor: one committed single-row write.
+FLOOR = "INSERT INTO dramatiq_unique_bench_floor AS f VALUES ('k', 1) ON CONFLICT (k) DO UPDATE SET v = f.v + 1"
 DEFAULT_THREADS = 8
 DEFAULT_SECONDS = 3.0
 
@@ -76,9 +79,7 @@ def floor(url: str, pairs: int) -> str:
             times = []
             for _ in range(pairs):
                 started = time.perf_counter()
-                conn.execute(
-                    "INSERT INTO dramatiq_unique_bench_floor AS f VALUES ('k', 1) ON CONFLICT (k) DO UPDATE SET v = f.v + 1"
-                )
+                conn.execute(FLOOR)
                 times.append((time.perf_counter() - started) * 1000)
             medians.append(f"{statistics.median(times):.3f} ms ({setting})")
         conn.execute("DROP TABLE dramatiq_unique_bench_floor")

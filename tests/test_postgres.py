@@ -378,3 +378,14 @@ def test_scan_takes_a_glob_and_escapes_what_like_would_read(postgres_backend: Po
     assert list(postgres_backend.scan("a?b:1:*")) == ["aXb:1:run", "a_b:1:run"]
     assert list(postgres_backend.scan("a%b:*")) == ["a%b:2:run"]
     assert list(postgres_backend.scan("*:queue")) == ["a_b:2:queue"]
+
+
+def test_the_stub_reads_time_only_through_its_clock() -> None:
+    # PostgresBackend sets the server's clock for the stub's rules: a rule that read
+    # this process's clock directly would mix two clocks.
+    import inspect
+
+    from dramatiq_unique.backends import stub
+
+    lines = [line.strip() for line in inspect.getsource(stub).splitlines() if "mod_time." in line]
+    assert len(lines) == 3 and all(line.startswith("return mod_time.") for line in lines), lines

@@ -51,11 +51,13 @@ def _encode(value: Any, hint: Any) -> Any:
         return base64.b64encode(value).decode()
     if origin is dict:
         return {key: _encode(item, args[1]) for key, item in value.items()}
-    if origin is set:
+    if origin in (set, frozenset):
         return sorted(_encode(item, args[0]) for item in value)
+    if origin is list:
+        return [_encode(item, args[0]) for item in value]
     if origin is tuple:
         return [_encode(item, arg) for item, arg in zip(value, args)]
-    if hint in (int, str, bool):
+    if hint in (int, str, bool, float):
         return value
     raise TypeError(f"cannot store a value of type {hint!r}")
 
@@ -72,11 +74,13 @@ def _decode(data: Any, hint: Any) -> Any:
         return base64.b64decode(data)
     if origin is dict:
         return {key: _decode(item, args[1]) for key, item in data.items()}
-    if origin is set:
-        return {_decode(item, args[0]) for item in data}
+    if origin in (set, frozenset):
+        return origin(_decode(item, args[0]) for item in data)
+    if origin is list:
+        return [_decode(item, args[0]) for item in data]
     if origin is tuple:
         return tuple(_decode(item, arg) for item, arg in zip(data, args))
-    if hint in (int, str, bool):
+    if hint in (int, str, bool, float):
         return hint(data)
     raise TypeError(f"cannot load a value of type {hint!r}")
 
