@@ -183,12 +183,46 @@ def redis_backend(redis_client: redis.Redis) -> RedisBackend:
     return RedisBackend(client=redis_client)
 
 
-@pytest.fixture(params=["stub", "redis"])
+@pytest.fixture(params=["stub", "redis", "postgres"])
 def backend(request: pytest.FixtureRequest) -> object:
     """Each backend in turn, for contract tests."""
     if request.param == "stub":
         return StubBackend()
-    return request.getfixturevalue("redis_backend")
+    return request.getfixturevalue(f"{request.param}_backend")
+
+
+# PostgreSQL: a private cluster per session, or DRAMATIQ_UNIQUE_POSTGRES_URL (tests/postgres_server.py).
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A URL of a fresh PostgreSQL database, dropped after the session."""
+    from tests.postgres_server import PostgresServer, database_on
+
+    server = None
+    url = os.environ.get("DRAMATIQ_UNIQUE_POSTGRES_URL") or os.environ.get("dramatiq_unique_postgres_url")
+    if not url:
+        server = PostgresServer(free_port())
+        server.start()
+        url = server.url
+    try:
+        yield from database_on(url)
+    finally:
+        if server is not None:
+            server.remove()
+
+
+@pytest.fixture
+def postgres_backend(postgres_url: str) -> Iterator[object]:
+    """A PostgresBackend on the suite's database, emptied before and after."""
+    from dramatiq_unique.backends.postgres import PostgresBackend
+    from tests.postgres_server import empty
+
+    backend = PostgresBackend(url=postgres_url)
+    empty(backend)
+    yield backend
+    empty(backend)
+    backend.close()
 
 
 def unique(backend: object = None, **options: object) -> UniqueMiddleware:

@@ -112,6 +112,12 @@ def test_seed_scenario_under_gevent_on_rabbitmq(gevent_workers, monkeypatch, red
                                                           vhost_url))
 
 
+def test_seed_scenario_under_gevent_with_locks_in_postgres(gevent_workers, monkeypatch, redis_url, redis_client,
+                                                           postgres_url):
+    test_seed_scenario.check(*test_seed_scenario.scenario(monkeypatch, redis_url, redis_client, "redis",
+                                                          locks_url=postgres_url))
+
+
 # (b) Crash recovery -----------------------------------------------------------------
 
 

@@ -95,6 +95,20 @@ class FaultyBackend(StubBackend):
         super().__init__()
         self.model_thread = threading.get_ident()
 
+    def entries(self) -> dict[str, Any]:
+        """Every key's entry, as the stub keeps it (lapsed slots too)."""
+        return self._entries
+
+    def lapse(self, key: str, owner: str) -> None:
+        """Time passes for ``owner``'s slot of ``key``: its deadline is past."""
+        self._entries[key].holders[owner] = 0
+
+    def waiting(self) -> bool:
+        return any(waiters.order for waiters in self._waiters.values())
+
+    def close(self) -> None:
+        pass
+
 
 class BatchingBackend(FaultyBackend, BatchedReleases):
     """The same, releasing in the background as the Redis backend does:
@@ -104,6 +118,51 @@ class BatchingBackend(FaultyBackend, BatchedReleases):
 
     def release_and_start(self, releases: Any, key: str, owner: str, **start: Any) -> Any:
         return release_then_start(self, releases, key, owner, **start)
+
+
+def postgres_backends(url: str) -> tuple[type, type]:
+    """FaultyBackend and BatchingBackend on PostgresBackend at ``url``:
+    the same rules, run on the state of each key stored in PostgreSQL.
+    """
+    from dramatiq_unique.backends.postgres import PostgresBackend, sql
+    from dramatiq_unique.backends.postgres.rules import loaded
+
+    class FaultyPostgres(PostgresBackend):
+        fault: Optional[str] = None
+        batches_releases = False  # released in its own call: the model's first mode
+
+        def __init__(self) -> None:
+            super().__init__(url=url)
+            self.model_thread = threading.get_ident()
+            self.create_schema()
+            with self._connection() as conn:
+                conn.execute(f"DELETE FROM {sql.LOCKS}")
+
+        def _snapshot(self) -> tuple[StubBackend, dict[str, Any]]:
+            """A stub holding every key's state, and the keys."""
+            with self._connection() as conn:
+                return loaded(conn.execute(f"SELECT key, state::text, NULL FROM {sql.LOCKS}").fetchall())
+
+        def entries(self) -> dict[str, Any]:
+            stub, keys = self._snapshot()
+            return {key: entry for key in keys if (entry := stub.key_state(key).entry) is not None}
+
+        def lapse(self, key: str, owner: str) -> None:
+            def lapsed(stub: StubBackend) -> None:
+                entry = stub.key_state(key).entry
+                if entry is not None and owner in entry.holders:
+                    entry.holders[owner] = 0
+
+            self._locked([key], lapsed)
+
+        def waiting(self) -> bool:
+            stub, keys = self._snapshot()
+            return any((waiters := stub.key_state(key).waiters) is not None and waiters.order for key in keys)
+
+    class BatchingPostgres(FaultyPostgres):
+        batches_releases = True
+
+    return _with_faults(FaultyPostgres, BatchingPostgres, PostgresBackend)
 
 
 class SteppedReleaser(Releaser):
@@ -155,10 +214,15 @@ def _faulty(name: str, applied: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-for _name in FAULTY_CALLS:
-    setattr(FaultyBackend, _name, _faulty(_name, getattr(StubBackend, _name)))
-for _name in ("release_many", "release_and_start"):
-    setattr(BatchingBackend, _name, _faulty(_name, getattr(BatchingBackend, _name)))
+def _with_faults(faulty: type, batching: type, base: type) -> tuple[type, type]:
+    for name in FAULTY_CALLS:
+        setattr(faulty, name, _faulty(name, getattr(base, name)))
+    for name in ("release_many", "release_and_start"):
+        setattr(batching, name, _faulty(name, getattr(batching, name)))
+    return faulty, batching
+
+
+_with_faults(FaultyBackend, BatchingBackend, StubBackend)
 
 
 class FaultyBroker(StubBroker):
@@ -230,6 +294,8 @@ class HandoffModel(RuleBasedStateMachine):
     batching = False
     #: Let the middleware's enqueues be applied twice (the soak run only).
     duplicates = False
+    #: The lock backends: without and with batched releases.
+    backends: tuple[type, type] = (FaultyBackend, BatchingBackend)
 
     def __init__(self) -> None:
         super().__init__()
@@ -237,7 +303,7 @@ class HandoffModel(RuleBasedStateMachine):
         self.broker.doubled = Counter()
         self.results = RecordingResults()
         self.broker.add_middleware(Results(backend=self.results))
-        self.locks = BatchingBackend() if self.batching else FaultyBackend()
+        self.locks = self.backends[1]() if self.batching else self.backends[0]()
         self.unique = UniqueMiddleware(backend=self.locks, reschedule_delay=1000)
         self.releaser: Optional[SteppedReleaser] = None
         if self.batching:
@@ -416,14 +482,14 @@ class HandoffModel(RuleBasedStateMachine):
         """
         renewed = {f.proxy._unique_delivery.run_owner for f in self.flights}
         on_the_way = {(p.key, p.owner) for p in self.releaser._pending} if self.releaser is not None else set()
-        for key, entry in list(self.locks._entries.items()):
+        for key, entry in list(self.locks.entries().items()):
             for owner in set(entry.holders) - renewed:
                 if key.endswith(":run"):
                     # Only a lock whose release failed, and said so, or is on its way, outlives its holder.
                     known = (key, owner) in on_the_way or (key, message_id_of(owner)) in self.failed_releases
                     known = known or owner in self.dead_owners
                     assert known, f"{key} of {owner} was never released, and no error said so"
-                    entry.holders[owner] = 0  # its deadline passed: the slot is free, and no release ran
+                    self.locks.lapse(key, owner)  # its deadline passed: the slot is free, and no release ran
                     self.expired.add((key, message_id_of(owner)))
 
     @rule(fault=st.sampled_from(FAULTS))
@@ -548,7 +614,7 @@ class HandoffModel(RuleBasedStateMachine):
             lost = [m for m in self.sent if m not in self.succeeded and not self.dead[m]]
             assert not lost, f"never ran and never dead-lettered: {lost}"
             # Every run lock still held is one whose release failed, and said so: only its lease frees it.
-            held = {(key, message_id_of(owner)) for key, entry in self.locks._entries.items()
+            held = {(key, message_id_of(owner)) for key, entry in self.locks.entries().items()
                     if key.endswith(":run") for owner in entry.holders if owner not in self.dead_owners}
             # Every release that failed was sent again until it landed: no run lock is left to its lease.
             assert self.retries.pending() == 0
@@ -558,7 +624,7 @@ class HandoffModel(RuleBasedStateMachine):
             self.leases_run_out()
             assert self.releaser is None or self.releaser.pending() == 0
             assert not list(self.locks.scan("*")), list(self.locks.scan("*"))
-            assert not any(waiters.order for waiters in self.locks._waiters.values())
+            assert not self.locks.waiting()
             # A new send of every key is accepted.
             for actor in self.actors.values():
                 for key in KEYS:
@@ -566,6 +632,7 @@ class HandoffModel(RuleBasedStateMachine):
         finally:
             self.unique.after_worker_shutdown(self.broker, None)
             self.broker.close()
+            self.locks.close()
 
 
 @pytest.fixture
@@ -582,11 +649,17 @@ def aged_clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[HandoffModel]]:
 
 
 def explore(
-    running: list[HandoffModel], examples: int, steps: int, *, batching: bool = False, duplicates: bool = False
+    running: list[HandoffModel],
+    examples: int,
+    steps: int,
+    *,
+    batching: bool = False,
+    duplicates: bool = False,
+    backends: tuple[type, type] = (FaultyBackend, BatchingBackend),
 ) -> None:
     class Model(HandoffModel):
         def __init__(self) -> None:
-            self.batching, self.duplicates = batching, duplicates
+            self.batching, self.duplicates, self.backends = batching, duplicates, backends
             super().__init__()
             running.append(self)
 
@@ -609,6 +682,14 @@ def explore(
 @pytest.mark.parametrize("batching", [False, True], ids=["release per call", "release in the background"])
 def test_every_interleaving_of_copies_keeps_the_invariants(aged_clock: list[HandoffModel], batching: bool) -> None:
     explore(aged_clock, examples=300, steps=40, batching=batching)
+
+
+@pytest.mark.parametrize("batching", [False, True], ids=["release per call", "release in the background"])
+def test_every_interleaving_of_copies_keeps_the_invariants_on_postgres(
+    aged_clock: list[HandoffModel], batching: bool, postgres_url: str
+) -> None:
+    # The same rules, on each key's state stored in PostgreSQL: fewer examples, each call a transaction.
+    explore(aged_clock, examples=25, steps=30, batching=batching, backends=postgres_backends(postgres_url))
 
 
 @pytest.mark.soak

@@ -470,18 +470,25 @@ class BackendModel(RuleBasedStateMachine):
 MODEL = settings(max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.mark.parametrize("kind", ["stub", "redis"])
-def test_the_backend_behaves_like_the_model(kind: str, redis_url: str) -> None:
+#: Fewer examples on PostgreSQL, whose calls each commit a transaction.
+POSTGRES_MODEL = settings(MODEL, max_examples=25)
+
+
+@pytest.mark.parametrize("kind", ["stub", "redis", "postgres"])
+def test_the_backend_behaves_like_the_model(kind: str, redis_url: str, request: pytest.FixtureRequest) -> None:
     client = redis.Redis.from_url(redis_url)
     backend_for: dict[str, Callable[[], LockBackend]] = {
         "stub": StubBackend,
         "redis": lambda: RedisBackend(client=client),
     }
+    if kind == "postgres":
+        shared = request.getfixturevalue("postgres_backend")
+        backend_for[kind] = lambda: shared
 
     class Model(BackendModel):
         make_backend = staticmethod(backend_for[kind])  # type: ignore[assignment]
 
     try:
-        run_state_machine_as_test(Model, settings=MODEL)
+        run_state_machine_as_test(Model, settings=POSTGRES_MODEL if kind == "postgres" else MODEL)
     finally:
         client.close()

@@ -15,10 +15,10 @@ from tests.procs import WorkerGroup
 SENDS = [42] * 6 + [43, 44, 45, 46]
 
 
-def scenario(monkeypatch, redis_url, redis_client, broker_kind, rabbitmq_url=None):
+def scenario(monkeypatch, redis_url, redis_client, broker_kind, rabbitmq_url=None, locks_url=None):
     namespace = f"seed-{uuid.uuid4().hex[:8]}"
     env = {"SEED_BROKER": broker_kind, "SEED_REDIS_URL": redis_url, "SEED_NAMESPACE": namespace,
-           "SEED_SECONDS": "0.3", "SEED_RABBITMQ_URL": rabbitmq_url or ""}
+           "SEED_SECONDS": "0.3", "SEED_RABBITMQ_URL": rabbitmq_url or "", "SEED_LOCKS_URL": locks_url or ""}
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     from tests.apps import seed
@@ -63,3 +63,12 @@ def test_seed_scenario_on_redis(monkeypatch, redis_url, redis_client):
 
 def test_seed_scenario_on_rabbitmq(monkeypatch, redis_url, redis_client, rabbitmq_url):
     check(*scenario(monkeypatch, redis_url, redis_client, "rabbitmq", rabbitmq_url))
+
+
+def test_seed_scenario_with_locks_in_postgres_on_redis(monkeypatch, redis_url, redis_client, postgres_url):
+    check(*scenario(monkeypatch, redis_url, redis_client, "redis", locks_url=postgres_url))
+
+
+def test_seed_scenario_with_locks_in_postgres_on_rabbitmq(monkeypatch, redis_url, redis_client, rabbitmq_url,
+                                                         postgres_url):
+    check(*scenario(monkeypatch, redis_url, redis_client, "rabbitmq", rabbitmq_url, locks_url=postgres_url))

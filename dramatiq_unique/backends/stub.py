@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import threading
 import time as mod_time
+from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, NamedTuple, Optional, Sequence
 
 from .base import (
     DUPLICATE_WINDOW,
@@ -27,12 +28,26 @@ from .base import (
 )
 
 
+#: A clock that replaces this process's for the call under way, in Unix
+#: microseconds, or None: a backend that runs these rules on state it
+#: loaded (``PostgresBackend``) sets its server's clock here, so that
+#: every deadline and fence follows the server.
+CLOCK: ContextVar[Optional[int]] = ContextVar("dramatiq_unique_stub_clock", default=None)
+
+
 def _now_ms() -> int:
-    return mod_time.monotonic_ns() // 1_000_000
+    clock = CLOCK.get()
+    return mod_time.monotonic_ns() // 1_000_000 if clock is None else clock // 1000
 
 
 def _unix_ms() -> int:
-    return mod_time.time_ns() // 1_000_000
+    clock = CLOCK.get()
+    return mod_time.time_ns() // 1_000_000 if clock is None else clock // 1000
+
+
+def _unix_us() -> int:
+    clock = CLOCK.get()
+    return mod_time.time_ns() // 1000 if clock is None else clock
 
 
 @dataclass
@@ -95,6 +110,20 @@ class _Superseded:
     expires_at: int = 0
 
 
+class KeyState(NamedTuple):
+    """Everything a :class:`StubBackend` keeps of one key, for a backend
+    that stores it elsewhere and runs these rules on it
+    (``PostgresBackend``): the lock, its waiters, its superseded
+    record, its messages' records by message id, and the last fence.
+    """
+
+    entry: Optional[_Entry]
+    waiters: Optional[_Waiters]
+    superseded: Optional[_Superseded]
+    records: dict[str, _Record]
+    last_fence: int
+
+
 class StubBackend(Reschedules, NewestWins):
     """An in-memory lock backend.  Locks live in this process only,
     so it suits tests, the demo and single-process workers.  It has the
@@ -111,6 +140,24 @@ class StubBackend(Reschedules, NewestWins):
         self._waiters: dict[str, _Waiters] = {}
         self._superseded: dict[str, _Superseded] = {}
         self._records: dict[tuple[str, str], _Record] = {}
+
+    def key_state(self, key: str) -> KeyState:
+        """What this backend keeps of ``key``, as it is (nothing pruned)."""
+        records = {message_id: record for (of, message_id), record in self._records.items() if of == key}
+        entry, waiters, superseded = self._entries.get(key), self._waiters.get(key), self._superseded.get(key)
+        return KeyState(entry, waiters, superseded, records, self._last_fence)
+
+    def load_key_state(self, key: str, state: KeyState) -> None:
+        """Keep ``state`` as what this backend holds of ``key``."""
+        if state.entry is not None:
+            self._entries[key] = state.entry
+        if state.waiters is not None:
+            self._waiters[key] = state.waiters
+        if state.superseded is not None:
+            self._superseded[key] = state.superseded
+        for message_id, record in state.records.items():
+            self._records[(key, message_id)] = record
+        self._last_fence = max(self._last_fence, state.last_fence)
 
     def _live(self, key: str, now: int) -> Optional[_Entry]:
         entry = self._entries.get(key)
@@ -171,7 +218,7 @@ class StubBackend(Reschedules, NewestWins):
             return Acquisition(True, reentered=True, holder=owner, fence=entry.fence, provisional=short)
         if len(entry.holders) >= limit:
             return Acquisition(False, holder=next(iter(entry.holders)), fence=entry.fence)
-        self._last_fence = entry.fence = max(self._last_fence + 1, mod_time.time_ns() // 1000)
+        self._last_fence = entry.fence = max(self._last_fence + 1, _unix_us())
         entry.holders[owner] = now + (provisional if short else ttl)
         entry.taken(lock, lock_args)
         # As _take.lua: a slot taken without a place (a run lock) still records when.
@@ -321,7 +368,7 @@ class StubBackend(Reschedules, NewestWins):
             return True
 
     def _fence(self, entry: _Entry) -> int:
-        self._last_fence = entry.fence = max(self._last_fence + 1, mod_time.time_ns() // 1000)
+        self._last_fence = entry.fence = max(self._last_fence + 1, _unix_us())
         return entry.fence
 
     def _superseded_by(self, key: str, owner: str, now: int) -> Optional[str]:
@@ -488,7 +535,7 @@ class StubBackend(Reschedules, NewestWins):
             entry = self._live(key, now)
             if entry is None:
                 return None
-            offset = mod_time.time_ns() // 1_000_000 - now
+            offset = _unix_ms() - now
             holders = {owner: deadline + offset for owner, deadline in entry.holders.items()}
             current = entry.current if entry.current in entry.holders else None
             return LockInfo(

@@ -8,6 +8,8 @@ processes build the same thing:
 * ``SEED_RABBITMQ_URL``: the RabbitMQ broker's URL.
 * ``SEED_NAMESPACE``: isolates keys and queues of one test.
 * ``SEED_SECONDS``: how long one sync takes.
+* ``SEED_LOCKS_URL``: when set, a PostgreSQL URL for the locks instead
+  of Redis.
 """
 
 from __future__ import annotations
@@ -20,7 +22,17 @@ import dramatiq
 import redis
 
 from dramatiq_unique import UniqueMiddleware
+from dramatiq_unique.backends.base import LockBackend
 from dramatiq_unique.backends.redis import RedisBackend
+
+
+def locks(redis_url: str) -> LockBackend:
+    """The lock backend: PostgreSQL at ``SEED_LOCKS_URL`` when set, else Redis."""
+    if os.environ.get("SEED_LOCKS_URL"):
+        from dramatiq_unique.backends.postgres import PostgresBackend
+
+        return PostgresBackend(url=os.environ["SEED_LOCKS_URL"])
+    return RedisBackend(url=redis_url)
 
 
 def build() -> tuple[dramatiq.Broker, dramatiq.Actor]:
@@ -34,9 +46,7 @@ def build() -> tuple[dramatiq.Broker, dramatiq.Actor]:
         from dramatiq.brokers.redis import RedisBroker
 
         broker = RedisBroker(url=redis_url, namespace=namespace)
-    broker.add_middleware(
-        UniqueMiddleware(backend=RedisBackend(url=redis_url), prefix=namespace, reschedule_delay=300)
-    )
+    broker.add_middleware(UniqueMiddleware(backend=locks(redis_url), prefix=namespace, reschedule_delay=300))
     record = redis.Redis.from_url(redis_url)
     seconds = float(os.environ.get("SEED_SECONDS", "0.2"))
 

@@ -7,7 +7,8 @@ build the same actors:
 * ``FAULTS_NAMESPACE``: isolates the keys, queue and records of a test.
 * ``FAULTS_RECORD_URL``: the Redis for runs, events, gates and the
   fenced store; never the one a test breaks.
-* ``FAULTS_LOCK_URL``: the Redis for locks (default: the record Redis).
+* ``FAULTS_LOCK_URL``: the Redis for locks (default: the record Redis),
+  or a ``postgresql://`` URL for locks in PostgreSQL.
 * ``FAULTS_BROKER``: ``redis`` (on the record Redis) or ``rabbitmq``.
 * ``FAULTS_BROKER_URL``: the Redis broker's URL (default: the record
   Redis), to put the broker behind a proxy.
@@ -49,6 +50,7 @@ from dramatiq.results import Results
 from dramatiq.results.backends import RedisBackend as RedisResults
 
 from dramatiq_unique import LockEvent, UniqueMiddleware, fence_token
+from dramatiq_unique.backends.base import LockBackend
 from dramatiq_unique.backends.redis import RedisBackend
 
 #: How long a gated run waits at most, in seconds: a test that forgot
@@ -102,8 +104,15 @@ def make_broker(env: Mapping[str, str]) -> dramatiq.Broker:
 def make_unique(env: Mapping[str, str]) -> UniqueMiddleware:
     lock_url = env.get("FAULTS_LOCK_URL") or env["FAULTS_RECORD_URL"]
     timeout = float(env.get("FAULTS_SOCKET_TIMEOUT", "5"))
+    backend: LockBackend
+    if lock_url.startswith(("postgresql://", "postgres://")):
+        from dramatiq_unique.backends.postgres import PostgresBackend
+
+        backend = PostgresBackend(url=lock_url, timeout=timeout)
+    else:
+        backend = RedisBackend(url=lock_url, socket_timeout=timeout)
     return UniqueMiddleware(
-        backend=RedisBackend(url=lock_url, socket_timeout=timeout),
+        backend=backend,
         prefix=env["FAULTS_NAMESPACE"],
         lease=int(env.get("FAULTS_LEASE", "2000")),
         reschedule_delay=int(env.get("FAULTS_RESCHEDULE_DELAY", "300")),

@@ -1,0 +1,516 @@
+"""A lock backend on PostgreSQL.
+
+Each call on one digest is one transaction: it locks the rows of the
+keys it touches (in key order, so that two calls never deadlock), runs
+:class:`~..stub.StubBackend`'s own method on their state at the
+server's clock (:mod:`.rules`), writes back what changed and commits,
+in two round trips (the statements are pipelined).  Nothing lives in a
+session: no advisory lock outlives its transaction, so the backend
+works behind PgBouncer in transaction mode.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, TypeVar, Union
+
+try:
+    import psycopg
+    import psycopg_pool
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+except ModuleNotFoundError as e:  # tested in a subprocess: tests/test_postgres.py
+    raise ModuleNotFoundError(
+        f"{e}: PostgresBackend needs psycopg 3 and psycopg_pool, which come with the postgres extra: "
+        "run `pip install 'dramatiq-unique[postgres]'`.",
+        name=e.name,
+    ) from None
+
+from ...errors import ConfigurationError, LockBackendError
+from ...forks import pid
+from ..base import (
+    Acquisition,
+    BatchedReleases,
+    Copy,
+    CurrentCheck,
+    EnqueueRecord,
+    LockInfo,
+    NewestWins,
+    Release,
+    RenewsNatively,
+    Replacement,
+    Reschedules,
+    Start,
+    Waiter,
+    glob_pattern,
+    release_then_start,
+)
+from ..stub import StubBackend
+from . import sql
+from .rules import DEFAULT_FENCE_MEMORY, Row, apply, run
+
+if TYPE_CHECKING:
+    from .native import NativeExtender
+
+T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
+
+#: How long a call waits for a connection, and a connection for the
+#: server, in seconds: a PostgreSQL that is down fails lock calls (they
+#: fail closed), it does not hang workers.
+DEFAULT_TIMEOUT = 5.0
+
+#: The longest a transaction's statements may take, in milliseconds
+#: (``statement_timeout``, set in each transaction).
+DEFAULT_STATEMENT_TIMEOUT = 5_000
+
+#: The most connections a process's pool opens.
+DEFAULT_POOL_SIZE = 10
+
+#: How often a process offers to sweep expired rows, in milliseconds;
+#: one process sweeps at a time.
+DEFAULT_SWEEP_INTERVAL = 60_000
+
+#: How many expired rows one sweep transaction deletes at most.
+DEFAULT_SWEEP_BATCH = 500
+
+#: How many batches one sweep deletes at most.
+DEFAULT_SWEEP_BATCHES = 20
+
+#: The URL schemes ``PostgresBackend`` connects to.
+URL_SCHEMES = ("postgresql://", "postgres://")
+
+
+def _without_password(url: str) -> str:
+    try:
+        params = conninfo_to_dict(url)
+    except psycopg.ProgrammingError:
+        return "<an invalid URL>"
+    host, port, dbname = params.get("host", ""), params.get("port", ""), params.get("dbname", "")
+    user = f"{params['user']}@" if params.get("user") else ""
+    return f"postgresql://{user}{host}{':' + str(port) if port else ''}/{dbname}"
+
+
+def check_hosts(conninfo: str) -> None:
+    """Raise ConfigurationError when a host ``conninfo`` names does not
+    resolve (a Unix socket directory is not looked up).
+    """
+    try:
+        params = conninfo_to_dict(conninfo)
+    except psycopg.ProgrammingError as e:
+        raise ConfigurationError(f"PostgresBackend cannot parse the URL {conninfo!r}: {e}") from None
+    for host in str(params.get("host") or "").split(","):
+        if not host or host.startswith("/") or host.startswith("@"):
+            continue
+        try:
+            socket.getaddrinfo(host, None)
+        except OSError as e:
+            raise ConfigurationError(
+                f"PostgresBackend: the host {host!r} of {_without_password(conninfo)} does not resolve ({e})."
+            ) from None
+
+
+class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
+    """A lock backend that stores locks in PostgreSQL (10 or later).
+
+    Parameters:
+      url(str): A ``postgresql://`` URL, or any libpq connection string.
+      pool(psycopg_pool.ConnectionPool): A pool to use instead, whose
+        connections are in autocommit mode; ``url`` and the connection
+        parameters are then ignored.
+      timeout(float): How long a call waits for a pool connection, and a
+        new connection for the server, in seconds.
+      statement_timeout(int): The longest a call's statements may take
+        on the server, in milliseconds.
+      max_size(int): The most connections the pool opens.
+      prepare_threshold(int): psycopg's; None (the default) prepares no
+        statement, as PgBouncer's transaction mode needs before 1.21
+        (from 1.21 with ``max_prepared_statements`` set, 5 saves a
+        little server time).
+      synchronous_commit(str): The ``synchronous_commit`` of each lock
+        transaction, e.g. ``"off"``; None (the default) keeps the
+        server's.  ``"off"`` halves a call's time, and a server crash
+        can then lose the last few hundred milliseconds of locks (see
+        docs/postgres.md).
+      create_schema(bool): Create the table on first use when it is
+        missing (the default); False expects :meth:`create_schema` to
+        have been run.
+      min_replicas(int): Refused above 0: PostgreSQL waits for standbys
+        itself (``synchronous_standby_names``).
+      **connect: More libpq connection parameters.
+
+    Deadlines and fences come from the server's ``clock_timestamp()``.
+    """
+
+    def __init__(
+        self,
+        *,
+        url: Optional[str] = None,
+        pool: Optional[Any] = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        statement_timeout: int = DEFAULT_STATEMENT_TIMEOUT,
+        max_size: int = DEFAULT_POOL_SIZE,
+        prepare_threshold: Optional[int] = None,
+        synchronous_commit: Optional[str] = None,
+        create_schema: bool = True,
+        sweep_interval: int = DEFAULT_SWEEP_INTERVAL,
+        sweep_batch: int = DEFAULT_SWEEP_BATCH,
+        fence_memory: int = DEFAULT_FENCE_MEMORY,
+        min_replicas: int = 0,
+        min_replicas_timeout: int = 0,
+        **connect: Any,
+    ) -> None:
+        if min_replicas:
+            raise ConfigurationError(
+                f"min_replicas={min_replicas} is a RedisBackend option: PostgresBackend waits for standbys "
+                "through the server instead. List them in synchronous_standby_names (with synchronous_commit "
+                "on or remote_apply), and every commit of a lock waits for them."
+            )
+        if pool is None and url is None:
+            raise ConfigurationError("PostgresBackend needs url= (postgresql://...) or pool=.")
+        self.url = url
+        self.timeout = timeout
+        self.statement_timeout = str(int(statement_timeout))
+        if synchronous_commit is None:
+            self._settings, self._setting_values = sql.STATEMENT_TIMEOUT, [self.statement_timeout]
+        else:
+            self._settings = sql.STATEMENT_TIMEOUT_AND_COMMIT
+            self._setting_values = [self.statement_timeout, str(synchronous_commit)]
+        self.create = create_schema
+        self.sweep_interval = sweep_interval
+        self.sweep_batch = sweep_batch
+        self.fence_memory = fence_memory
+        if pool is None:
+            assert url is not None
+            check_hosts(url)
+            connect.setdefault("connect_timeout", max(1, round(timeout)))
+            self.conninfo = make_conninfo(url, **connect)
+            self._kwargs = {"autocommit": True, "prepare_threshold": prepare_threshold}
+            self._max_size = max_size
+            self._own_pool = True
+        else:
+            self.conninfo = pool.conninfo
+            self._own_pool = False
+        self.pool: Any = pool
+        self._pool_pid = pid()
+        self._pool_lock = threading.Lock()
+        self._ready = False
+        self._ready_lock = threading.Lock()
+        self._next_sweep = time.monotonic() + sweep_interval / 1000
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> "PostgresBackend":
+        """A backend on the PostgreSQL at ``url`` (``postgresql://`` or
+        ``postgres://``), with the constructor's ``options``.
+        """
+        return cls(url=url, **options)
+
+    def describe(self) -> str:
+        return f"PostgresBackend({_without_password(self.conninfo)})"
+
+    def close(self) -> None:
+        """Close the pool this backend made."""
+        if self._own_pool and self.pool is not None and self._pool_pid == pid():
+            self.pool.close()
+            self.pool = None
+
+    # Schema ------------------------------------------------------------
+
+    def create_schema(self) -> None:
+        """Create the backend's table when it is missing, in one
+        transaction (safe when several processes do it at once).
+
+        Raises:
+          LockBackendError: the database refused, e.g. for want of the
+            CREATE privilege; nothing was created.
+        """
+        try:
+            with self._connection() as conn, conn.transaction():
+                for statement in sql.CREATE:
+                    conn.execute(statement)
+        except psycopg.errors.Error as e:
+            if isinstance(e, psycopg.OperationalError):
+                raise
+            raise LockBackendError(
+                f"{self.describe()} refused to create the table {sql.LOCKS}: {e}".rstrip()
+                + ". Run PostgresBackend(...).create_schema() as a role "
+                "that may create tables in the schema, or grant CREATE on it; nothing was created.",
+                backend=self.describe(),
+            ) from e
+        self._ready = True
+
+    def _ensure_schema(self) -> None:
+        if self._ready:
+            return
+        with self._ready_lock:
+            if self._ready:
+                return
+            with self._connection() as conn:
+                exists = conn.execute(sql.EXISTS).fetchone()
+            if exists is None or exists[0] is None:
+                if not self.create:
+                    raise LockBackendError(
+                        f"{self.describe()} has no table {sql.LOCKS}: run PostgresBackend(...).create_schema(), "
+                        "or pass create_schema=True.",
+                        backend=self.describe(),
+                    )
+                self.create_schema()
+            self._ready = True
+
+    # Transactions ------------------------------------------------------
+
+    def _connection(self) -> Any:
+        if self._own_pool and (self.pool is None or self._pool_pid != pid()):
+            self._open_pool()
+        return self.pool.connection(timeout=self.timeout)
+
+    def _open_pool(self) -> None:
+        """Open this process's pool: at the first call, and again in a
+        forked child, whose parent's connections are not its own.
+        """
+        with self._pool_lock:
+            if self.pool is not None and self._pool_pid == pid():
+                return
+            self.pool = psycopg_pool.ConnectionPool(
+                self.conninfo, min_size=1, max_size=self._max_size, kwargs=self._kwargs, timeout=self.timeout,
+                open=False, name="dramatiq-unique",
+            )
+            self.pool.open(wait=False)
+            self._pool_pid = pid()
+
+    def _locked(self, keys: Sequence[str], verb: Callable[[StubBackend], T]) -> T:
+        """Run ``verb`` on the locked rows of ``keys``, in one transaction."""
+        self._ensure_schema()
+        payload = json.dumps(sorted(set(keys)))
+        for attempt in range(2):
+            sent, conn = False, None
+            try:
+                with self._connection() as conn, conn.pipeline():
+                    conn.execute("BEGIN")
+                    conn.execute(self._settings, self._setting_values)
+                    rows: list[Row] = conn.execute(sql.LOCK, [payload]).fetchall()
+                    applied = apply(rows, verb, fence_memory=self.fence_memory)
+                    sent = True
+                    for write in applied.writes:
+                        conn.execute(sql.WRITE, write)
+                    for key in applied.deletes:
+                        conn.execute(sql.DELETE, [key])
+                    conn.execute("COMMIT")
+                break
+            except psycopg.OperationalError:
+                # A connection that broke before one write was sent: the
+                # transaction rolled back, so it is safe to try again,
+                # once, after the pool dropped its other dead connections
+                # (a restarted server leaves every idle one dead).
+                if sent or attempt or conn is None or not conn.broken:
+                    raise
+                self.pool.check()
+        self._maybe_sweep()
+        return applied.result  # type: ignore[no-any-return]
+
+    def _read(self, statement: str, parameter: str, verb: Callable[[StubBackend], T]) -> T:
+        """Run ``verb`` on the rows ``statement`` reads, without locks."""
+        self._ensure_schema()
+        with self._connection() as conn:
+            rows: list[Row] = conn.execute(statement, [parameter]).fetchall()
+        return run(rows, verb)
+
+    def _maybe_sweep(self) -> None:
+        if time.monotonic() < self._next_sweep:
+            return
+        self._next_sweep = time.monotonic() + self.sweep_interval / 1000
+        try:
+            self.sweep()
+        except Exception as e:  # the next interval tries again
+            logger.warning("Could not sweep expired locks from %s: %r", self.describe(), e)
+
+    def sweep(self, *, batches: int = DEFAULT_SWEEP_BATCHES) -> Optional[int]:
+        """Delete expired rows, ``sweep_batch`` per transaction, unless
+        another process sweeps now.
+
+        Returns:
+          int: How many rows were deleted, or None when another process
+          was sweeping.
+        """
+        self._ensure_schema()
+        deleted = 0
+        for _ in range(batches):
+            with self._connection() as conn, conn.transaction():
+                row = conn.execute(sql.SWEEPING).fetchone()
+                if row is None or row[0] != "true":
+                    return None if deleted == 0 else deleted
+                count = conn.execute(sql.SWEEP, [self.sweep_batch]).fetchone()
+            done = int(count[0]) if count else 0
+            deleted += done
+            if done < self.sweep_batch:
+                break
+        return deleted
+
+    # The hot path ------------------------------------------------------
+
+    def acquire(
+        self,
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        limit: int = 1,
+        lock: str = "",
+        lock_args: Optional[str] = None,
+        provisional: int = 0,
+        where: Optional[str] = None,
+        copy: Optional[Copy] = None,
+    ) -> Acquisition:
+        keys = [key] if copy is None else [key, copy.key]
+        return self._locked(
+            keys,
+            lambda stub: stub.acquire(
+                key, owner, ttl=ttl, limit=limit, lock=lock, lock_args=lock_args, provisional=provisional,
+                where=where, copy=copy,
+            ),
+        )
+
+    def start(
+        self, key: str, owner: str, *, ttl: int, limit: int, lock: str, copy: Copy, queue_key: Optional[str] = None
+    ) -> Start:
+        keys = [key, copy.key] + ([queue_key] if queue_key else [])
+        return self._locked(
+            keys, lambda stub: stub.start(key, owner, ttl=ttl, limit=limit, lock=lock, copy=copy, queue_key=queue_key)
+        )
+
+    def release(self, key: str, owner: str, *, hand_over: bool = True) -> Release:
+        return self._locked([key], lambda stub: stub.release(key, owner, hand_over=hand_over))
+
+    #: Releases go in one transaction, and ride in front of the next
+    #: start: the worker releases run locks in the background.
+    batches_releases = True
+
+    def release_many(self, locks: Sequence[tuple[str, str]]) -> list[Union[Release, Exception]]:
+        if not locks:
+            return []
+        try:
+            return self._locked([key for key, _ in locks], lambda stub: stub.release_many(locks))
+        except Exception as e:
+            return [e] * len(locks)
+
+    def release_and_start(
+        self,
+        releases: Sequence[tuple[str, str]],
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        limit: int,
+        lock: str,
+        copy: Copy,
+        queue_key: Optional[str] = None,
+    ) -> tuple[list[Union[Release, Exception]], Union[Start, Exception]]:
+        keys = [name for name, _ in releases] + [key, copy.key] + ([queue_key] if queue_key else [])
+        try:
+            return self._locked(
+                keys,
+                lambda stub: release_then_start(
+                    stub, releases, key, owner, ttl=ttl, limit=limit, lock=lock, copy=copy, queue_key=queue_key
+                ),
+            )
+        except Exception as e:
+            return [e] * len(releases), e
+
+    def extend(self, locks: Sequence[tuple[str, str]], ttl: int) -> list[bool]:
+        if not locks:
+            return []
+        return self._locked([key for key, _ in locks], lambda stub: stub.extend(locks, ttl))
+
+    def confirm(self, locks: Sequence[tuple[str, str, int]]) -> list[bool]:
+        if not locks:
+            return []
+        return self._locked([key for key, _, _ in locks], lambda stub: stub.confirm(locks))
+
+    def native_extender(self) -> "NativeExtender":
+        """``extend`` on a libpq connection of its own, for a native OS
+        thread under gevent (see :class:`.native.NativeExtender`).
+        """
+        from .native import NativeExtender
+
+        return NativeExtender(
+            self.conninfo, statement_timeout=self.statement_timeout, fence_memory=self.fence_memory
+        )
+
+    # The reschedule protocol -------------------------------------------
+
+    def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> None:
+        self._locked([copy.key], lambda stub: stub.wait(copy, message, order=order, ttl=ttl))
+
+    def claim(self, copy: Copy) -> bool:
+        return self._locked([copy.key], lambda stub: stub.claim(copy))
+
+    # Newest wins -------------------------------------------------------
+
+    def replace(
+        self,
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        lock: str = "",
+        lock_args: Optional[str] = None,
+        keep_started: bool = False,
+        debounce: int = 0,
+        debounce_max: int = 0,
+        superseded_ttl: int,
+        where: str = "",
+    ) -> Replacement:
+        return self._locked(
+            [key],
+            lambda stub: stub.replace(
+                key, owner, ttl=ttl, lock=lock, lock_args=lock_args, keep_started=keep_started, debounce=debounce,
+                debounce_max=debounce_max, superseded_ttl=superseded_ttl, where=where,
+            ),
+        )
+
+    def current(
+        self,
+        key: str,
+        owner: str,
+        *,
+        reenter: bool = False,
+        ttl: int = 0,
+        lock: str = "",
+        copy: Optional[Copy] = None,
+        where: Optional[str] = None,
+    ) -> CurrentCheck:
+        keys = [key] if copy is None else [key, copy.key]
+        return self._locked(
+            keys, lambda stub: stub.current(key, owner, reenter=reenter, ttl=ttl, lock=lock, copy=copy, where=where)
+        )
+
+    def unreplace(self, key: str, owner: str) -> Optional[str]:
+        return self._locked([key], lambda stub: stub.unreplace(key, owner))
+
+    # Operators' writes and reads ---------------------------------------
+
+    def reap(self, key: str, owner: str, record: EnqueueRecord) -> bool:
+        return self._locked([key], lambda stub: stub.reap(key, owner, record))
+
+    def delete(self, key: str) -> bool:
+        return self._locked([key], lambda stub: stub.delete(key))
+
+    def delete_prefix(self, prefix: str) -> int:
+        self._ensure_schema()
+        with self._connection() as conn:
+            return conn.execute(sql.DELETE_PREFIX, [sql.like_literal(prefix)]).rowcount
+
+    def inspect(self, key: str) -> Optional[LockInfo]:
+        return self._read(sql.READ, key, lambda stub: stub.inspect(key))
+
+    def waiters(self, key: str) -> list[Waiter]:
+        return self._read(sql.READ, key, lambda stub: stub.waiters(key))
+
+    def scan(self, pattern: str) -> Iterator[str]:
+        keys = self._read(sql.SCAN, sql.like_prefix(pattern), lambda stub: list(stub.scan(pattern)))
+        match = glob_pattern(pattern).fullmatch
+        return iter([key for key in keys if match(key)])

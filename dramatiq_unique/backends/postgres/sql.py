@@ -1,0 +1,118 @@
+"""The schema and statements of ``PostgresBackend``.
+
+One table holds a row per lock key (a run or enqueue lock's digest key):
+its state as the stub keeps it, in JSON (:mod:`.state`), and when the
+last deadline in it passes.  An expired row counts as absent: the rules
+see every deadline in it passed, and the sweep deletes it.
+
+Every statement takes its parameters as text (JSON where it takes
+several values), and returns text, so that the same statements run
+through a psycopg connection and through libpq directly
+(:mod:`.native`).  Placeholders are ``%s``; :func:`numbered` makes them
+``$1``, ``$2``... for libpq.
+"""
+
+from __future__ import annotations
+
+import re
+
+#: The version in the names of everything the backend creates: a change
+#: of layout makes new tables beside the old ones.
+SCHEMA_VERSION = 1
+
+#: The table of lock state.
+LOCKS = f"dramatiq_unique_v{SCHEMA_VERSION}_locks"
+
+#: Locks and reads this backend's tables for DDL: a transaction-level
+#: advisory lock, so that concurrent first uses create the schema once.
+SCHEMA_LOCK = 0x6471_5F75_6E69_7131  # "dq_uniq1"
+#: Held by the one process that sweeps, for the sweep's transaction.
+SWEEP_LOCK = 0x6471_5F75_6E69_7153  # "dq_uniqS"
+
+#: The table's fill factor: room on each page for the updated row, so
+#: that most updates are HOT (no index write, pruned without a vacuum).
+FILLFACTOR = 70
+
+CREATE = [
+    f"SELECT pg_advisory_xact_lock({SCHEMA_LOCK})",
+    f"""CREATE TABLE IF NOT EXISTS {LOCKS} (
+        key text COLLATE "C" PRIMARY KEY,
+        state jsonb NOT NULL,
+        expires_at timestamptz NOT NULL
+    ) WITH (fillfactor = {FILLFACTOR}, autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000)""",
+    f"COMMENT ON TABLE {LOCKS} IS 'dramatiq-unique lock state, layout {SCHEMA_VERSION}: one row per lock key'",
+]
+
+#: Whether the table exists: its name, or NULL.
+EXISTS = f"SELECT to_regclass('{LOCKS}')::text"
+
+#: The server's clock, in Unix microseconds, as text.
+CLOCK = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint::text"
+
+#: Lock the rows of a JSON array of keys, in order, making the missing
+#: ones: each key with its state and the clock read once it is locked.
+LOCK = f"""INSERT INTO {LOCKS} AS t (key, state, expires_at)
+    SELECT k, '{{}}', '-infinity' FROM jsonb_array_elements_text(%s::jsonb) AS k ORDER BY k COLLATE "C"
+    ON CONFLICT (key) DO UPDATE SET key = EXCLUDED.key
+    RETURNING t.key, t.state::text, {CLOCK}"""
+
+#: Read the row of a key without locking it; a last row with a NULL key
+#: carries the clock.
+READ = f"""SELECT key, state::text, NULL FROM {LOCKS} WHERE key = %s
+    UNION ALL SELECT NULL, NULL, {CLOCK}"""
+
+#: The keys starting with a prefix (``LIKE`` pattern), with their state;
+#: the last row carries the clock.
+SCAN = f"""SELECT key, state::text, NULL FROM {LOCKS}
+    WHERE key LIKE %s AND expires_at > clock_timestamp()
+    UNION ALL SELECT NULL, NULL, {CLOCK}"""
+
+#: Store a key's state (JSON), and when it expires (server Unix
+#: milliseconds).  One statement per key, each an index lookup: the
+#: calls pipeline them.
+WRITE = f"UPDATE {LOCKS} SET state = %s::jsonb, expires_at = to_timestamp(%s::bigint / 1000.0) WHERE key = %s"
+
+#: Drop a key's row.
+DELETE = f"DELETE FROM {LOCKS} WHERE key = %s"
+
+#: Whether this transaction holds the sweep: one process sweeps at a time.
+SWEEPING = f"SELECT pg_try_advisory_xact_lock({SWEEP_LOCK})::text"
+
+#: Delete up to a number of expired rows that nobody has locked: how many.
+SWEEP = f"""WITH gone AS (
+        DELETE FROM {LOCKS} WHERE key IN (
+            SELECT key FROM {LOCKS} WHERE expires_at < clock_timestamp() LIMIT %s::int FOR UPDATE SKIP LOCKED)
+        RETURNING 1)
+    SELECT count(*)::text FROM gone"""
+
+#: Bound the wait of the statements that follow in the transaction, in
+#: milliseconds (libpq-level calls have no other timeout).
+STATEMENT_TIMEOUT = "SELECT set_config('statement_timeout', %s, true)"
+
+#: The same, and the transaction's ``synchronous_commit``.
+STATEMENT_TIMEOUT_AND_COMMIT = (
+    "SELECT set_config('statement_timeout', %s, true), set_config('synchronous_commit', %s, true)"
+)
+
+
+def numbered(statement: str) -> str:
+    """``statement`` with its ``%s`` placeholders as ``$1``, ``$2``..."""
+    counter = iter(range(1, 1000))
+    return re.sub("%s", lambda _: f"${next(counter)}", statement)
+
+
+#: Drop every key that starts with a prefix (a ``LIKE`` pattern).
+DELETE_PREFIX = f"DELETE FROM {LOCKS} WHERE key LIKE %s"
+
+
+def like_literal(prefix: str) -> str:
+    """A ``LIKE`` pattern of the keys that start with ``prefix``."""
+    return re.sub(r"([\\%_])", r"\\\1", prefix) + "%"
+
+
+def like_prefix(pattern: str) -> str:
+    """A ``LIKE`` pattern of the literal start of glob ``pattern``: the
+    keys it can match, to filter further with the glob.
+    """
+    literal = re.split(r"[*?\[]", pattern, maxsplit=1)[0]
+    return re.sub(r"([\\%_])", r"\\\1", literal) + "%"

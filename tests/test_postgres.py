@@ -1,0 +1,391 @@
+"""PostgresBackend on a real PostgreSQL: its stored state, its schema,
+its sweep, bad input, PgBouncer in transaction mode, and renewal from
+a native thread under gevent.  The backend contract and the model run
+on it in tests/test_backends.py and tests/test_properties.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from typing import Iterator
+
+import psycopg
+import psycopg_pool
+import pytest
+
+from dramatiq_unique import StubBackend
+from dramatiq_unique.backends.base import Copy, CopyVerdict, EnqueueRecord
+from dramatiq_unique.backends.postgres import PostgresBackend, sql
+from dramatiq_unique.backends.postgres.state import dump, load
+from dramatiq_unique.errors import ConfigurationError, LockBackendError
+from tests.conftest import free_port
+from tests.postgres_server import PgBouncer, database_on, with_database
+
+KEY = "t:actor:{abc}:run"
+QUEUE_KEY = "t:actor:{abc}:queue"
+
+
+def rows(backend: PostgresBackend) -> dict[str, dict]:
+    with backend._connection() as conn:
+        return {key: state for key, state in conn.execute(f"SELECT key, state FROM {sql.LOCKS}").fetchall()}
+
+
+# The stored state -----------------------------------------------------------
+
+
+def busy_stub() -> StubBackend:
+    """A stub whose keys hold every kind of state the stub keeps."""
+    stub = StubBackend()
+    stub.acquire(QUEUE_KEY, "m1", ttl=60_000, lock="until_executed", lock_args='{"a":1}', provisional=5_000,
+                 where="ns\tq\tid")
+    stub.acquire(KEY, "holder/1", ttl=60_000, limit=2, lock="while_executing")
+    stub.wait(Copy(KEY, "m2", 1, "handoff"), b"\x00\xffbody", order=7, ttl=60_000)
+    stub.wait(Copy(KEY, "m3", 1, "handoff"), b"other", order=8, ttl=60_000)
+    stub.start(KEY, "m2/1", ttl=60_000, limit=2, lock="while_executing", copy=Copy(KEY, "m2", 1, "delay", retries=1))
+    stub.claim(Copy(KEY, "m3", 1, "delay"))
+    replace_key = "t:newest:{x}:queue"
+    stub.replace(replace_key, "r1", ttl=60_000, superseded_ttl=60_000, where="w1", debounce=100)
+    stub.replace(replace_key, "r2", ttl=60_000, superseded_ttl=60_000, where="w2")
+    return stub
+
+
+def parts(stub: StubBackend, key: str) -> tuple:
+    return stub.key_state(key)[:4]
+
+
+def test_every_part_of_a_keys_state_survives_the_round_trip_through_json() -> None:
+    stub = busy_stub()
+    for key in (KEY, QUEUE_KEY, "t:newest:{x}:queue"):
+        dumped = dump(stub, key)
+        assert dumped.expires_at > 0
+        again = StubBackend()
+        load(again, key, json.loads(json.dumps(dumped.state)))
+        assert parts(again, key) == parts(stub, key)
+        assert dump(again, key) == dumped
+    # what the busy stub holds is there to check: records with a run, a finish and bytes
+    assert stub._records[(KEY, "m2")].runner == "m2/1" and stub._records[(KEY, "m3")].finished is not None
+    assert dump(stub, KEY).state["entry"]["holders"].keys() == {"holder/1", "m2/1"}
+
+
+def test_the_stub_keeps_no_state_that_is_not_stored() -> None:
+    # A new attribute of StubBackend is state that PostgresBackend would lose: add it to KeyState.
+    assert set(vars(busy_stub())) == {"_mutex", "_entries", "_waiters", "_superseded", "_records", "_last_fence"}
+
+
+def test_a_key_that_holds_nothing_keeps_only_its_fence(postgres_backend: PostgresBackend) -> None:
+    fence = postgres_backend.acquire(KEY, "a", ttl=10_000).fence
+    assert postgres_backend.release(KEY, "a").held
+    assert rows(postgres_backend) == {KEY: {"fence": fence}}
+    assert postgres_backend.acquire(KEY, "b", ttl=10_000).fence > fence
+    # a call that finds nothing leaves no row
+    assert not postgres_backend.release("t:other:{x}:run", "nobody").held
+    assert set(rows(postgres_backend)) == {KEY}
+
+
+def test_deadlines_follow_the_servers_clock(postgres_backend: PostgresBackend) -> None:
+    with postgres_backend._connection() as conn:
+        before = conn.execute("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint").fetchone()[0]
+    postgres_backend.acquire(KEY, "a", ttl=10_000)
+    deadline = postgres_backend.inspect(KEY).holders["a"]
+    assert before + 10_000 <= deadline < before + 10_000 + 5_000
+
+
+# Mutual exclusion under contention -------------------------------------------
+
+
+def test_contending_threads_never_hold_a_limited_key_together(postgres_backend: PostgresBackend) -> None:
+    holding: list[str] = []
+    overlaps: list[list[str]] = []
+    taken = []
+    guard = threading.Lock()
+
+    def contend(name: str) -> None:
+        for i in range(30):
+            owner = f"{name}-{i}"
+            if postgres_backend.acquire(KEY, owner, ttl=10_000, limit=2).acquired:
+                with guard:
+                    holding.append(owner)
+                    taken.append(owner)
+                    if len(holding) > 2:
+                        overlaps.append(list(holding))
+                time.sleep(0.001)
+                with guard:
+                    holding.remove(owner)
+                assert postgres_backend.release(KEY, owner).held
+
+    threads = [threading.Thread(target=contend, args=(f"t{n}",)) for n in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert overlaps == [] and len(taken) >= 30
+
+
+# Schema -------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_database(postgres_url: str) -> Iterator[str]:
+    """A database of its own, without the backend's table."""
+    yield from database_on(with_database(postgres_url, "postgres"))
+
+
+def test_the_schema_is_made_once_when_processes_start_together(fresh_database: str) -> None:
+    backends = [PostgresBackend(url=fresh_database) for _ in range(6)]
+    errors: list[BaseException] = []
+
+    def first_call(backend: PostgresBackend, n: int) -> None:
+        try:
+            backend.acquire(f"t:{n}:{{k}}:run", "a", ttl=10_000)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=first_call, args=(b, n)) for n, b in enumerate(backends)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert len(list(backends[0].scan("t:*"))) == 6
+    for backend in backends:
+        backend.close()
+
+
+def test_a_database_that_refuses_the_schema_gets_a_clear_error(fresh_database: str) -> None:
+    role = f"du_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(fresh_database, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {role} LOGIN")
+        conn.execute(f"REVOKE CREATE ON SCHEMA public FROM PUBLIC, {role}")
+    try:
+        url = fresh_database.replace("//postgres@", f"//{role}@")
+        assert url != fresh_database
+        backend = PostgresBackend(url=url)
+        with pytest.raises(LockBackendError, match=rf"refused to create the table {sql.LOCKS}.*permission denied"):
+            backend.acquire(KEY, "a", ttl=1_000)
+        with psycopg.connect(fresh_database) as conn:
+            assert conn.execute(sql.EXISTS).fetchone() == (None,)  # nothing half-made
+        backend.close()
+    finally:
+        with psycopg.connect(fresh_database, autocommit=True) as conn:
+            conn.execute(f"DROP OWNED BY {role}")
+            conn.execute(f"DROP ROLE {role}")
+
+
+def test_without_create_schema_a_missing_table_is_named(fresh_database: str) -> None:
+    backend = PostgresBackend(url=fresh_database, create_schema=False)
+    with pytest.raises(LockBackendError, match=f"has no table {sql.LOCKS}.*create_schema"):
+        backend.acquire(KEY, "a", ttl=1_000)
+    backend.create_schema()
+    assert backend.acquire(KEY, "a", ttl=1_000).acquired
+    backend.close()
+
+
+# Bad input ---------------------------------------------------------------------
+
+
+def test_min_replicas_is_refused_with_the_servers_setting_named() -> None:
+    with pytest.raises(ConfigurationError, match="synchronous_standby_names"):
+        PostgresBackend.from_url("postgresql://127.0.0.1/db", min_replicas=1)
+
+
+def test_a_host_that_does_not_resolve_is_named() -> None:
+    with pytest.raises(ConfigurationError, match="'no-such-host.invalid'.*does not resolve"):
+        PostgresBackend.from_url("postgres://user:secret@no-such-host.invalid:5432/db")
+
+
+def test_without_psycopg_the_error_names_the_extra() -> None:
+    code = ("import sys; sys.modules['psycopg'] = None\n"
+            "from dramatiq_unique.backends.postgres import PostgresBackend")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "pip install 'dramatiq-unique[postgres]'" in done.stderr
+
+
+def test_a_server_that_is_down_fails_calls_quickly() -> None:
+    backend = PostgresBackend(url=f"postgresql://postgres@127.0.0.1:{free_port()}/db", timeout=1.0)
+    started = time.monotonic()
+    with pytest.raises((psycopg.OperationalError, psycopg_pool.PoolTimeout)):
+        backend.acquire(KEY, "a", ttl=1_000)
+    assert time.monotonic() - started < 10
+    assert "secret" not in backend.describe()
+    backend.close()
+
+
+# The sweep -----------------------------------------------------------------------
+
+
+def test_the_sweep_deletes_expired_rows_one_process_at_a_time(postgres_backend: PostgresBackend) -> None:
+    for n in range(12):
+        postgres_backend.acquire(f"t:{n}:{{k}}:run", "a", ttl=1)
+    postgres_backend.acquire(KEY, "live", ttl=60_000)
+    time.sleep(0.05)
+    # another process sweeping: this one does not
+    with postgres_backend._connection() as conn, conn.transaction():
+        conn.execute(f"SELECT pg_advisory_xact_lock({sql.SWEEP_LOCK})")
+        assert postgres_backend.sweep() is None
+    postgres_backend.sweep_batch = 5
+    assert postgres_backend.sweep() == 12
+    assert set(rows(postgres_backend)) == {KEY}
+    assert postgres_backend.inspect(KEY).holders.keys() == {"live"}
+
+
+# PgBouncer in transaction mode ------------------------------------------------------
+
+
+@pytest.fixture
+def bounced(postgres_url: str, postgres_backend: PostgresBackend) -> Iterator[PostgresBackend]:
+    """A PostgresBackend through a private pgbouncer (pool_mode=transaction)."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    params = conninfo_to_dict(postgres_url)
+    bouncer = PgBouncer(free_port(), server_port=int(params["port"]), dbname=str(params["dbname"]))
+    backend = PostgresBackend(url=bouncer.url, max_size=8)
+    try:
+        yield backend
+    finally:
+        backend.close()
+        bouncer.stop()
+
+
+def test_take_release_and_hand_off_through_pgbouncer_in_transaction_mode(bounced: PostgresBackend) -> None:
+    with bounced._connection() as conn:  # through the bouncer, to the server behind it
+        assert conn.execute("SELECT inet_server_port()").fetchone()[0] != conn.info.port
+    assert bounced.acquire(KEY, "a", ttl=10_000).acquired
+    assert not bounced.acquire(KEY, "b", ttl=10_000).acquired
+    bounced.wait(Copy(KEY, "m", 1, "handoff"), b"m", order=1, ttl=10_000)
+    assert bounced.extend([(KEY, "a")], 10_000) == [True]
+    released = bounced.release(KEY, "a")
+    assert released.held and released.promoted == b"m"
+    started = bounced.start(KEY, "m/1", ttl=10_000, limit=1, lock="x", copy=Copy(KEY, "m", 1, "handoff"),
+                            queue_key=QUEUE_KEY)
+    assert started.acquisition.acquired
+    assert bounced.start(KEY, "m/2", ttl=10_000, limit=1, lock="x",
+                         copy=Copy(KEY, "m", 1, "delay")).acquisition.refused is CopyVerdict.LOST
+    assert bounced.release(KEY, "m/1").held
+    assert bounced.sweep() is not None  # its advisory lock lives in the transaction only
+
+
+def test_contending_threads_through_pgbouncer_keep_mutual_exclusion(bounced: PostgresBackend) -> None:
+    holding, overlaps, taken, guard = [], [], [], threading.Lock()
+
+    def contend(name: str) -> None:
+        for i in range(20):
+            owner = f"{name}-{i}"
+            if bounced.acquire(KEY, owner, ttl=10_000).acquired:
+                with guard:
+                    holding.append(owner)
+                    taken.append(owner)
+                    if len(holding) > 1:
+                        overlaps.append(list(holding))
+                with guard:
+                    holding.remove(owner)
+                assert bounced.release(KEY, owner).held
+
+    threads = [threading.Thread(target=contend, args=(f"t{n}",)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert overlaps == [] and taken
+
+
+# Renewal from a native thread under gevent ---------------------------------------------
+
+GEVENT_RENEWAL = """
+from gevent import monkey; monkey.patch_all()
+import json, sys, time
+from gevent._compat import thread_mod_name
+from gevent.monkey import get_original
+from dramatiq_unique.backends.postgres import PostgresBackend
+
+backend = PostgresBackend(url=sys.argv[1])
+key = "t:gevent:{k}:run"
+backend.acquire(key, "holder", ttl=600)
+extend = backend.native_extender()
+renewals = []
+
+def keep():
+    until = time.monotonic() + 2.0
+    while time.monotonic() < until:
+        renewals.append(extend([(key, "holder")], 600, timeout=500))
+        get_original("time", "sleep")(0.1)
+
+get_original(thread_mod_name, "start_new_thread")(keep, ())
+until = time.monotonic() + 2.2
+while time.monotonic() < until:  # the actor holds the hub: no greenlet runs
+    pass
+extend.close()
+print(json.dumps({"renewals": renewals, "held": list(backend.inspect(key).holders)}))
+"""
+
+
+def test_a_native_extender_renews_while_an_actor_holds_the_hub(postgres_backend: PostgresBackend,
+                                                               postgres_url: str) -> None:
+    done = subprocess.run([sys.executable, "-c", GEVENT_RENEWAL, postgres_url], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    # renewed all along (a lease of 0.6 s would have lapsed three times over), and still held
+    assert len(report["renewals"]) >= 8 and all(r == [True] for r in report["renewals"])
+    assert report["held"] == ["holder"]
+
+
+def test_reap_checks_the_record(postgres_backend: PostgresBackend) -> None:
+    postgres_backend.acquire(QUEUE_KEY, "m", ttl=10_000, where="ns\tq\tid")
+    record = postgres_backend.inspect(QUEUE_KEY).records["m"]
+    assert not postgres_backend.reap(QUEUE_KEY, "m", EnqueueRecord(1, 0, "elsewhere"))
+    assert postgres_backend.reap(QUEUE_KEY, "m", record)
+    assert postgres_backend.inspect(QUEUE_KEY) is None
+
+
+def test_the_first_call_after_a_server_restart_finds_a_live_connection() -> None:
+    from tests.postgres_server import PostgresServer
+
+    server = PostgresServer(free_port())
+    server.start()
+    try:
+        backend = PostgresBackend(url=server.url)
+        done = []
+
+        def hold(n: int) -> None:  # several connections in the pool at once
+            done.append(backend.acquire(f"t:{n}:{{k}}:run", "a", ttl=60_000).acquired)
+
+        threads = [threading.Thread(target=hold, args=(n,)) for n in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert done == [True] * 4
+        server.stop("fast")
+        server.start()
+        # the pool's idle connections all died with the server: the call is sent again on a new one
+        assert backend.release("t:0:{k}:run", "a").held
+        assert backend.acquire("t:0:{k}:run", "b", ttl=60_000).acquired
+        backend.close()
+    finally:
+        server.remove()
+
+
+def test_scan_takes_a_glob_and_escapes_what_like_would_read(postgres_backend: PostgresBackend) -> None:
+    for key in ("a_b:1:run", "aXb:1:run", "a%b:2:run", "a_b:2:queue"):
+        postgres_backend.acquire(key, "o", ttl=10_000)
+    assert list(postgres_backend.scan("a_b:*")) == ["a_b:1:run", "a_b:2:queue"]
+    assert list(postgres_backend.scan("a?b:1:*")) == ["aXb:1:run", "a_b:1:run"]
+    assert list(postgres_backend.scan("a%b:*")) == ["a%b:2:run"]
+    assert list(postgres_backend.scan("*:queue")) == ["a_b:2:queue"]
+
+
+def test_the_stub_reads_time_only_through_its_clock() -> None:
+    # PostgresBackend sets the server's clock for the stub's rules: a rule that read
+    # this process's clock directly would mix two clocks.
+    import inspect
+
+    from dramatiq_unique.backends import stub
+
+    lines = [line.strip() for line in inspect.getsource(stub).splitlines() if "mod_time." in line]
+    assert len(lines) == 3 and all(line.startswith("return mod_time.") for line in lines), lines
