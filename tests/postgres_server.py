@@ -161,7 +161,7 @@ class PgBouncer:
 
     def stop(self) -> None:
         self.process.terminate()
-        self.process.wait()
+        self.process.communicate()  # waits, and closes its stderr pipe
         shutil.rmtree(self.root, ignore_errors=True)
 
 

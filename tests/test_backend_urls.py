@@ -105,7 +105,8 @@ def test_a_real_postgres_backend_when_there_is_one():
 
 @pytest.mark.parametrize("blocked", ["dramatiq_unique.backends.postgres", "psycopg"])
 def test_a_missing_postgres_module_or_driver_names_the_extra(monkeypatch, blocked):
-    monkeypatch.delitem(sys.modules, "dramatiq_unique.backends.postgres", raising=False)
+    for name in [name for name in sys.modules if name.startswith("dramatiq_unique.backends.postgres")]:
+        monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, blocked, None)  # `import` of it raises ModuleNotFoundError
     with pytest.raises(ConfigurationError) as info:
         from_url("postgresql://127.0.0.1:1/locks")

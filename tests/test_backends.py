@@ -132,7 +132,7 @@ def test_delete_prefix_drops_a_prefix_and_what_it_keeps_beside_its_locks(backend
     # When one prefix is deleted
     dropped = backend.delete_prefix("dp1:")
     # Then its locks and their records are gone, and the other prefix keeps its own
-    assert dropped >= 4
+    assert dropped >= 2  # a row per key on PostgreSQL; Redis and the stub count their waiting lists and records too
     assert list(backend.scan("dp1:*")) == [] and backend.waiters("dp1:a:{1}:run") == []
     assert backend.claim(Copy("dp1:a:{1}:run", "m", 1, "delay")) is True  # no record of the wait is left
     assert backend.current("dp1:a:{2}:queue", "q1").status is CurrentStatus.CURRENT  # nor of the supersession

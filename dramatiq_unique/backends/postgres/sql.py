@@ -112,7 +112,17 @@ def like_literal(prefix: str) -> str:
 
 def like_prefix(pattern: str) -> str:
     """A ``LIKE`` pattern of the literal start of glob ``pattern``: the
-    keys it can match, to filter further with the glob.
+    keys it can match, to filter further with the glob.  A backslash
+    makes the glob's next character plain, as
+    :func:`~dramatiq_unique.backends.base.glob_pattern` reads it.
     """
-    literal = re.split(r"[*?\[]", pattern, maxsplit=1)[0]
-    return re.sub(r"([\\%_])", r"\\\1", literal) + "%"
+    literal, escaped = [], False
+    for char in pattern:
+        if not escaped and char in "*?[":
+            break
+        if not escaped and char == "\\":
+            escaped = True
+            continue
+        literal.append(char)
+        escaped = False
+    return like_literal("".join(literal))
