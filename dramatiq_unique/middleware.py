@@ -50,7 +50,7 @@ from .worker.owed import OwedRelease, OwedReleases
 from .worker.quiet import install as quiet_our_skips
 from .worker.releaser import Releaser
 from .worker.run import ProcessGuard, RunHelpers
-from .worker.unreleased import ReleaseRetries
+from .worker.unreleased import RUN_SUFFIX, ReleaseRetries
 
 if TYPE_CHECKING:
     from dramatiq import Actor, Broker, Worker
@@ -314,7 +314,7 @@ class UniqueMiddleware(Middleware):
             with _RELEASER_LOCK:
                 if self._release_retries is None:
                     assert self.backend is not None
-                    self._release_retries = ReleaseRetries(self.backend)
+                    self._release_retries = ReleaseRetries(self.backend, record_ttl=self.settings.lock_ttl)
         return self._release_retries
 
     def key(self, spec: ActorSpec, digest: str, phase: str) -> str:
@@ -451,7 +451,7 @@ class UniqueMiddleware(Middleware):
         ends the run of a rescheduled message in its record, which lives
         ``lock_ttl``, so that a duplicate of that run is skipped.
         """
-        if key.endswith(":run"):
+        if key.endswith(RUN_SUFFIX):
             until = max(until, now_ms() + self.settings.lock_ttl)
         return OwedRelease.within(key, owner, until - now_ms(), options)
 

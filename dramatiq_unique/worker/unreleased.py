@@ -8,6 +8,13 @@ queued here, and one background thread per process (a
 it again, with backoff, until it is applied, or until the lock would have expired
 anyway, when there is nothing left to free.
 
+A run lock's release is sent on past its lease, for ``record_ttl``:
+besides freeing the lock it ends the run of a rescheduled message in
+its record, so that a duplicate of that run that comes later is
+skipped; the lock itself lapsed and was free meanwhile, and the release
+checks its owner (a token of that one execution), so it frees nothing
+else.
+
 A failed release may have been applied (its reply was lost), so a
 retry that finds the owner gone reports nothing: the lock was freed,
 by the first send or by its expiry, and never by another owner's
@@ -46,6 +53,9 @@ DEFAULT_DRAIN_TIMEOUT = 5_000
 #: The most releases sent in one round trip.
 BATCH = 256
 
+#: How a run lock's key ends (``LockService.key(..., "run")``).
+RUN_SUFFIX = ":run"
+
 
 @dataclass(eq=False)
 class FailedRelease:
@@ -80,6 +90,9 @@ class ReleaseRetries:
       first_retry(int): Milliseconds before the first retry.
       most_between(int): The longest wait between retries, in ms.
       drain_timeout(int): How long ``stop`` waits, in ms.
+      record_ttl(int): How long past its lease a run lock's release is
+        still sent, in ms (0: not at all); the middleware passes
+        ``lock_ttl``, the life of a message record.
     """
 
     def __init__(
@@ -89,9 +102,11 @@ class ReleaseRetries:
         first_retry: int = DEFAULT_FIRST_RETRY,
         most_between: int = DEFAULT_MOST_BETWEEN,
         drain_timeout: int = DEFAULT_DRAIN_TIMEOUT,
+        record_ttl: int = 0,
     ) -> None:
         self.logger = get_logger(__name__, type(self))
         self.backend = backend
+        self.record_ttl = record_ttl
         self.first_retry = first_retry
         self.most_between = most_between
         self.drain_timeout = drain_timeout
@@ -117,6 +132,8 @@ class ReleaseRetries:
         """Queue a release that failed; never waits for the backend."""
         failed.wait = self.first_retry
         failed.due = now_ms() + self._jittered(failed.wait)
+        if failed.key.endswith(RUN_SUFFIX):
+            failed.until += self.record_ttl
         with self._wakeup:
             self._failed.append(failed)
             if self._thread.running_in != pid():
