@@ -61,7 +61,7 @@ from redis.connection import Connection, SSLConnection, UnixDomainSocketConnecti
 from redis.exceptions import NoScriptError, ResponseError
 from redis.retry import Retry
 
-from ...background import Interruptible, calls_deadline, interrupt_at_deadline
+from ...background import DEFAULT_STUCK_AFTER, Interruptible, calls_deadline, interrupt_at_deadline
 from ...clock import now_ms
 from ...compat import timeout_in_disguise
 from ...forks import pid
@@ -169,14 +169,16 @@ class GroupCommit:
         """Wait for ``caller``'s replies (or the lead) at most
         ``timeout`` seconds, and never past the deadline of a shutdown
         (:func:`~dramatiq_unique.background.calls_deadline`), looked at
-        every :data:`SLICE` seconds.
+        every :data:`SLICE` seconds; a caller that comes after that
+        deadline still waits :data:`~dramatiq_unique.background.DEFAULT_STUCK_AFTER`
+        ms, as long as a call in flight is left before it is broken.
         """
-        end = time.monotonic() + self.timeout
+        end, began = time.monotonic() + self.timeout, now_ms()
         while True:
             left = end - time.monotonic()
             stop = calls_deadline()
             if stop is not None:
-                left = min(left, (stop - now_ms()) / 1000)
+                left = min(left, (max(stop, began + DEFAULT_STUCK_AFTER) - now_ms()) / 1000)
             if left <= 0:
                 return caller.ready.acquire(blocking=False)
             if caller.ready.acquire(timeout=min(left, SLICE)):
@@ -411,16 +413,12 @@ class ScriptCalls(Interruptible):
         for conn in idle:
             conn.disconnect()
 
-    def _exchange(self, conn: Any, commands: list[tuple[Any, ...]], interrupts: int = 0) -> list[Any]:
+    def _exchange(self, conn: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
         """One round trip: send every command, read every reply; a
         Redis error reply is returned in its place, not raised.  A
         timeout is raised as redis-py's ``TimeoutError``, also where
-        redis-py reports it as a failed connection, and so is a round
-        trip that a shutdown interrupted (see :meth:`interrupt`) once
-        ``interrupts`` no longer counts them all: it is not sent again.
+        redis-py reports it as a failed connection.
         """
-        if interrupts != self._interrupts:
-            raise redis.TimeoutError("the worker's shutdown interrupted this lock call; it may have applied")
         packed = b"".join(map(_pack, commands))
         replies: list[Any] = _unmasked(lambda: self._send_and_read(conn, packed, len(commands)))
         return replies
@@ -441,11 +439,16 @@ class ScriptCalls(Interruptible):
             return self._through_client(commands)
         conn = self._take()
         interrupts = self._interrupts
+
+        def attempt() -> list[Any]:
+            # A round trip that a shutdown broke (see interrupt) is not sent again.
+            if interrupts != self._interrupts:
+                raise redis.TimeoutError("the worker's shutdown interrupted this lock call; it may have applied")
+            return self._exchange(conn, commands)
+
         self._busy[id(conn)] = (conn, now_ms())
         try:
-            result: list[Any] = conn.retry.call_with_retry(
-                lambda: self._exchange(conn, commands, interrupts), lambda _error: conn.disconnect()
-            )
+            result: list[Any] = conn.retry.call_with_retry(attempt, lambda _error: conn.disconnect())
         except BaseException:
             # Whatever broke the exchange (a time limit's exception too)
             # may have left replies unread: never reuse the socket, nor
