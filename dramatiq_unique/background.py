@@ -288,6 +288,79 @@ def _call(call: Callable[[], None]) -> None:
     call()
 
 
+# A worker's shutdown: the deadline of lock calls ------------------------------
+
+#: How often, once the shutdown's deadline for lock calls has passed,
+#: the calls still in flight are looked at again, in milliseconds; a
+#: call in flight for longer than this is interrupted.
+DEFAULT_STUCK_AFTER = 500
+
+
+class Interruptible:
+    """What holds lock calls a shutdown may interrupt: a connection pool
+    of lock calls registers itself with :func:`interrupt_at_deadline`.
+    """
+
+    def interrupt(self, *, busy_for: float) -> None:  # pragma: no cover - the interface
+        """Interrupt every call in flight for longer than ``busy_for``
+        milliseconds; it fails as a lost reply does (it may have applied).
+        """
+        raise NotImplementedError
+
+
+class _CallsDeadline:
+    """The one deadline of this process's lock calls while its worker
+    shuts down (see :func:`stop_calls_by`).
+    """
+
+    def __init__(self) -> None:
+        self.deadline: Optional[float] = None
+        self.pid = 0
+        self.generation = 0
+        self.pools: "weakref.WeakSet[Interruptible]" = weakref.WeakSet()
+
+
+_CALLS = _CallsDeadline()
+
+
+def interrupt_at_deadline(pool: Interruptible) -> None:
+    """Have ``pool``'s calls interrupted once the shutdown's deadline
+    for lock calls has passed.
+    """
+    _CALLS.pools.add(pool)
+
+
+def calls_deadline() -> Optional[float]:
+    """The monotonic millisecond past which no wait for a lock call of
+    this process lasts, while its worker shuts down; None otherwise.
+    """
+    return _CALLS.deadline if _CALLS.pid == pid() else None
+
+
+def stop_calls_by(deadline: Optional[float], *, stuck_after: float = DEFAULT_STUCK_AFTER) -> None:
+    """From now on no wait for a lock call of this process outlasts
+    ``deadline`` (monotonic milliseconds): a group commit's caller stops
+    waiting then, and from then on every call in flight for longer than
+    ``stuck_after`` ms is interrupted (a silent network would hold it for
+    the socket timeout, or for ever on a client that has none).  None
+    ends that, when the shutdown is over.
+    """
+    _CALLS.generation += 1
+    _CALLS.deadline, _CALLS.pid = deadline, pid()
+    if deadline is None:
+        return
+    generation = _CALLS.generation
+
+    def watch() -> None:
+        mod_time.sleep(max(deadline - now_ms(), 0) / 1000)
+        while _CALLS.generation == generation:
+            for pool in list(_CALLS.pools):
+                pool.interrupt(busy_for=stuck_after)
+            mod_time.sleep(stuck_after / 1000)
+
+    threading.Thread(target=watch, name="dramatiq-unique-calls-deadline", daemon=True).start()
+
+
 _LIVE: "weakref.WeakSet[BackgroundThread]" = weakref.WeakSet()
 
 

@@ -51,6 +51,7 @@ class LogLine(NamedTuple):
 
 
 _MIDDLEWARE = "dramatiq_unique.middleware.UniqueMiddleware"
+_OWED = "dramatiq_unique.worker.owed.OwedReleases"
 
 #: Every line the middleware logs while it enqueues and runs messages.
 #: Levels and templates are stable: filter and alert on them.  An
@@ -186,12 +187,6 @@ LOG_LINES: tuple[LogLine, ...] = (
         "a batch reported as stalled was answered at last; its outcomes follow as usual",
     ),
     LogLine(
-        "WARNING",
-        "dramatiq_unique.worker.releaser.Releaser",
-        "%d run lock(s) were not released before shutdown; their leases expire.",
-        "the worker stopped while the backend did not answer; those keys stay held until their leases expire",
-    ),
-    LogLine(
         "ERROR",
         "dramatiq_unique.worker.releaser.Releaser",
         "Could not report the release of %r.",
@@ -211,9 +206,49 @@ LOG_LINES: tuple[LogLine, ...] = (
     ),
     LogLine(
         "WARNING",
-        "dramatiq_unique.worker.unreleased.ReleaseRetries",
-        "%d lock(s) could not be released before shutdown; they expire with their lease or lock_ttl.",
-        "shutdown drained failed releases for 5 s and some still failed",
+        _OWED,
+        "%d release(s) could not be sent before shutdown: they were written to queue %r, and the next "
+        "worker makes them.",
+        "the worker stopped while the lock backend did not answer (see docs/reliability.md, \"Graceful "
+        "shutdown within a bound\")",
+    ),
+    LogLine(
+        "ERROR",
+        _OWED,
+        "Lock %r of %s could not be released before shutdown, and %s: it expires by itself, or "
+        "`dramatiq-unique release` frees it.",
+        "neither the lock backend nor the broker took a release the stopping worker owed: the key stays held "
+        "until its lease or lock_ttl runs out",
+    ),
+    LogLine(
+        "DEBUG",
+        _OWED,
+        "Could not write owed releases to the broker: %r",
+        "the stopping worker tries again, every 100 ms, within its shutdown_timeout",
+    ),
+    LogLine(
+        "DEBUG",
+        _OWED,
+        "An owed release of %r failed again: %r",
+        "the lock backend still refuses a release a stopped worker owed; it is enqueued again with backoff",
+    ),
+    LogLine(
+        "INFO",
+        _OWED,
+        "Made %d release(s) owed by a worker that stopped.",
+        "a worker made the releases that a stopped worker wrote to the broker",
+    ),
+    LogLine(
+        "WARNING",
+        _OWED,
+        "Gave up releasing %r: it has expired by itself.",
+        "an owed release was retried until its lock's lock_ttl ran out: the key is free",
+    ),
+    LogLine(
+        "WARNING",
+        _OWED,
+        "Could not hand %r to its next waiter (%r); it runs after its delay.",
+        "an owed release handed the key to a waiter, and the broker refused it; its rescheduled copy still runs",
     ),
     LogLine(
         "WARNING",

@@ -33,6 +33,8 @@ from dramatiq.middleware import (
 from . import settings as config
 from .backends import for_broker, from_url
 from .backends.base import BatchedReleases, LockBackend, NewestWins, Reschedules
+from .background import stop_calls_by
+from .clock import now_ms
 from .compat import Prometheus, proxied_message
 from .errors import ConfigurationError, LockBackendError
 from .events import EventHub, Listener
@@ -45,10 +47,11 @@ from .worker.boot import check_backend
 from .worker.coroutines import track
 from .worker.delivery import Delivery, attach, delivery
 from .worker.leases import LeaseKeeper
+from .worker.owed import OwedRelease, OwedReleases
 from .worker.quiet import install as quiet_our_skips
 from .worker.releaser import Releaser
 from .worker.run import ProcessGuard, RunHelpers
-from .worker.unreleased import ReleaseRetries
+from .worker.unreleased import RUN_SUFFIX, ReleaseRetries
 
 if TYPE_CHECKING:
     from dramatiq import Actor, Broker, Worker
@@ -62,6 +65,16 @@ _RUN_AFTER = (AgeLimit, TimeLimit, ShutdownNotifications, Callbacks, Pipelines, 
 
 #: Guards the lazy creation of a middleware's releaser.
 _RELEASER_LOCK = threading.Lock()
+
+#: The part of ``shutdown_timeout`` kept, at its end, to write to the
+#: broker the releases that could not be sent (at most
+#: ``_SHUTDOWN_RESERVE_MOST`` ms): lock calls end before it.  A broker
+#: that answers takes milliseconds of it, so a worker whose lock Redis
+#: is out of reach stops about ``shutdown_timeout - reserve`` after its
+#: shutdown began, leaving Dramatiq's own stop (about 2 s of polling,
+#: from the SIGTERM to the exit) within the bound.
+_SHUTDOWN_RESERVE = 0.3
+_SHUTDOWN_RESERVE_MOST = 3_000
 
 #: Middleware that must come before ours: it counts a delivery in its
 #: before-hook and uncounts it in ``after_skip_message``, so it must see
@@ -106,6 +119,10 @@ class UniqueMiddleware(Middleware):
         default) none.
       min_replicas_timeout(int): How long each lock call waits for them,
         in milliseconds.
+      shutdown_timeout(int): How long a worker's shutdown waits for the
+        lock calls in flight, the releases and the confirmations, in
+        milliseconds; what it could not send is written to the broker,
+        and the next worker makes it.
       listeners(list[callable]): Called with every :class:`LockEvent`,
         like ``middleware.events.subscribe(listener)``.
 
@@ -135,6 +152,7 @@ class UniqueMiddleware(Middleware):
         record_lock_args: Optional[bool] = None,
         min_replicas: Optional[int] = None,
         min_replicas_timeout: Optional[int] = None,
+        shutdown_timeout: Optional[int] = None,
         listeners: Iterable[Listener] = (),
     ) -> None:
         self.logger = get_logger(__name__, type(self))
@@ -152,6 +170,7 @@ class UniqueMiddleware(Middleware):
             record_lock_args=record_lock_args,
             min_replicas=min_replicas,
             min_replicas_timeout=min_replicas_timeout,
+            shutdown_timeout=shutdown_timeout,
         )
         if backend is not None and not isinstance(backend, LockBackend):
             raise ConfigurationError(
@@ -179,6 +198,9 @@ class UniqueMiddleware(Middleware):
         self._process = ProcessGuard(self.service, run=run)
         self._retries = True
         self._reaper: Optional["PeriodicReaper"] = None
+        #: Releases a stopping worker could not send, for the next one.
+        self.owed = OwedReleases(lambda: self.backend)
+        self._stop_by: Optional[float] = None
 
     @property
     def actor_options(self) -> set[str]:
@@ -315,7 +337,7 @@ class UniqueMiddleware(Middleware):
             with _RELEASER_LOCK:
                 if self._release_retries is None:
                     assert self.backend is not None
-                    self._release_retries = ReleaseRetries(self.backend)
+                    self._release_retries = ReleaseRetries(self.backend, record_ttl=self.settings.lock_ttl)
         return self._release_retries
 
     def key(self, spec: ActorSpec, digest: str, phase: str) -> str:
@@ -358,8 +380,21 @@ class UniqueMiddleware(Middleware):
                 check_backend(
                     self.backend, prefix=settings.prefix, on_backend_error=settings.on_backend_error, logger=self.logger
                 )
+            self._declare_owed(broker, worker)
         if self._reaper is None:
             self._reaper = self._start_reaper(broker)
+
+    def _declare_owed(self, broker: "Broker", worker: Optional["Worker"]) -> None:
+        """Declare the actor that makes the releases a stopping worker
+        owed, on the queue of a locked actor that this worker consumes:
+        the next worker of the same deployment consumes it too.
+        """
+        consumed = getattr(worker, "consumer_whitelist", None)
+        for name in self.specs:
+            queue = broker.get_actor(name).queue_name
+            if not consumed or queue in consumed:
+                self.owed.declare(broker, queue)
+                return
 
     def _start_reaper(self, broker: "Broker") -> Optional[PeriodicReaper]:
         """Start the periodic reaper in this worker process, when
@@ -400,18 +435,58 @@ class UniqueMiddleware(Middleware):
     def after_consumer_thread_boot(self, broker: "Broker", thread: Any) -> None:
         self._process.handoffs.consumer_booted(thread)
 
+    def _shutdown_reserve(self) -> float:
+        return min(self.settings.shutdown_timeout * _SHUTDOWN_RESERVE, _SHUTDOWN_RESERVE_MOST)
+
+    def before_worker_shutdown(self, broker: "Broker", worker: "Worker") -> None:
+        # The bound starts now: worker threads finish their messages, and
+        # no wait for a lock call of this process lasts past the reserve.
+        self._stop_by = now_ms() + self.settings.shutdown_timeout
+        stop_calls_by(self._stop_by - self._shutdown_reserve())
+
     def after_worker_shutdown(self, broker: "Broker", worker: "Worker") -> None:
-        self._process.handoffs.stop()
-        if self._releaser is not None:
-            self._releaser.stop()
-        if self._release_retries is not None:
-            self._release_retries.stop()  # after the releaser, whose failures it takes
-        if self._leases is not None:
-            self._leases.stop()
-        if self._reaper is not None:
-            self._reaper.stop()
-            self._reaper = None
-        self.flush_confirmations()
+        """Stop every background task within what is left of
+        ``shutdown_timeout``, and write to the broker the releases that
+        could not be sent (:mod:`~dramatiq_unique.worker.owed`).
+        """
+        stop_by = self._stop_by if self._stop_by is not None else now_ms() + self.settings.shutdown_timeout
+        calls_by = stop_by - self._shutdown_reserve()
+
+        def left() -> float:
+            return max(calls_by - now_ms(), 0.0)
+
+        try:
+            self._process.handoffs.stop()
+            owed: list[OwedRelease] = []
+            if self._releaser is not None:
+                owed += self._owed_runs(self._releaser.stop(left()))
+            if self._release_retries is not None:
+                # After the releaser, whose failures it takes.
+                owed += [self._owed(failed.key, failed.owner, failed.until, failed.options)
+                         for failed in self._release_retries.stop(left())]
+            if self._leases is not None:
+                self._leases.stop(timeout=left())
+            if self._reaper is not None:
+                self._reaper.stop(timeout=left())
+                self._reaper = None
+            self.flush_confirmations(left() / 1000)
+            self.owed.write(owed, timeout=max(stop_by - now_ms(), self._shutdown_reserve()))
+        finally:
+            self._stop_by = None
+            stop_calls_by(None)
+
+    def _owed(self, key: str, owner: str, until: float, options: dict[str, Any]) -> OwedRelease:
+        """A release to hand on, from its lock's monotonic expiry.  A run
+        lock's release is made even after its lease ran out: it also
+        ends the run of a rescheduled message in its record, which lives
+        ``lock_ttl``, so that a duplicate of that run is skipped.
+        """
+        if key.endswith(RUN_SUFFIX):
+            until = max(until, now_ms() + self.settings.lock_ttl)
+        return OwedRelease.within(key, owner, until - now_ms(), options)
+
+    def _owed_runs(self, pending: list[Any]) -> list[OwedRelease]:
+        return [self._owed(p.key, p.owner, now_ms(), p.options) for p in pending]
 
     # Enqueue --------------------------------------------------------
 

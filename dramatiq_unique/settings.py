@@ -55,6 +55,13 @@ DEFAULT_MIN_REPLICAS = 0
 #: How long a lock call waits for those replicas, in milliseconds.
 DEFAULT_MIN_REPLICAS_TIMEOUT = 100
 
+#: How long a worker's shutdown waits for the package's own work, in
+#: milliseconds: the lock calls in flight, the run locks released in the
+#: background, the failed releases sent again, the confirmations and the
+#: group commit's waits.  What it could not send in that time is written
+#: to the broker for the next worker.
+DEFAULT_SHUTDOWN_TIMEOUT = 10_000
+
 #: The most replicas ``min_replicas`` may ask for.
 MAX_REPLICAS = 1000
 
@@ -95,6 +102,7 @@ class Settings:
     record_lock_args: bool = False
     min_replicas: int = DEFAULT_MIN_REPLICAS
     min_replicas_timeout: int = DEFAULT_MIN_REPLICAS_TIMEOUT
+    shutdown_timeout: int = DEFAULT_SHUTDOWN_TIMEOUT
 
     @property
     def redis_url(self) -> Optional[str]:
@@ -258,10 +266,19 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "record_lock_args": _flag,
     "min_replicas": _replicas,
     "min_replicas_timeout": _positive_int,
+    "shutdown_timeout": _positive_int,
 }
 
 #: The settings written as milliseconds, and as on/off words.
-_DURATIONS = ("lock_ttl", "lease", "reschedule_delay", "provisional_window", "reap_interval", "min_replicas_timeout")
+_DURATIONS = (
+    "lock_ttl",
+    "lease",
+    "reschedule_delay",
+    "provisional_window",
+    "reap_interval",
+    "min_replicas_timeout",
+    "shutdown_timeout",
+)
 _FLAGS = ("enabled", "record_lock_args")
 
 _TRUE = {"1", "true", "yes", "on"}

@@ -33,7 +33,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dramatiq_unique"
 RUNTIME_MODULES = (
     "middleware.py", "send/guard.py", "worker/run.py", "worker/leases.py", "worker/releaser.py", "events.py",
     "model/spec.py", "send/results.py", "send/replace.py", "worker/superseded.py", "send/confirm.py", "ops/reap.py",
-    "worker/unreleased.py", "send/context.py", "worker/boot.py",
+    "worker/unreleased.py", "send/context.py", "worker/boot.py", "worker/owed.py",
 )
 
 

@@ -16,12 +16,15 @@ import pytest
 import redis
 
 from dramatiq_unique.backends.base import Copy, Release
+from dramatiq_unique.background import stop_calls_by
+from dramatiq_unique.clock import now_ms
 from dramatiq_unique.backends.redis.calls import ScriptCalls, _pack, _pack_in_python
 from dramatiq_unique.backends.redis.calls import GroupCommit
 from dramatiq_unique.backends.redis import RedisBackend
 from dramatiq_unique.worker.releaser import PendingRelease, Releaser
 
 from .conftest import wait_for
+from .faults.proxy import Proxy, through
 
 ECHO = {"echo": "return ARGV[1]"}
 
@@ -438,3 +441,54 @@ def test_a_script_added_beside_concurrent_callers_is_callable_once_they_see_it()
         sys.setswitchinterval(switch)
     # Then no reader found a name it could not call
     assert missed == []
+
+
+# A worker's shutdown: no wait for a lock call outlasts its deadline ---------------------
+
+
+def test_a_queued_caller_stops_waiting_at_the_shutdown_deadline(redis_client):
+    # Given a round trip in flight that never returns, and a caller queued behind it for 30 s
+    trips = GatedRoundTrips(redis_client)
+    group = GroupCommit(trips, timeout=30)
+    first, _ = in_thread(lambda: group.call([echo("a")]))
+    assert trips.entered.wait(5)
+    follower, outcome = in_thread(lambda: group.call([echo("follower")]))
+    queued(group, 1)
+    # When the worker's shutdown sets a deadline for lock calls 200 ms from now
+    started = time.monotonic()
+    stop_calls_by(now_ms() + 200)
+    try:
+        follower.join(5)
+        # Then the follower stops waiting then, as a lost reply does, and was never sent
+        assert 0.15 <= time.monotonic() - started < 1.0
+        assert isinstance(outcome["error"], TimeoutError)
+    finally:
+        stop_calls_by(None)
+        trips.gate.set()
+        first.join(5)
+    assert ["follower"] not in trips.sent
+
+
+def test_a_round_trip_stuck_past_the_shutdown_deadline_is_broken_and_not_sent_again(redis_url):
+    # Given a lock call on a client with no socket timeout, into a network that went silent
+    port = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs["port"]
+    with Proxy(port) as proxy:
+        calls = ScriptCalls(redis.Redis.from_url(through(proxy, redis_url)), {"one": "return 1"})
+        assert calls.call("one", [], []) == 1
+        proxy.blackhole()
+        call, outcome = in_thread(lambda: calls.call("one", [], []))
+        time.sleep(0.3)
+        assert call.is_alive()
+        # When the shutdown's deadline for lock calls passes
+        started = time.monotonic()
+        stop_calls_by(now_ms() + 100, stuck_after=100)
+        try:
+            call.join(5)
+            # Then the call fails soon after, as a timeout (it may have applied), and is not sent again
+            assert not call.is_alive() and time.monotonic() - started < 1.5
+            assert isinstance(outcome["error"], redis.TimeoutError)
+        finally:
+            stop_calls_by(None)
+        # And once the shutdown is over and the network is back, calls go through again
+        proxy.heal()
+        assert calls.call("one", [], []) == 1

@@ -16,6 +16,12 @@ in any order, and the invariants of ``docs/reliability.md`` ("The
 hand-off model") are checked after every step and once everything has
 drained.
 
+A worker process can also stop while its lock backend does not answer,
+with releases still owed: its shutdown writes them to the broker as a
+message of the internal owed-releases actor, which may be lost or
+delivered twice, and a rule makes any such message, as the next worker
+would.
+
 It runs twice: releasing each run lock in its own call, and releasing
 in the background as on Redis, where a release waits in the releaser
 until it rides in front of the next start, in the same call, or the
@@ -54,10 +60,14 @@ from dramatiq_unique import LockBackendError, StubBackend, UniqueMiddleware
 from dramatiq_unique.backends.base import BatchedReleases, NewestWins, Reschedules, release_then_start
 from dramatiq_unique.send.copies import message_id_of
 from dramatiq_unique.events import LockEvent
+from dramatiq_unique.worker.owed import OWED_ACTOR
 from dramatiq_unique.worker.releaser import Releaser
 from dramatiq_unique.worker.unreleased import ReleaseRetries
 
 MAX_RETRIES = 1
+#: The model's shutdown bound, in ms: what a stopping worker cannot send
+#: within it (its lock backend is down) is owed.
+SHUTDOWN_TIMEOUT = 50
 KEYS = (1,)  # one key per actor: every send contends, which is where the bugs live
 
 #: The actors under test: the seed's while_executing, and the
@@ -90,6 +100,9 @@ class FaultyBackend(StubBackend):
     """
 
     fault: Optional[str] = None
+    #: Every call from the model's thread fails, before it is applied:
+    #: the lock backend is out of reach (while a worker stops).
+    down = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -197,6 +210,8 @@ def _faulty(name: str, applied: Callable[..., Any]) -> Callable[..., Any]:
     def call(self: FaultyBackend, *args: Any, **kwargs: Any) -> Any:
         if threading.get_ident() != self.model_thread:
             return applied(self, *args, **kwargs)
+        if self.down:
+            raise TimeoutError(f"{name} timed out: the lock backend is out of reach")
         if (self.fault or "").startswith("interrupted") and name not in INTERRUPTIBLE_CALLS:
             return applied(self, *args, **kwargs)  # a time limit strikes the worker thread's start only
         fault, self.fault = self.fault, None  # the calls this one makes inside are not hit again
@@ -304,7 +319,7 @@ class HandoffModel(RuleBasedStateMachine):
         self.results = RecordingResults()
         self.broker.add_middleware(Results(backend=self.results))
         self.locks = self.backends[1]() if self.batching else self.backends[0]()
-        self.unique = UniqueMiddleware(backend=self.locks, reschedule_delay=1000)
+        self.unique = UniqueMiddleware(backend=self.locks, reschedule_delay=1000, shutdown_timeout=SHUTDOWN_TIMEOUT)
         self.releaser: Optional[SteppedReleaser] = None
         if self.batching:
             self.releaser = SteppedReleaser(self.locks, on_stalled=self.unique._process.releases_stalled)
@@ -339,6 +354,8 @@ class HandoffModel(RuleBasedStateMachine):
         self.dead_owners: set[Optional[str]] = set()  # run lock owners whose worker died
         self.expired: set[tuple[str, Optional[str]]] = set()  # (key, message id): freed by its lease running out
         self.false_losses: list[tuple[str, Optional[str]]] = []
+        self.stopped: set[tuple[str, str]] = set()  # (key, owner): owed by a worker that stopped
+        self.owed_lost: set[tuple[str, str]] = set()  # of those, the ones whose owed message was lost
         self.unique.events.subscribe(self.heard)
 
     def heard(self, event: LockEvent) -> None:
@@ -357,7 +374,8 @@ class HandoffModel(RuleBasedStateMachine):
                 self.pool.append((name, queue.get_nowait()))
 
     def take(self, index: int, delayed: bool) -> Optional[tuple[str, bytes]]:
-        candidates = [i for i, (name, _) in enumerate(self.pool) if name.endswith(".DQ") == delayed]
+        candidates = [i for i, (name, raw) in enumerate(self.pool)
+                      if name.endswith(".DQ") == delayed and (delayed or not is_owed(raw))]
         if not candidates:
             return None
         return self.pool.pop(candidates[index % len(candidates)])
@@ -487,7 +505,7 @@ class HandoffModel(RuleBasedStateMachine):
                 if key.endswith(":run"):
                     # Only a lock whose release failed, and said so, or is on its way, outlives its holder.
                     known = (key, owner) in on_the_way or (key, message_id_of(owner)) in self.failed_releases
-                    known = known or owner in self.dead_owners
+                    known = known or owner in self.dead_owners or (key, owner) in self.stopped
                     assert known, f"{key} of {owner} was never released, and no error said so"
                     self.locks.lapse(key, owner)  # its deadline passed: the slot is free, and no release ran
                     self.expired.add((key, message_id_of(owner)))
@@ -592,6 +610,8 @@ class HandoffModel(RuleBasedStateMachine):
                 self.failed_releases_are_sent_again()
             elif self.queued(delayed=True):
                 self.move(0)
+            elif self.owed_queued():
+                self.owed_releases_are_made(0)
             elif self.pool:
                 self.deliver(0)
             else:
@@ -606,6 +626,7 @@ class HandoffModel(RuleBasedStateMachine):
         self.no_message_is_dead_lettered_twice()
         self.a_result_is_only_ever_a_real_one()
         self.a_run_lock_is_reported_lost_only_when_its_lease_ran_out()
+        self.a_stopped_workers_locks_are_held_only_while_their_release_is_owed()
 
     def teardown(self) -> None:
         try:
@@ -615,7 +636,8 @@ class HandoffModel(RuleBasedStateMachine):
             assert not lost, f"never ran and never dead-lettered: {lost}"
             # Every run lock still held is one whose release failed, and said so: only its lease frees it.
             held = {(key, message_id_of(owner)) for key, entry in self.locks.entries().items()
-                    if key.endswith(":run") for owner in entry.holders if owner not in self.dead_owners}
+                    if key.endswith(":run") for owner in entry.holders
+                    if owner not in self.dead_owners and (key, owner) not in self.owed_lost}
             # Every release that failed was sent again until it landed: no run lock is left to its lease.
             assert self.retries.pending() == 0
             assert not held, f"never released: {held}"
@@ -623,16 +645,105 @@ class HandoffModel(RuleBasedStateMachine):
             # the run locks whose release failed have reached their lease.
             self.leases_run_out()
             assert self.releaser is None or self.releaser.pending() == 0
-            assert not list(self.locks.scan("*")), list(self.locks.scan("*"))
+            # (but an enqueue lock whose owed release the broker lost, which lasts its lock_ttl)
+            left = [key for key in self.locks.scan("*") if key not in {k for k, _ in self.owed_lost}]
+            assert not left, left
             assert not self.locks.waiting()
-            # A new send of every key is accepted.
+            # A new send of every key is accepted (but those).
             for actor in self.actors.values():
                 for key in KEYS:
-                    assert "unique_duplicate_of" not in actor.send(key).options
+                    if not any(self.unique.specs[actor.actor_name].actor_name in k for k, _ in self.owed_lost):
+                        assert "unique_duplicate_of" not in actor.send(key).options
         finally:
             self.unique.after_worker_shutdown(self.broker, None)
             self.broker.close()
             self.locks.close()
+
+
+    # A worker that stops with releases still owed ------------------------------------
+
+    def owes(self) -> bool:
+        busy = self.releaser is not None and (self.releaser.busy() or self.releaser._sending)
+        return bool(self.retries.pending() or busy)
+
+    def owed_queued(self) -> bool:
+        return any(not name.endswith(".DQ") and is_owed(raw) for name, raw in self.pool)
+
+    @precondition(lambda self: not self.flights and self.owes())
+    @rule(fate=st.sampled_from(("delivered", "lost", "twice")))
+    def a_worker_stops_owing_releases(self, fate: str) -> None:
+        """The worker process stops (SIGTERM) while its lock backend does
+        not answer: its shutdown writes the releases it could not send
+        to the broker, and the process is gone.  That message may be
+        lost, or delivered twice (``fail_next_enqueue`` may also hit its
+        enqueue).
+        """
+        releaser = self.releaser
+        owed = {(f.key, f.owner) for f in self.retries._failed}
+        if releaser is not None:
+            owed |= {(p.key, p.owner) for p in releaser._pending + releaser._sending}
+        before = Counter(raw for _, raw in self.pool)
+        broker_fails = self.broker.fault in ("before", "after")
+        self.locks.down = True
+        try:
+            self.unique.before_worker_shutdown(self.broker, None)
+            self.unique.after_worker_shutdown(self.broker, None)
+        finally:
+            self.locks.down = False
+        for thread in threading.enumerate():
+            if thread.name == "dramatiq-unique-owed":
+                thread.join()  # an enqueue that outlived the bound lands, or not, before we look
+        if releaser is not None:  # nothing of the stopped process is left in memory
+            releaser._pending, releaser._sending, releaser._follow_ups = [], [], []
+        self.collect()
+        written = [entry for entry in self.pool if is_owed(entry[1]) and not before[entry[1]]]
+        in_pool = {pair for _, raw in written for pair in owed_in(raw)}
+        assert in_pool <= owed, in_pool - owed
+        # Only a broker that fails the write may leave a release unwritten (an ERROR names each).
+        assert broker_fails or in_pool == owed, f"a stopping worker dropped the releases it owed: {owed - in_pool}"
+        self.stopped |= owed
+        self.owed_lost |= owed - in_pool  # the broker failed the write: an ERROR names each
+        if fate == "lost":
+            self.pool = [entry for entry in self.pool if entry not in written]
+            self.owed_lost |= in_pool
+        elif fate == "twice":
+            self.pool += written
+
+    @precondition(lambda self: self.owed_queued())
+    @rule(index=st.integers(0, 50))
+    def owed_releases_are_made(self, index: int) -> None:
+        """A worker processes an owed-releases message: it makes each
+        release, and enqueues again, later, those the backend refused.
+        A failure of that enqueue fails the message, which the broker
+        then delivers again.
+        """
+        candidates = [i for i, (name, raw) in enumerate(self.pool) if not name.endswith(".DQ") and is_owed(raw)]
+        entry = self.pool.pop(candidates[index % len(candidates)])
+        message = Message.decode(entry[1])
+        try:
+            self.unique.owed.make(*message.args, **message.kwargs)
+        except Exception:
+            self.pool.append(entry)
+        self.collect()
+
+    @invariant()
+    def a_stopped_workers_locks_are_held_only_while_their_release_is_owed(self) -> None:
+        # No key stays held past one lease after its holder's process is gone: each lock a
+        # stopped worker owed is held only while its owed message is on its way (or was lost).
+        on_the_way = {pair for _, raw in self.pool if is_owed(raw) for pair in owed_in(raw)}
+        for key, owner in self.stopped - on_the_way - self.owed_lost:
+            info = self.locks.inspect(key)
+            assert info is None or owner not in info.holders, f"{key} of {owner} is held after its release was made"
+
+
+def is_owed(raw: bytes) -> bool:
+    """Whether an encoded message is one of the owed-releases actor."""
+    return OWED_ACTOR.encode() in raw
+
+
+def owed_in(raw: bytes) -> set[tuple[str, str]]:
+    """The (key, owner) pairs an owed-releases message carries."""
+    return {(release["key"], release["owner"]) for release in Message.decode(raw).args[0]}
 
 
 @pytest.fixture

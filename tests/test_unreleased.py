@@ -92,3 +92,22 @@ def test_a_forked_child_leaves_the_parents_failed_releases_to_the_parent() -> No
     backend.down = False
     wait_for(lambda: landed == ["parent"], timeout=5, what="the parent's release to land")
     retries.stop(timeout=100)
+
+
+def test_a_run_locks_release_is_sent_on_past_its_lease_to_end_the_run_in_its_record() -> None:
+    # Given a failed release of a run lock and one of an enqueue lock, both of locks that expire in 50 ms
+    backend = FlakyBackend()
+    assert backend.acquire("t:{a}:run", "a/1", ttl=60_000).acquired
+    landed: list[object] = []
+    retries = ReleaseRetries(backend, first_retry=10, most_between=20, record_ttl=60_000)
+    retries.submit(FailedRelease("t:{a}:run", "a/1", now_ms() + 50, landed.append))
+    retries.submit(FailedRelease("t:{a}:queue", "a", now_ms() + 50, landed.append))
+    # When both locks' own expiry has passed while the backend is down
+    wait_for(lambda: retries.pending() == 1, timeout=5, what="the enqueue lock's release to be dropped")
+    time.sleep(0.1)
+    # Then the run lock's release is still sent, and lands once the backend is back
+    assert retries.pending() == 1 and not landed
+    backend.down = False
+    wait_for(lambda: landed, timeout=5, what="the run lock's release to land")
+    assert backend.inspect("t:{a}:run") is None
+    retries.stop(timeout=100)

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, TypeVa
 from dramatiq.logging import get_logger
 
 from ..backends.base import EnqueueRecord, LockBackend, Place
-from ..background import BackgroundThread
+from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread
 
 T = TypeVar("T")
 
@@ -309,8 +309,9 @@ class PeriodicReaper:
     def start(self) -> None:
         self._thread.ensure_started()
 
-    def stop(self) -> None:
-        self._thread.stop()
+    def stop(self, *, timeout: float = DEFAULT_STOP_TIMEOUT) -> None:
+        """Stop the reaper's thread, waiting at most ``timeout`` ms."""
+        self._thread.stop(timeout=timeout)
 
     def _run(self, thread: BackgroundThread) -> None:
         while not thread.wait(self.interval * random.uniform(0.8, 1.2)) and not thread.stopping:

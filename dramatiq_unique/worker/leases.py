@@ -28,7 +28,7 @@ from typing import Callable, Optional
 from dramatiq.logging import get_logger
 
 from ..backends.base import LockBackend, NativeExtender, RenewsNatively
-from ..background import BackgroundThread
+from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread
 from ..clock import now_ms
 from ..forks import pid
 
@@ -170,9 +170,11 @@ class LeaseKeeper:
         # A copy made in one call: the dict may change while it is read.
         return list(self._leases.values())
 
-    def stop(self) -> None:
-        """Stop the renewal thread; held leases then run out."""
-        self._thread.stop()
+    def stop(self, *, timeout: float = DEFAULT_STOP_TIMEOUT) -> None:
+        """Stop the renewal thread, waiting at most ``timeout`` ms; held
+        leases then run out.
+        """
+        self._thread.stop(timeout=timeout)
         if self._native_extend is not None:
             self._native_extend.close()
 

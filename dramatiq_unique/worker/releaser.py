@@ -29,14 +29,16 @@ What stays true:
   the process dies in between, the key stays held until its lease
   expires (``lease``, 60 s by default), as after any crash.
 * The worker's shutdown drains the pending releases, waiting at most
-  ``drain_timeout``.
+  ``drain_timeout`` (or what is left of the shutdown's bound), and hands
+  what is still left to the middleware, which writes it to the broker
+  for the next worker (:mod:`.owed`).
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from dramatiq.logging import get_logger
 
@@ -88,6 +90,9 @@ class PendingRelease:
     done: Callable[[Outcome], Optional[Callable[[], None]]]
     submitted_at: float = field(default_factory=now_ms)
     resent: bool = False  # sent again after a call that may have applied it was broken
+    #: Further keyword arguments of the release call, kept as given when
+    #: the release is handed on at shutdown.
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 #: A release and what its report left to do on the releaser thread.
@@ -287,17 +292,22 @@ class Releaser:
                 self._draining -= 1
         return True
 
-    def stop(self, timeout: Optional[float] = None) -> None:
-        """Drain, then end the thread.  What is left after ``timeout``
-        milliseconds is logged and left to expire with its lease.
+    def stop(self, timeout: Optional[float] = None) -> list[PendingRelease]:
+        """Drain, then end the thread.
+
+        Returns:
+          list[PendingRelease]: What is left after ``timeout``
+          milliseconds: the releases not sent, and those of the batch
+          stuck in flight (it may have been applied), for the caller to
+          hand on (:mod:`.owed`).
         """
         drained = self.drain(timeout)
         # A thread stuck in a call is not waited for again: the drain did.
-        self._thread.stop(timeout=DEFAULT_STOP_TIMEOUT if drained else 0)
+        self._thread.stop(timeout=min(DEFAULT_STOP_TIMEOUT, timeout or DEFAULT_STOP_TIMEOUT) if drained else 0)
         with self._wakeup:
-            left = self._left()
-        if not drained and left:
-            self.logger.warning("%d run lock(s) were not released before shutdown; their leases expire.", left)
+            # Left in place too: a stuck call that returns before the
+            # process exits still sends them (twice is harmless).
+            return list(self._sending) + list(self._pending)
 
     def _serve(self, thread: BackgroundThread) -> None:
         try:

@@ -8,19 +8,29 @@ queued here, and one background thread per process (a
 it again, with backoff, until it is applied, or until the lock would have expired
 anyway, when there is nothing left to free.
 
+A run lock's release is sent on past its lease, for ``record_ttl``:
+besides freeing the lock it ends the run of a rescheduled message in
+its record, so that a duplicate of that run that comes later is
+skipped; the lock itself lapsed and was free meanwhile, and the release
+checks its owner (a token of that one execution), so it frees nothing
+else.
+
 A failed release may have been applied (its reply was lost), so a
 retry that finds the owner gone reports nothing: the lock was freed,
 by the first send or by its expiry, and never by another owner's
 release (the release script checks the owner).  The worker's shutdown
-sends what is left once more and waits at most ``drain_timeout``.
+sends what is left once more, waits at most ``drain_timeout`` (or what
+is left of the shutdown's bound), and hands what is still left to the
+middleware, which writes it to the broker for the next worker
+(:mod:`.owed`).
 """
 
 from __future__ import annotations
 
 import random
 import threading
-from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
 
 from dramatiq.logging import get_logger
 
@@ -43,6 +53,9 @@ DEFAULT_DRAIN_TIMEOUT = 5_000
 #: The most releases sent in one round trip.
 BATCH = 256
 
+#: How a run lock's key ends (``LockService.key(..., "run")``).
+RUN_SUFFIX = ":run"
+
 
 @dataclass(eq=False)
 class FailedRelease:
@@ -56,6 +69,8 @@ class FailedRelease:
       landed(callable): Called on the retry thread with the
         :class:`Release` once a retry is applied; it may return work to
         do next (a hand-off), done there too.
+      options(dict): Further keyword arguments of the release call,
+        kept as given when the release is handed on at shutdown.
     """
 
     key: str
@@ -64,6 +79,7 @@ class FailedRelease:
     landed: Callable[[Release], Optional[Callable[[], None]]]
     due: float = 0.0
     wait: float = DEFAULT_FIRST_RETRY
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 class ReleaseRetries:
@@ -74,6 +90,9 @@ class ReleaseRetries:
       first_retry(int): Milliseconds before the first retry.
       most_between(int): The longest wait between retries, in ms.
       drain_timeout(int): How long ``stop`` waits, in ms.
+      record_ttl(int): How long past its lease a run lock's release is
+        still sent, in ms (0: not at all); the middleware passes
+        ``lock_ttl``, the life of a message record.
     """
 
     def __init__(
@@ -83,9 +102,11 @@ class ReleaseRetries:
         first_retry: int = DEFAULT_FIRST_RETRY,
         most_between: int = DEFAULT_MOST_BETWEEN,
         drain_timeout: int = DEFAULT_DRAIN_TIMEOUT,
+        record_ttl: int = 0,
     ) -> None:
         self.logger = get_logger(__name__, type(self))
         self.backend = backend
+        self.record_ttl = record_ttl
         self.first_retry = first_retry
         self.most_between = most_between
         self.drain_timeout = drain_timeout
@@ -100,6 +121,7 @@ class ReleaseRetries:
         # the parent's, and its lock may have been held at the fork.
         self._failed: list[FailedRelease] = []
         self._sending = 0
+        self._stuck: list[FailedRelease] = []  # the batch in flight, until its outcome is known
         self._wakeup = threading.Condition(threading.Lock())
 
     def _notify(self) -> None:
@@ -110,6 +132,8 @@ class ReleaseRetries:
         """Queue a release that failed; never waits for the backend."""
         failed.wait = self.first_retry
         failed.due = now_ms() + self._jittered(failed.wait)
+        if failed.key.endswith(RUN_SUFFIX):
+            failed.until += self.record_ttl
         with self._wakeup:
             self._failed.append(failed)
             if self._thread.running_in != pid():
@@ -147,20 +171,22 @@ class ReleaseRetries:
                     self._wakeup.wait(timeout=min(self.first_retry, max(deadline - now_ms(), 0)) / 1000)
         return True
 
-    def stop(self, timeout: Optional[float] = None) -> None:
-        """Drain, then end the thread.  What is left is logged and left
-        to expire with its lock.
+    def stop(self, timeout: Optional[float] = None) -> list[FailedRelease]:
+        """Drain, then end the thread.
+
+        Returns:
+          list[FailedRelease]: What is left: the releases not sent, and
+          those whose send is stuck (it may have been applied), for the
+          caller to hand on (:mod:`.owed`); past their ``until`` none.
         """
         drained = self.drain(timeout)
         with self._wakeup:
             left, self._failed = self._failed, []
+            stuck, self._stuck = self._stuck, []
         # A thread stuck in a call is not waited for again: the drain did.
-        self._thread.stop(timeout=DEFAULT_STOP_TIMEOUT if drained else 0)
-        if not drained and left:
-            self.logger.warning(
-                "%d lock(s) could not be released before shutdown; they expire with their lease or lock_ttl.",
-                len(left),
-            )
+        self._thread.stop(timeout=min(DEFAULT_STOP_TIMEOUT, timeout or DEFAULT_STOP_TIMEOUT) if drained else 0)
+        now = now_ms()
+        return [failed for failed in left + stuck if failed.until > now]
 
     # The thread ---------------------------------------------------------
 
@@ -200,6 +226,7 @@ class ReleaseRetries:
         due = [f for f in self._failed if f.until > now and (force or f.due <= now)][:BATCH]
         self._failed = [f for f in self._failed if f not in expired and f not in due]
         self._sending += len(due)
+        self._stuck += due
         for failed in expired:
             self.logger.warning("Gave up releasing %r: it has expired by itself.", failed.key)
         return due
@@ -221,6 +248,7 @@ class ReleaseRetries:
         with self._wakeup:
             self._failed += again
             self._sending -= len(batch)
+            self._stuck = [f for f in self._stuck if f not in batch]
             self._wakeup.notify_all()
 
     def _land(self, failed: FailedRelease, outcome: Release) -> None:

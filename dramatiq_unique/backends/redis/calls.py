@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from typing import Any, Callable, Optional, Sequence, Union
 
 import redis
@@ -60,12 +61,18 @@ from redis.connection import Connection, SSLConnection, UnixDomainSocketConnecti
 from redis.exceptions import NoScriptError, ResponseError
 from redis.retry import Retry
 
+from ...background import DEFAULT_STUCK_AFTER, Interruptible, calls_deadline, interrupt_at_deadline
+from ...clock import now_ms
 from ...compat import timeout_in_disguise
 from ...forks import pid
 
 #: How long, in seconds, a caller waits for a round trip led by another
 #: thread when the connection has no socket timeout of its own.
 DEFAULT_TIMEOUT = 30.0
+
+#: How often, in seconds, a caller waiting for another thread's round
+#: trip looks at the shutdown's deadline.
+SLICE = 0.1
 
 RoundTrip = Callable[[list[tuple[Any, ...]]], list[Any]]
 
@@ -146,9 +153,10 @@ class GroupCommit:
             finally:
                 self._hand_over([])
         try:
-            if not caller.ready.acquire(timeout=self.timeout):
+            if not self._wait(caller):
                 raise TimeoutError(
-                    f"the lock backend did not answer within {self.timeout:.0f} s; the call may have applied"
+                    f"the lock backend did not answer within {self.timeout:.0f} s, or before the worker's "
+                    "shutdown deadline; the call may have applied"
                 )
         except BaseException:  # a time limit's exception too: never leave the lead with nobody
             self._abandon(caller)
@@ -156,6 +164,25 @@ class GroupCommit:
         if caller.leads:  # handed the lead: send what queued meanwhile, this caller's own included
             self._lead(caller)
         return caller.result()
+
+    def _wait(self, caller: _Caller) -> bool:
+        """Wait for ``caller``'s replies (or the lead) at most
+        ``timeout`` seconds, and never past the deadline of a shutdown
+        (:func:`~dramatiq_unique.background.calls_deadline`), looked at
+        every :data:`SLICE` seconds; a caller that comes after that
+        deadline still waits :data:`~dramatiq_unique.background.DEFAULT_STUCK_AFTER`
+        ms, as long as a call in flight is left before it is broken.
+        """
+        end, began = time.monotonic() + self.timeout, now_ms()
+        while True:
+            left = end - time.monotonic()
+            stop = calls_deadline()
+            if stop is not None:
+                left = min(left, (max(stop, began + DEFAULT_STUCK_AFTER) - now_ms()) / 1000)
+            if left <= 0:
+                return caller.ready.acquire(blocking=False)
+            if caller.ready.acquire(timeout=min(left, SLICE)):
+                return True
 
     def _abandon(self, caller: _Caller) -> None:
         """Take back a caller that stops waiting: out of the queue if it
@@ -318,7 +345,7 @@ def _mirrorable(client: Any) -> bool:
     )
 
 
-class ScriptCalls:
+class ScriptCalls(Interruptible):
     """Calls Lua scripts by SHA1 on ``client``.
 
     Parameters:
@@ -339,15 +366,19 @@ class ScriptCalls:
         self._adding = threading.Lock()
         self._idle: list[Any] = []
         self._pid = pid()
-        grouping = self.direct and group_commit
-        self._group = GroupCommit(self._round_trip, timeout=_group_timeout(client)) if grouping else None
+        self._group = GroupCommit(self._round_trip, timeout=_group_timeout(client)) if self.direct and group_commit else None
+        #: Connections in a round trip: id -> (connection, monotonic ms it began).
+        self._busy: dict[int, tuple[Any, float]] = {}
+        #: Bumped by each interrupt: a round trip it broke is not sent again.
+        self._interrupts = 0
+        interrupt_at_deadline(self)
 
     # Connections ----------------------------------------------------
 
     def _take(self) -> Any:
         if self._pid != pid():
             # Forked: the parent's sockets are not ours to use.
-            self._idle, self._pid = [], pid()
+            self._idle, self._busy, self._pid = [], {}, pid()
         try:
             conn = self._idle.pop()
         except IndexError:
@@ -410,18 +441,44 @@ class ScriptCalls:
         if not self.direct:
             return self._through_client(commands)
         conn = self._take()
+        interrupts = self._interrupts
+
+        def attempt() -> list[Any]:
+            # A round trip that a shutdown broke (see interrupt) is not sent again.
+            if interrupts != self._interrupts:
+                raise redis.TimeoutError("the worker's shutdown interrupted this lock call; it may have applied")
+            return self._exchange(conn, commands)
+
+        self._busy[id(conn)] = (conn, now_ms())
         try:
-            result: list[Any] = conn.retry.call_with_retry(
-                lambda: self._exchange(conn, commands), lambda _error: conn.disconnect()
-            )
+            result: list[Any] = conn.retry.call_with_retry(attempt, lambda _error: conn.disconnect())
         except BaseException:
             # Whatever broke the exchange (a time limit's exception too)
             # may have left replies unread: never reuse the socket, nor
             # the connection (the next call makes a fresh one).
             conn.disconnect()
             raise
+        finally:
+            self._busy.pop(id(conn), None)
         self._give(conn)
         return result
+
+    def interrupt(self, *, busy_for: float) -> None:
+        """Break every round trip in flight for longer than ``busy_for``
+        milliseconds, from another thread, during a worker's shutdown:
+        its socket is shut down, so it fails at once, as a lost reply
+        does (it may have applied), and is not sent again.
+        """
+        now = now_ms()
+        stuck = [conn for conn, since in list(self._busy.values()) if now - since >= busy_for]
+        if not stuck:
+            return
+        self._interrupts += 1
+        for conn in stuck:
+            try:
+                conn.disconnect()
+            except Exception:  # a socket closed meanwhile: nothing left to break
+                pass
 
     def _through_client(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         if len(commands) == 1:
