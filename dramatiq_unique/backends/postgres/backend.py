@@ -502,7 +502,7 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
     def delete_prefix(self, prefix: str) -> int:
         self._ensure_schema()
         with self._connection() as conn:
-            return conn.execute(sql.DELETE_PREFIX, [sql.like_literal(prefix)]).rowcount
+            return int(conn.execute(sql.DELETE_PREFIX, [sql.like_literal(prefix)]).rowcount)
 
     def inspect(self, key: str) -> Optional[LockInfo]:
         return self._read(sql.READ, key, lambda stub: stub.inspect(key))

@@ -366,7 +366,8 @@ class ScriptCalls(Interruptible):
         self._adding = threading.Lock()
         self._idle: list[Any] = []
         self._pid = pid()
-        self._group = GroupCommit(self._round_trip, timeout=_group_timeout(client)) if self.direct and group_commit else None
+        grouping = self.direct and group_commit
+        self._group = GroupCommit(self._round_trip, timeout=_group_timeout(client)) if grouping else None
         #: Connections in a round trip: id -> (connection, monotonic ms it began).
         self._busy: dict[int, tuple[Any, float]] = {}
         #: Bumped by each interrupt: a round trip it broke is not sent again.
