@@ -603,12 +603,16 @@ class LockBackend(LockReads):
     # The reschedule protocol -----------------------------------------
 
     @abc.abstractmethod
-    def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> None:
+    def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> int:
         """Register the message of ``copy`` as waiting for ``copy.key``,
         as reschedule ``copy.attempt``, with ``message`` the encoded copy
         to hand the key to.  Waiters are promoted in ``order``, lowest
         first.  The caller also enqueues a delayed copy: whichever of the
         two arrives first wins the attempt.
+
+        Returns:
+          int: How many waiters are ahead of it in line (0 when a wait
+          sent again after its lost reply changed nothing).
 
         Parameters:
           ttl(int): How long the records live, in milliseconds.

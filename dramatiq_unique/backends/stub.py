@@ -375,11 +375,11 @@ class StubBackend(LockBackend):
         if record.finished is not None and not record.out:
             record.expires_at = min(record.expires_at, _now_ms() + DUPLICATE_WINDOW)
 
-    def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> None:
+    def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> int:
         with self._mutex:
             recorded = self._live_record(copy)
             if recorded is not None and recorded.attempt >= copy.attempt:
-                return  # sent again after a lost reply: as wait.lua, it changes nothing
+                return 0  # sent again after a lost reply: as wait.lua, it changes nothing
             expires_at = _now_ms() + ttl
             record = recorded or _Record(copy.attempt, "", expires_at)
             record.attempt, record.winner, record.expires_at = copy.attempt, "", expires_at
@@ -388,6 +388,7 @@ class StubBackend(LockBackend):
             waiters = self._live_waiters(copy.key) or self._waiters.setdefault(copy.key, _Waiters())
             waiters.order[copy.message_id] = (order, message)
             waiters.expires_at = expires_at
+            return sum(1 for other, _ in waiters.order.values() if other < order)
 
     def claim(self, copy: Copy) -> bool:
         with self._mutex:

@@ -65,6 +65,12 @@ RESERVE_SLACK = 1_000
 #: waits twice as long each time, at most this many reschedule delays.
 MAX_BACKOFF = 8
 
+#: A waiter with more than this many waiters ahead of it sends its first
+#: delayed copy twice as late, four times past twice as many, and so on
+#: (at most MAX_BACKOFF delays): its hand-off comes long before, and its
+#: delayed copy, a fallback, would only come back to wait again.
+LINE_STEP = 100
+
 
 class RunHelpers(NamedTuple):
     """The worker-side helpers of one middleware.  Each is bound to the
@@ -316,14 +322,16 @@ class ProcessGuard:
             handed = message.copy(options={**options, "unique_via": "handoff"})
             waiting = Copy(key, message.message_id, attempt, "handoff")
             order, ttl = send_order(message), service.settings.lock_ttl
-            self.backend.wait(waiting, handed.encode(), order=order, ttl=ttl)
+            ahead = self.backend.wait(waiting, handed.encode(), order=order, ttl=ttl)
         except Exception as e:
             # It may have been applied: a hand-off copy of the attempt may come.
             self._stand_in(message, state, attempt)
             raise service.backend_error("register a message waiting for", key, spec, message, e) from e
         try:
             delayed = message.copy(options={**options, "unique_via": "delay"})
-            broker.enqueue(delayed, delay=int(base * random.uniform(0.8, 1.2)))
+            # (a backend written against the older wait, which returned None, has no line to tell)
+            factor = _line_factor(ahead if isinstance(ahead, int) else 0)
+            broker.enqueue(delayed, delay=int(base * factor * random.uniform(0.8, 1.2)))
         except Exception as e:
             # It may have been applied: the delayed copy may be queued.
             self._stand_in(message, state, attempt)
@@ -514,6 +522,16 @@ class ProcessGuard:
             message_id_of(owner),
         )
         self.service.events.emit(LockEvent("lock_lost", actor, key, message_id_of(owner)))
+
+
+def _line_factor(ahead: int) -> int:
+    """How many reschedule delays the first delayed copy of a waiter
+    with ``ahead`` waiters ahead of it waits.
+    """
+    factor = 1
+    while ahead > LINE_STEP * factor and factor < MAX_BACKOFF:
+        factor *= 2
+    return factor
 
 
 def _age_limit(stack: list[Any]) -> Optional[AgeLimit]:

@@ -605,8 +605,8 @@ class RedisBackend(LockBackend):
             return super().release_many(locks)
         return _releases(self.calls.batch(_release_calls(locks)))
 
-    def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> None:
-        self._call("wait", _records(copy), [copy.message_id, message, order, copy.attempt, ttl])
+    def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> int:
+        return int(self._call("wait", _records(copy), [copy.message_id, message, order, copy.attempt, ttl]) or 0)
 
     def claim(self, copy: Copy) -> bool:
         return bool(self._call("claim", _records(copy), _copy_args(copy)))

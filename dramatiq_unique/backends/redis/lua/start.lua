@@ -35,7 +35,10 @@
 -- that its release can tell that its run ended (see _claim.lua).
 local record, wait, bodies = KEYS[2], KEYS[3], KEYS[4]
 local id, attempt, via, retries = ARGV[5], tonumber(ARGV[6]), ARGV[7], tonumber(ARGV[8])
-local verdict = claim(record, wait, bodies, id, attempt, via, false, retries)
+-- A message that was never rescheduled has no record: one EXISTS, not a claim.
+local recorded = redis.call("EXISTS", record) == 1
+local verdict = "run"
+if recorded then verdict = claim(record, wait, bodies, id, attempt, via, false, retries) end
 if verdict ~= "run" then
   claim(record, wait, bodies, id, attempt, via, true, retries)  -- it arrived: settle the record
   local by = false
@@ -61,12 +64,12 @@ end
 local got = take(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[11] or "", nil, nil, ahead)
 if got[1] == 5 then got = {0, handed_to, got[3], 0} end
 if got[1] == 0 then
-  if in_line(wait, id) then return {4, got[2], got[3], 0, handed, redis.call("PTTL", KEYS[1])} end
-  claim(record, wait, bodies, id, attempt, via, true, retries)
+  if recorded and in_line(wait, id) then return {4, got[2], got[3], 0, handed, redis.call("PTTL", KEYS[1])} end
+  if recorded then claim(record, wait, bodies, id, attempt, via, true, retries) end
   return {0, got[2], got[3], 0, handed}
 end
-claim(record, wait, bodies, id, attempt, via, true, retries)
-if got[1] == 1 and redis.call("EXISTS", record) == 1 then
+if recorded then claim(record, wait, bodies, id, attempt, via, true, retries) end
+if got[1] == 1 and recorded then
   redis.call("HSET", record, "runner", ARGV[1], "ran", ARGV[6] .. "|" .. ARGV[7] .. "|" .. ARGV[8])
 end
 if not KEYS[5] then return {got[1], got[2], got[3], 0} end
