@@ -273,8 +273,8 @@ class ProcessGuard:
         time twice as late (at most ``MAX_BACKOFF`` delays), but no later
         than just after the key's holder runs out (``free_in``), should
         it die: then the first copy to arrive hands the key to the oldest
-        waiter.  Should the enqueue fail, this delivery's retry is the
-        same copy again.
+        waiter.  Should the enqueue fail, it is rescheduled as a new
+        attempt (:meth:`_reschedule`).
         """
         service, spec = self.service, state.spec
         waits = message.options.get("unique_waits", 0) + 1
@@ -284,8 +284,11 @@ class ProcessGuard:
             delay = min(delay, free_in + base * random.uniform(0.05, 0.25))
         try:
             broker.enqueue(message.copy(options={"unique_waits": waits}), delay=int(delay))
-        except Exception as e:
-            raise service.backend_error("reschedule a message waiting for", key, spec, message, e) from e
+        except Exception:
+            # It may have been applied.  A retry of this very copy would have one retry more than
+            # the run that the key is handed to, and run after it: reschedule anew instead, as a
+            # new attempt (the possibly queued copy is then stale), with its own stand-in.
+            self._reschedule(broker, message, state, key)
         state.keeps_queue_lock = state.quiet_skip = True
         store_nothing(message)
         service.emit("rescheduled", spec, key, message)
@@ -427,7 +430,7 @@ class ProcessGuard:
         if lease is not None:
             self.run.leases().drop(lease)
         # A partial, not a closure: one Python frame less per release.
-        done = partial(self._released, broker, message, spec, key, owner, lease, confirmed)
+        done = partial(self._released, broker, message, spec, key, owner, lease, confirmed, succeeded)
         releaser = self.run.releaser()
         reserve = self.reserve(spec)
         if releaser is not None:
@@ -450,10 +453,12 @@ class ProcessGuard:
         owner: str,
         lease: Optional[Lease],
         confirmed: bool,
+        succeeded: bool,
         outcome: Outcome,
     ) -> Optional[Callable[[], None]]:
         """Report a release; return the hand-off to do, if it handed the
         key to a waiter: the caller does it where no job waits for it.
+        A release that failed is sent again saying how the run ended.
         """
         service = self.service
         if isinstance(outcome, Exception):
@@ -461,7 +466,7 @@ class ProcessGuard:
             # Sent again off this thread until it lands or the lease has run out.
             until = lease.expires_at if lease is not None else time.monotonic() * 1000 + service.settings.lease
             landed = partial(self._released_again, broker, message, spec, key)
-            self.run.release_retries().submit(FailedRelease(key, owner, until, landed))
+            self.run.release_retries().submit(FailedRelease(key, owner, until, landed, succeeded=succeeded))
             return None
         if outcome.held:
             service.emit("released", spec, key, message)

@@ -56,6 +56,8 @@ class FailedRelease:
       landed(callable): Called on the retry thread with the
         :class:`Release` once a retry is applied; it may return work to
         do next (a hand-off), done there too.
+      succeeded(bool): The run succeeded: the release finishes its
+        message (see ``LockBackend.release``).
     """
 
     key: str
@@ -64,6 +66,7 @@ class FailedRelease:
     landed: Callable[[Release], Optional[Callable[[], None]]]
     due: float = 0.0
     wait: float = DEFAULT_FIRST_RETRY
+    succeeded: bool = False
 
 
 class ReleaseRetries:
@@ -206,7 +209,8 @@ class ReleaseRetries:
 
     def _send(self, batch: list[FailedRelease]) -> None:
         try:
-            outcomes: list[Union[Release, Exception]] = self.backend.release_many([(f.key, f.owner) for f in batch])
+            locks = [(f.key, f.owner, f.succeeded) for f in batch]
+            outcomes: list[Union[Release, Exception]] = self.backend.release_many(locks)
         except Exception as e:
             outcomes = [e] * len(batch)
         again = []
