@@ -91,6 +91,19 @@ LOG_LINES: tuple[LogLine, ...] = (
     LogLine(
         "DEBUG",
         _MIDDLEWARE,
+        "Rescheduled %s again: it is still in line for run lock %r.",
+        "a delayed copy of a waiting message came back before its turn, and comes back later (event rescheduled)",
+    ),
+    LogLine(
+        "INFO",
+        _MIDDLEWARE,
+        "Skipped %s: it duplicates run %s of message %s, which succeeded (lock %r).",
+        "a copy of a message whose run succeeded came again (a broker's duplicate, or a replay within 10 "
+        "minutes of a message that once waited) and did not run (event skipped, reason done)",
+    ),
+    LogLine(
+        "DEBUG",
+        _MIDDLEWARE,
         "Re-enqueued %s without its lock %r: %s.",
         "a retry or delay-queue move of a copy that will be skipped did not take the enqueue lock back",
     ),
@@ -362,7 +375,12 @@ class LockEvent:
       actor(str): The actor's name.
       key(str): The lock key.
       message_id(str): The message concerned.
-      holder(str): For conflicts, the message id of the holder.
+      holder(str): For conflicts, the message id of the holder; for a
+        ``skipped`` duplicate of a run that succeeded, that run's lock
+        owner (``<message id>/<token>``).
+      reason(str): For ``skipped``, why: ``"done"`` (a duplicate of a
+        run that succeeded), ``"stale"`` or ``"lost"`` (see
+        :class:`~dramatiq_unique.backends.base.CopyVerdict`).
     """
 
     name: str
@@ -370,6 +388,7 @@ class LockEvent:
     key: str
     message_id: Optional[str] = None
     holder: Optional[str] = None
+    reason: Optional[str] = None
 
 
 Listener = Callable[[LockEvent], None]

@@ -536,7 +536,8 @@ class UniqueMiddleware(Middleware):
         state = delivery(message)
         if state is None:
             return
-        self._process.end_run(broker, message, state)
+        # Retries, after us in the stack, has decided: a run that raised never finishes its message.
+        self._process.end_run(broker, message, state, succeeded=exception is None)
         if exception is None or message.failed or not self._retries:
             self._process.release_queue_lock(message, state)
 
@@ -544,7 +545,7 @@ class UniqueMiddleware(Middleware):
         state = delivery(message) or self._late_state(message)
         if state is None:
             return
-        self._process.end_run(broker, message, state)
+        self._process.end_run(broker, message, state, succeeded=not message.failed)
         if not state.keeps_queue_lock:
             self._process.release_queue_lock(message, state)
 

@@ -150,10 +150,12 @@ def test_release_promotes_the_longest_waiter_once(backend):
     backend.wait(waiting("late"), b"late", order=2, ttl=10_000)
     backend.wait(waiting("early"), b"early", order=1, ttl=10_000)
     assert backend.release(KEY, "holder").promoted == b"early"
-    backend.acquire(KEY, "holder2", ttl=10_000)
-    assert backend.release(KEY, "holder2").promoted == b"late"
-    backend.acquire(KEY, "holder3", ttl=10_000)
-    assert backend.release(KEY, "holder3").promoted is None
+    # the freed slot is reserved for the promoted message: another owner waits, its own copy takes it
+    assert not backend.acquire(KEY, "holder2", ttl=10_000).acquired
+    assert backend.acquire(KEY, "early/2", ttl=10_000).acquired
+    assert backend.release(KEY, "early/2").promoted == b"late"
+    assert backend.acquire(KEY, "late/3", ttl=10_000).acquired
+    assert backend.release(KEY, "late/3").promoted is None
 
 
 def test_a_release_by_a_non_owner_hands_nothing_over(backend):
@@ -198,16 +200,86 @@ def test_a_copy_of_a_run_that_ended_is_a_duplicate(backend):
     # When a second publish of that copy is delivered while it runs, and waits behind it
     assert not deliver(backend, delay, "m/2").acquired
     backend.wait(waiting("m", 2), b"m-again", order=1, ttl=10_000)
-    # Then the end of the run withdraws that waiter, and every later copy of the run is a duplicate
-    assert backend.release(KEY, "m/1").promoted is None
+    # Then the end of the run (it succeeded) withdraws that waiter, and every later copy of it is a duplicate
+    assert backend.release(KEY, "m/1", succeeded=True).promoted is None
     assert deliver(backend, delay, "m/3").refused == "done"
     assert deliver(backend, Copy(KEY, "m", 2, "delay"), "m/4").refused == "done"
     assert backend.acquire("test:actor:{abc}:queue", "m", ttl=1_000, copy=delay).refused == "done"
     # but a Retries copy of it (the run failed) runs, once
     retry = delay._replace(retries=1)
     assert deliver(backend, retry, "m/5").acquired
-    backend.release(KEY, "m/5")
-    assert deliver(backend, retry, "m/6").refused == "done"
+    backend.release(KEY, "m/5", succeeded=True)
+    started = backend.start(KEY, "m/6", ttl=10_000, limit=1, lock="x", copy=retry)
+    assert started.acquisition.refused == "done" and started.duplicate_of == "m/5"
+
+
+def test_a_failed_run_never_finishes_its_message(backend):
+    # Given a rescheduled message whose delayed copy won and ran
+    backend.acquire(KEY, "holder", ttl=10_000)
+    backend.wait(waiting("m"), b"m", order=1, ttl=10_000)
+    backend.release(KEY, "holder", hand_over=False)
+    delay = Copy(KEY, "m", 1, "delay")
+    assert deliver(backend, delay, "m/1").acquired
+    # When the run fails (its Retries enqueue lost, its ack lost too)
+    assert backend.release(KEY, "m/1", succeeded=False).held
+    # Then the broker's redelivery of the copy that ran runs, and so does a replay of it, retries reset
+    assert deliver(backend, delay, "m/2").acquired
+    backend.release(KEY, "m/2")
+    assert deliver(backend, delay._replace(retries=0), "m/3").acquired
+    # and once a run of it succeeded, the same copy again is a duplicate of that run
+    backend.release(KEY, "m/3", succeeded=True)
+    started = backend.start(KEY, "m/4", ttl=10_000, limit=1, lock="x", copy=delay)
+    assert started.acquisition.refused is CopyVerdict.DONE and started.duplicate_of == "m/3"
+
+
+def start_copy(backend, copy: Copy, owner: str, order: int, reserve: int = 10_000) -> Start:
+    return backend.start(KEY, owner, ttl=10_000, limit=1, lock="x", copy=copy, order=order, reserve=reserve)
+
+
+def test_a_hand_off_reserves_the_key_for_its_message(backend):
+    # Given two waiters behind a holder
+    backend.acquire(KEY, "holder", ttl=10_000)
+    backend.wait(waiting("a"), b"a", order=1, ttl=10_000)
+    backend.wait(waiting("b"), b"b", order=2, ttl=10_000)
+    # When the holder's release hands the key to the oldest
+    assert backend.release(KEY, "holder", succeeded=True).promoted == b"a"
+    # Then the later waiter's delayed copy stays in line and changes nothing, a new send waits too
+    b_delay = start_copy(backend, Copy(KEY, "b", 1, "delay"), "b/1", order=2)
+    assert b_delay.in_line and not b_delay.acquisition.acquired and b_delay.acquisition.holder == "a"
+    assert [w.message_id for w in backend.waiters(KEY)] == ["b"]
+    new = start_copy(backend, Copy(KEY, "n"), "n/1", order=3)
+    assert not new.in_line and not new.acquisition.acquired and new.promoted is None
+    # and the first copy of the promoted message to come takes it (its delayed copy here), the other is lost
+    assert start_copy(backend, Copy(KEY, "a", 1, "delay"), "a/1", order=1).acquisition.acquired
+    assert start_copy(backend, Copy(KEY, "a", 1, "handoff"), "a/2", order=1).acquisition.refused == "lost"
+    assert backend.release(KEY, "a/1", succeeded=True).promoted == b"b"
+
+
+def test_a_free_key_goes_to_its_oldest_waiter_first(backend):
+    # Given two waiters behind a holder that died (its lease ran out, no release handed the key over)
+    backend.acquire(KEY, "holder", ttl=50)
+    backend.wait(waiting("a"), b"a", order=10, ttl=10_000)
+    backend.wait(waiting("b"), b"b", order=20, ttl=10_000)
+    time.sleep(0.1)
+    # When the later waiter's delayed copy comes first, it hands the key to the oldest and waits
+    late = start_copy(backend, Copy(KEY, "b", 1, "delay"), "b/1", order=20)
+    assert late.in_line and late.promoted == b"a" and not late.acquisition.acquired
+    # Then the oldest's hand-off copy takes it, and a copy sent before every waiter would have taken it at once
+    assert start_copy(backend, Copy(KEY, "a", 1, "handoff"), "a/1", order=10).acquisition.acquired
+    backend.release(KEY, "a/1", succeeded=True, reserve=10_000)
+    backend.delete(KEY)
+    assert start_copy(backend, Copy(KEY, "old"), "old/1", order=5).acquisition.acquired
+
+
+def test_a_reservation_runs_out(backend):
+    # Given a key handed to a waiter whose hand-off copy is lost
+    backend.acquire(KEY, "holder", ttl=10_000)
+    backend.wait(waiting("a"), b"a", order=1, ttl=10_000)
+    assert backend.release(KEY, "holder", reserve=50).promoted == b"a"
+    assert not start_copy(backend, Copy(KEY, "n"), "n/1", order=2).acquisition.acquired
+    # Then after its reservation the key is free for any copy
+    time.sleep(0.1)
+    assert start_copy(backend, Copy(KEY, "n"), "n/2", order=2).acquisition.acquired
 
 
 def test_a_message_record_lives_only_while_a_copy_of_it_can_arrive(redis_backend):
@@ -220,7 +292,7 @@ def test_a_message_record_lives_only_while_a_copy_of_it_can_arrive(redis_backend
     # When the holder hands it the key and the hand-off copy runs, the delayed copy is still to come
     assert backend.release(KEY, "holder").promoted == b"m"
     assert deliver(backend, Copy(KEY, "m", 1, "handoff"), "m/1").acquired
-    backend.release(KEY, "m/1")
+    backend.release(KEY, "m/1", succeeded=True)
     assert client.pttl(record) > day - 60_000
     # Then once the delayed copy arrived (and was skipped), the record lives only the duplicate window
     assert deliver(backend, Copy(KEY, "m", 1, "delay"), "m/2").refused == "done"
@@ -237,15 +309,18 @@ def test_the_duplicate_window_is_one_figure():
     assert f"local DUPLICATE_WINDOW = {DUPLICATE_WINDOW}\n" in lua
 
 
-def test_a_retired_copy_finishes_its_message(backend):
+def test_a_retired_copy_wins_its_attempt_and_finishes_nothing(backend):
     # Given a rescheduled message whose hand-off copy is dead-lettered (claimed, never started)
     backend.wait(waiting("m"), b"m", order=1, ttl=10_000)
     handoff = Copy(KEY, "m", 1, "handoff")
     assert backend.claim(handoff) is True
-    # Then the claim sent again after a lost reply still says so, and no other copy runs
+    # Then the claim sent again after a lost reply still says so, and the attempt's other copy never runs
     assert backend.claim(handoff) is True
     assert backend.claim(Copy(KEY, "m", 1, "delay")) is False
-    assert deliver(backend, handoff, "m/1").refused == "done"
+    # but an operator's replay of the dead letter runs, as it is or with its retries reset
+    assert deliver(backend, handoff, "m/1").acquired
+    backend.release(KEY, "m/1")
+    assert deliver(backend, handoff._replace(retries=0), "m/2").acquired
 
 
 def test_a_waiter_that_arrives_by_its_delay_is_not_promoted_later(backend):
@@ -267,8 +342,8 @@ def test_a_wait_sent_again_after_its_lost_reply_changes_nothing(backend):
     # Then the hand-off copy stays the attempt's winner: its delayed copy may not run beside it,
     # and the message waits for no second hand-off
     assert backend.claim(Copy(KEY, "m", 1, "delay")) is False
-    backend.acquire(KEY, "holder2", ttl=10_000)
-    assert backend.release(KEY, "holder2").promoted is None
+    assert backend.acquire(KEY, "m/2", ttl=10_000).acquired  # the slot was reserved for m
+    assert backend.release(KEY, "m/2").promoted is None
 
 
 def test_a_later_reschedule_makes_the_earlier_copies_stale(backend):

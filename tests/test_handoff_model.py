@@ -252,8 +252,13 @@ class FaultyBroker(StubBroker):
     fault: Optional[str] = None
     #: How many times each message was published twice.
     doubled: "Counter[str]"
+    #: The next enqueue made by Retries fails before it is applied.
+    lose_retry: bool = False
 
     def enqueue(self, message: Any, *, delay: Optional[int] = None) -> Any:
+        if self.lose_retry and message.options.get("retries") and not _called_by_the_middleware():
+            self.lose_retry = False
+            raise ConnectionError("the retry's enqueue failed: the broker is unreachable")
         if self.fault is None or not _called_by_the_middleware():
             return super().enqueue(message, delay=delay)
         fault, self.fault = self.fault, None
@@ -357,6 +362,7 @@ class HandoffModel(RuleBasedStateMachine):
         self.stopped: set[tuple[str, str]] = set()  # (key, owner): owed by a worker that stopped
         self.owed_lost: set[tuple[str, str]] = set()  # of those, the ones whose owed message was lost
         self.unique.events.subscribe(self.heard)
+        self.init_finish_rules()
 
     def heard(self, event: LockEvent) -> None:
         if event.name == "backend_error":
@@ -364,6 +370,7 @@ class HandoffModel(RuleBasedStateMachine):
         elif event.name == "lock_lost" and event.key.endswith(":run"):
             if (event.key, event.message_id) not in self.expired:
                 self.false_losses.append((event.key, event.message_id))
+        self.heard_by_finish_rules(event)
 
     # The network ---------------------------------------------------------------------
 
@@ -386,6 +393,7 @@ class HandoffModel(RuleBasedStateMachine):
         self.broker.emit_before(verb, proxy)
         if proxy.failed:
             self.dead[proxy.message_id] += 1
+            self.dead_letters.append(proxy.encode())
             if isinstance(proxy._exception, (LockBackendError, TimeLimitExceeded)):
                 # Retries gave up on a copy whose lock call failed every time: the backend
                 # failed, or a time limit broke the call (here only faults raise TimeLimitExceeded)
@@ -438,6 +446,7 @@ class HandoffModel(RuleBasedStateMachine):
             self.post_process(proxy)
         else:
             assert proxy.message_id not in self.succeeded, f"{proxy.message_id} started again after it succeeded"
+            self.started_in_order(proxy)
             self.starts[proxy.message_id] += 1
             self.flights.append(Flight(proxy, taken[1]))
         self.collect()
@@ -498,6 +507,7 @@ class HandoffModel(RuleBasedStateMachine):
         """Time passes: every run lock that no running delivery renews
         (its release failed, or its worker died) reaches its deadline.
         """
+        self.order_may_break()
         renewed = {f.proxy._unique_delivery.run_owner for f in self.flights}
         on_the_way = {(p.key, p.owner) for p in self.releaser._pending} if self.releaser is not None else set()
         for key, entry in list(self.locks.entries().items()):
@@ -509,10 +519,12 @@ class HandoffModel(RuleBasedStateMachine):
                     assert known, f"{key} of {owner} was never released, and no error said so"
                     self.locks.lapse(key, owner)  # its deadline passed: the slot is free, and no release ran
                     self.expired.add((key, message_id_of(owner)))
+        self.reservations_run_out()
 
     @rule(fault=st.sampled_from(FAULTS))
     def fail_next_call(self, fault: str) -> None:
         """The next lock call times out, or a time limit breaks it."""
+        self.order_may_break()
         self.locks.fault = fault
 
     @rule(fault=st.sampled_from(("before", "after", "twice")))
@@ -522,6 +534,7 @@ class HandoffModel(RuleBasedStateMachine):
         soak run: see ``docs/reliability.md``, a duplicate whose first
         run's release never landed).
         """
+        self.order_may_break()
         if fault == "twice" and not self.duplicates:
             fault = "after"
         self.broker.fault = fault
@@ -558,7 +571,128 @@ class HandoffModel(RuleBasedStateMachine):
     @rule()
     def age_out(self) -> None:
         """Time passes: every message is now older than its max_age."""
+        self.order_may_break()
         self.aged = True
+
+    # Issue 29: the finish rule, replays, and hand-offs in send order -----------------
+    # (kept apart from the other rules and invariants, so that other additions merge)
+
+    def init_finish_rules(self) -> None:
+        self.dead_letters: list[bytes] = []  # encoded copies, as the dead-letter queue holds them
+        self.replays: list[tuple[str, int, int]] = []  # (message id, its starts and dead letters at the replay)
+        self.replayed: Counter[str] = Counter()
+        self.waiting: dict[str, int] = {}  # rescheduled, not started since: the step it began to wait
+        self.step = 0
+        self.inversions: list[tuple[str, str]] = []  # (a waiter, a later message that started before it)
+        #: No fault yet that may hand a key out of order (a lost call, a lost enqueue, time passing).
+        self.order_kept = True
+
+    def heard_by_finish_rules(self, event: LockEvent) -> None:
+        if event.name == "rescheduled" and event.message_id is not None:
+            self.step += 1
+            self.waiting.setdefault(event.message_id, self.step)
+
+    def started_in_order(self, proxy: MessageProxy) -> None:
+        """A message starts: no message of its actor sent before it may
+        still be waiting, if it already waited when this one began to
+        wait (or to run).
+        """
+        started = proxy.message_id
+        self.step += 1
+        since = self.waiting.pop(started, self.step)
+        if not self.order_kept or started not in self.sent:
+            return
+        order = list(self.sent)
+        mine = order.index(started)
+        ahead = [w for w, began in self.waiting.items()
+                 if self.sent.get(w) == self.sent[started] and order.index(w) < mine and began < since]
+        self.inversions.extend((waiter, started) for waiter in ahead if not self.dead[waiter])
+
+    def order_may_break(self) -> None:
+        self.order_kept = False
+
+    def reservations_run_out(self) -> None:
+        """Time passes: every slot reserved for a waiter is free again."""
+        for entry in self.locks._entries.values():
+            entry.reserved = {message: 0 for message in entry.reserved}
+
+    @precondition(lambda self: self.flights)
+    @rule(index=st.integers(0, 50))
+    def a_failed_run_whose_retry_is_lost(self, index: int) -> None:
+        """A run fails while the broker is unreachable: Retries' enqueue
+        fails (Dramatiq logs it), the ack is lost too, and the broker
+        delivers the copy that ran again.
+        """
+        if not self.flights:
+            return
+        flight = self.flights.pop(index % len(self.flights))
+        proxy = flight.proxy
+        error = ValueError("the actor failed")
+        self.failures[proxy.message_id] += 1
+        self.crashes[proxy.message_id] += 1  # the copy given back may start again
+        proxy.stuff_exception(error)
+        self.broker.lose_retry = True
+        try:
+            self.broker.emit_after("process_message", proxy, exception=error)
+        finally:
+            self.broker.lose_retry = False
+        if proxy.failed:
+            self.post_process(proxy)  # Retries gave up: no enqueue to lose, it is dead-lettered
+        else:
+            self.pool.append((proxy.queue_name, flight.encoded))
+        self.collect()
+
+    def replayable(self) -> list[bytes]:
+        return [e for e in self.dead_letters if Message.decode(e).message_id not in self.succeeded]
+
+    @precondition(lambda self: self.replayable())
+    @rule(index=st.integers(0, 50), reset=st.booleans())
+    def an_operator_replays_a_dead_letter(self, index: int, reset: bool) -> None:
+        """An operator moves a dead-lettered copy back to its queue, as
+        it is or with its retries reset.
+        """
+        candidates = self.replayable()
+        encoded = candidates[index % len(candidates)]
+        self.dead_letters.remove(encoded)
+        message = Message.decode(encoded)
+        if reset:
+            message = message.copy(options={"retries": 0})
+        replayed = message.message_id
+        self.replays.append((replayed, self.starts[replayed], self.dead[replayed]))
+        self.replayed[replayed] += 1
+        self.crashes[replayed] += 1 + MAX_RETRIES  # it may run, and be retried, again
+        self.pool.append((message.queue_name, message.encode()))
+
+    def handoffs_on_their_way(self) -> bool:
+        return any(Message.decode(e).options.get("unique_via") == "handoff" for n, e in self.pool
+                   if not n.endswith(".DQ"))
+
+    @precondition(lambda self: self.handoffs_on_their_way())
+    @rule(index=st.integers(0, 50), send=st.booleans())
+    def others_arrive_while_a_handoff_is_on_its_way(self, index: int, send: bool) -> None:
+        """While a hand-off copy is queued, another copy of the key comes
+        first: a new send, another waiter's delayed copy, anything queued.
+        """
+        if send:
+            self.send(sorted(self.actors)[index % len(self.actors)], KEYS[0])
+        ready = [i for i, (name, _) in enumerate(self.pool) if not name.endswith(".DQ")]
+        others = [p for p, i in enumerate(ready)
+                  if Message.decode(self.pool[i][1]).options.get("unique_via") != "handoff"]
+        if others:
+            self.deliver(others[index % len(others)])
+        elif self.queued(delayed=True):
+            self.move(index)
+
+    @invariant()
+    def waiters_are_handed_the_key_in_send_order(self) -> None:
+        assert not self.inversions, f"started before a waiter sent earlier: {self.inversions}"
+
+    def replays_ran_again(self) -> None:
+        """A replayed dead-lettered message runs again (or is
+        dead-lettered again, by AgeLimit or its retries).
+        """
+        for message_id, starts, dead in self.replays:
+            assert self.starts[message_id] > starts or self.dead[message_id] > dead, f"replay of {message_id} dropped"
 
     # Invariants ----------------------------------------------------------------------
 
@@ -582,7 +716,7 @@ class HandoffModel(RuleBasedStateMachine):
         # ...unless its lock call failed on every attempt of a copy, or the broker published
         # a copy twice and both are retired: a claim sent again after its lost reply looks
         # the same as the second copy's (see the docs)
-        allowed = {m: 1 + self.dead_of_backend_errors[m] + self.broker.doubled[m] for m in self.dead}
+        allowed = {m: 1 + self.dead_of_backend_errors[m] + self.broker.doubled[m] + self.replayed[m] for m in self.dead}
         assert all(count <= allowed[m] for m, count in self.dead.items()), self.dead
 
     @invariant()
@@ -620,6 +754,7 @@ class HandoffModel(RuleBasedStateMachine):
         pytest.fail(f"still not drained: {len(self.pool)} queued, {len(self.flights)} running")
 
     def check_all(self) -> None:
+        self.waiters_are_handed_the_key_in_send_order()
         self.runs_of_one_key_never_overlap()
         self.no_message_starts_more_than_its_retries_allow()
         self.a_message_starts_again_only_after_a_failure_or_a_crash()
@@ -634,6 +769,7 @@ class HandoffModel(RuleBasedStateMachine):
             # Nothing is lost: each accepted message ran to success or was dead-lettered.
             lost = [m for m in self.sent if m not in self.succeeded and not self.dead[m]]
             assert not lost, f"never ran and never dead-lettered: {lost}"
+            self.replays_ran_again()
             # Every run lock still held is one whose release failed, and said so: only its lease frees it.
             held = {(key, message_id_of(owner)) for key, entry in self.locks.entries().items()
                     if key.endswith(":run") for owner in entry.holders

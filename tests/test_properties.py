@@ -6,6 +6,7 @@ each backend behaves like a model of the ``LockBackend`` contract.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from typing import Any, Callable, Iterator, Optional
 
@@ -376,7 +377,10 @@ class BackendModel(RuleBasedStateMachine):
     @rule(key=st.sampled_from(KEYS), owner=st.sampled_from(OWNERS))
     def release(self, key: str, owner: str) -> None:
         held, lingering = owner in self.holders[key], owner in self.lapsed[key]
-        got = self.backend.release(self.full(key), owner)
+        # (the slot handed to a waiter is reserved for its message for 1 ms: reservations are
+        # tests/test_backends.py's, this model's keys are free again for every owner once it ran out)
+        got = self.backend.release(self.full(key), owner, reserve=1)
+        time.sleep(0.003)
         # Only a holder frees a slot; a stranger's release changes nothing
         assert got.held == held
         self.holders[key].discard(owner)
@@ -430,10 +434,6 @@ class BackendModel(RuleBasedStateMachine):
         record = self.records[key].get(message_id)
         if record is None:
             assert got is True, "a copy with no record runs"
-        elif record[2] == (attempt, via):
-            assert got is True, "the copy that was retired, claiming again, still is"
-        elif record[2] is not None:
-            assert got is False, "a copy with no more retries than a retired one is a duplicate of it"
         elif attempt < record[0]:
             assert got is False, "a copy of an earlier reschedule is stale"
         elif attempt == record[0] and record[1]:
@@ -441,8 +441,9 @@ class BackendModel(RuleBasedStateMachine):
         else:
             assert got is True, "the first copy of a reschedule wins it"
         if got and record is not None:
-            # a claim retires the copy in its message's stead: the message is finished
-            record[:] = [attempt, via, (attempt, via)]
+            # a claim retires the copy in its message's stead, as the winner of its attempt; the
+            # message is not finished (a replay of the copy runs), and the same copy claiming again still wins
+            record[:] = [attempt, via, None]
             self.waiting[key].pop(message_id, None)
 
     @invariant()

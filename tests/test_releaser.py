@@ -31,7 +31,7 @@ class SlowBackend(RedisBackend):
 
     def release_many(self, locks: Sequence[tuple[str, str]]) -> list[Union[Release, Exception]]:
         self.gate.wait(10)
-        self.sent += locks
+        self.sent += [(lock[0], lock[1]) for lock in locks]
         return super().release_many(locks)
 
 

@@ -58,8 +58,9 @@ class CopyVerdict(_Named):
     STALE = "stale"
     #: The other copy of its reschedule arrived first.
     LOST = "lost"
-    #: A copy of a run that ended, or of a copy that was retired, with
-    #: no more retries than it: a broker published or delivered it twice.
+    #: A copy of a run that succeeded, with no more retries than it: a
+    #: broker published or delivered it twice.  (A failed run, or a
+    #: retired copy, never finishes its message.)
     DONE = "done"
 
 
@@ -169,10 +170,24 @@ class Start(NamedTuple):
         this copy may not run (a :class:`CopyVerdict`), and then
         nothing was taken.
       queue_released(bool): The enqueue lock was held, and is released.
+      in_line(bool): The lock is held (or reserved for another waiter)
+        and this copy's message is still in line for it: nothing was
+        written; the copy only has to come back later.
+      promoted(bytes): The slot was free and an older waiter was in
+        line: it was handed to that waiter (and reserved for it), whose
+        encoded message the caller enqueues at once.
+      duplicate_of(str): With ``refused`` DONE: the run lock owner of
+        the run that this copy duplicates.
+      free_in(int): With ``in_line``: in how many milliseconds the
+        key's last holder or reservation runs out unless renewed.
     """
 
     acquisition: Acquisition
     queue_released: bool = False
+    in_line: bool = False
+    promoted: Optional[bytes] = None
+    duplicate_of: Optional[str] = None
+    free_in: Optional[int] = None
 
 
 class Release(NamedTuple):
@@ -328,6 +343,28 @@ SENDS_PER_MS = 1000
 #: that a broker published or delivered twice is still known as a
 #: duplicate (``_claim.lua`` holds the same figure).
 DUPLICATE_WINDOW = 600_000
+
+#: How long, in milliseconds, a slot handed to a waiter stays reserved
+#: for its message when the caller names no other bound.
+DEFAULT_RESERVE = 10_000
+
+
+class Releasing(NamedTuple):
+    """One run lock to release with :meth:`LockBackend.release_many`.
+
+    Attributes:
+      key(str): The lock key.
+      owner(str): Its holder.
+      succeeded(bool): The holder's run succeeded: it finishes its
+        message (see :meth:`LockBackend.release`).
+      reserve(int): How long the slot handed to a waiter stays
+        reserved for it, in milliseconds.
+    """
+
+    key: str
+    owner: str
+    succeeded: bool = False
+    reserve: int = DEFAULT_RESERVE
 
 
 @dataclass(frozen=True)
@@ -491,40 +528,68 @@ class LockBackend(LockReads):
 
     @abc.abstractmethod
     def start(
-        self, key: str, owner: str, *, ttl: int, limit: int, lock: str, copy: Copy, queue_key: Optional[str] = None
+        self,
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        limit: int,
+        lock: str,
+        copy: Copy,
+        queue_key: Optional[str] = None,
+        order: Optional[int] = None,
+        reserve: int = DEFAULT_RESERVE,
     ) -> Start:
-        """Claim the delivered ``copy`` (see :meth:`Reschedules.claim`),
-        take a slot of the run lock ``key`` for ``owner``, and release
-        the enqueue lock ``queue_key`` of the message once the slot is
-        taken: one round trip for everything a delivery takes before it
-        runs.
+        """Claim the delivered ``copy`` (see :meth:`Reschedules.claim`), take a slot
+        of the run lock ``key`` for ``owner``, and release the enqueue
+        lock ``queue_key`` of the message once the slot is taken: one
+        round trip for everything a delivery takes before it runs.
+
+        A slot reserved for another message counts as held.  A free
+        slot goes to the oldest waiter in line instead, when one was
+        sent before ``copy`` (``order``, see :meth:`Reschedules.wait`; None: after
+        every waiter): it is reserved for it for ``reserve`` ms and its
+        message returned in :attr:`Start.promoted`.  A copy whose
+        message is still in line when the slot is not its to take
+        changes nothing (:attr:`Start.in_line`).
         """
         raise NotImplementedError  # pragma: no cover
 
     @abc.abstractmethod
-    def release(self, key: str, owner: str, *, hand_over: bool = True) -> Release:
+    def release(
+        self, key: str, owner: str, *, hand_over: bool = True, succeeded: bool = False, reserve: int = DEFAULT_RESERVE
+    ) -> Release:
         """Remove ``owner`` from ``key``, and hand the freed slot to the
-        longest waiter of ``key``, if any (see :meth:`Reschedules.wait`).
+        longest waiter of ``key``, if any (see :meth:`Reschedules.wait`), reserved
+        for that waiter's message until a copy of it takes it or
+        ``reserve`` ms have passed.
 
         Parameters:
           hand_over(bool): False leaves the waiters waiting, for a caller
             that cannot enqueue the promoted message (an operator).
+          succeeded(bool): The owner's run succeeded and leaves nothing
+            to do: it finishes its message, so that a later copy with no
+            more retries is skipped as a duplicate.  False (a failed run,
+            or an outcome unknown) leaves the message's next copy to run.
+          reserve(int): In milliseconds.
         """
         raise NotImplementedError  # pragma: no cover
 
-    def release_many(self, locks: Sequence[tuple[str, str]]) -> list[Union[Release, Exception]]:
-        """Release each ``(key, owner)`` and hand its slot over, as
-        :meth:`release` does, in as few round trips as the backend can
-        (one each here; one in all with :class:`BatchedReleases`).
+    def release_many(self, locks: Sequence[tuple[Any, ...]]) -> list[Union[Release, Exception]]:
+        """Release each ``(key, owner)`` (or :class:`Releasing`) and hand
+        its slot over, as :meth:`release` does, in as few round trips as
+        the backend can (one each here; one in all with
+        :class:`BatchedReleases`).
 
         Returns:
           list: per lock, its :class:`Release`, or the exception its
           release raised.
         """
         outcomes: list[Union[Release, Exception]] = []
-        for key, owner in locks:
+        for lock in locks:
+            one = Releasing(*lock)
             try:
-                outcomes.append(self.release(key, owner))
+                outcomes.append(self.release(one.key, one.owner, succeeded=one.succeeded, reserve=one.reserve))
             except Exception as e:
                 outcomes.append(e)
         return outcomes
@@ -643,12 +708,16 @@ class Reschedules(Capability):
     capability = "the reschedule protocol"
 
     @abc.abstractmethod
-    def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> None:
+    def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> int:
         """Register the message of ``copy`` as waiting for ``copy.key``,
         as reschedule ``copy.attempt``, with ``message`` the encoded copy
         to hand the key to.  Waiters are promoted in ``order``, lowest
         first.  The caller also enqueues a delayed copy: whichever of the
         two arrives first wins the attempt.
+
+        Returns:
+          int: How many waiters are ahead of it in line (0 when a wait
+          sent again after its lost reply changed nothing).
 
         Parameters:
           ttl(int): How long the records live, in milliseconds.
@@ -818,7 +887,7 @@ class BatchedReleases(Capability):
     @abc.abstractmethod
     def release_and_start(
         self,
-        releases: Sequence[tuple[str, str]],
+        releases: Sequence[tuple[Any, ...]],
         key: str,
         owner: str,
         *,
@@ -827,6 +896,8 @@ class BatchedReleases(Capability):
         lock: str,
         copy: Copy,
         queue_key: Optional[str] = None,
+        order: Optional[int] = None,
+        reserve: int = DEFAULT_RESERVE,
     ) -> tuple[list[Union[Release, Exception]], Union[Start, Exception]]:
         """Release each of ``releases`` as
         :meth:`~LockBackend.release_many` does, then
@@ -842,7 +913,7 @@ class BatchedReleases(Capability):
 
 def release_then_start(
     backend: LockBackend,
-    releases: Sequence[tuple[str, str]],
+    releases: Sequence[tuple[Any, ...]],
     key: str,
     owner: str,
     *,
@@ -851,13 +922,18 @@ def release_then_start(
     lock: str,
     copy: Copy,
     queue_key: Optional[str] = None,
+    order: Optional[int] = None,
+    reserve: int = DEFAULT_RESERVE,
 ) -> tuple[list[Union[Release, Exception]], Union[Start, Exception]]:
     """:meth:`BatchedReleases.release_and_start` in two calls: the
     releases, then the start, on any backend.
     """
     released = backend.release_many(releases)
     try:
-        return released, backend.start(key, owner, ttl=ttl, limit=limit, lock=lock, copy=copy, queue_key=queue_key)
+        started = backend.start(
+            key, owner, ttl=ttl, limit=limit, lock=lock, copy=copy, queue_key=queue_key, order=order, reserve=reserve
+        )
+        return released, started
     except Exception as e:
         return released, e
 

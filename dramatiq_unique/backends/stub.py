@@ -6,9 +6,10 @@ import threading
 import time as mod_time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Iterator, NamedTuple, Optional, Sequence
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 from .base import (
+    DEFAULT_RESERVE,
     DUPLICATE_WINDOW,
     Acquisition,
     Copy,
@@ -64,10 +65,11 @@ class _Record:
     #: ``(attempt, via, retries)``.
     runner: Optional[str] = None
     ran: tuple[int, str, int] = (0, "", 0)
-    #: The Retries count of the copy whose run ended, or None, and that
-    #: copy ``(attempt, via, retries)``.
+    #: The Retries count of the copy whose run succeeded, or None, that
+    #: copy ``(attempt, via, retries)``, and the owner it ran under.
     finished: Optional[int] = None
     finished_as: Optional[tuple[int, str, int]] = None
+    finished_by: Optional[str] = None
 
 
 @dataclass
@@ -94,6 +96,8 @@ class _Entry:
     #: Each holder's record (its taken time, and for an enqueue lock where
     #: its message went), with Unix times as RedisBackend keeps them.
     records: dict[str, EnqueueRecord] = field(default_factory=dict)
+    #: Slots handed to a waiter: message id -> deadline (see _take.lua).
+    reserved: dict[str, int] = field(default_factory=dict)
 
     def taken(self, lock: str, lock_args: Optional[str]) -> None:
         """Record who took the key: the lock type, and the lock args
@@ -102,6 +106,10 @@ class _Entry:
         self.lock = lock
         if lock_args is not None:
             self.lock_args = lock_args
+
+
+def _held(entry: Optional[_Entry]) -> bool:
+    return entry is not None and bool(entry.holders)
 
 
 @dataclass
@@ -165,7 +173,8 @@ class StubBackend(Reschedules, NewestWins):
             return None
         entry.holders = {owner: deadline for owner, deadline in entry.holders.items() if deadline > now}
         entry.records = {owner: record for owner, record in entry.records.items() if owner in entry.holders}
-        if not entry.holders:
+        entry.reserved = {message: deadline for message, deadline in entry.reserved.items() if deadline > now}
+        if not entry.holders and not entry.reserved:
             del self._entries[key]
             return None
         return entry
@@ -202,7 +211,11 @@ class StubBackend(Reschedules, NewestWins):
         lock_args: Optional[str],
         provisional: int = 0,
         where: Optional[str] = None,
+        ahead: Optional[Callable[[_Entry], bool]] = None,
     ) -> Acquisition:
+        """As take() of _take.lua; ``ahead`` as its ``ahead``: when it
+        returns True, nothing is taken and the outcome names no holder.
+        """
         now = _now_ms()
         entry = self._live(key, now) or _Entry()
         short = 0 < provisional < ttl
@@ -216,8 +229,13 @@ class StubBackend(Reschedules, NewestWins):
                 entry.records[owner] = self._record(old, where, deadline - now if short else 0)
             # As _take.lua: a taken slot names its owner as the holder.
             return Acquisition(True, reentered=True, holder=owner, fence=entry.fence, provisional=short)
-        if len(entry.holders) >= limit:
-            return Acquisition(False, holder=next(iter(entry.holders)), fence=entry.fence)
+        message = owner.partition("/")[0]
+        others = [name for name in entry.reserved if name != message]
+        if len(entry.holders) + len(others) >= limit:
+            return Acquisition(False, holder=next(iter([*entry.holders, *others])), fence=entry.fence)
+        if entry.reserved.pop(message, None) is None and ahead is not None and ahead(entry):
+            self._entries[key] = entry
+            return Acquisition(False, fence=entry.fence)
         self._last_fence = entry.fence = max(self._last_fence + 1, _unix_us())
         entry.holders[owner] = now + (provisional if short else ttl)
         entry.taken(lock, lock_args)
@@ -235,29 +253,90 @@ class StubBackend(Reschedules, NewestWins):
         return EnqueueRecord(old.taken_at, now + provisional_for if provisional_for else 0, where, before)
 
     def start(
-        self, key: str, owner: str, *, ttl: int, limit: int, lock: str, copy: Copy, queue_key: Optional[str] = None
+        self,
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        limit: int,
+        lock: str,
+        copy: Copy,
+        queue_key: Optional[str] = None,
+        order: Optional[int] = None,
+        reserve: int = DEFAULT_RESERVE,
     ) -> Start:
         with self._mutex:
-            verdict = self._claim(copy, write=True)
-            if verdict is not None:
-                return Start(Acquisition(False, refused=verdict))
-            got = self._take(key, owner, ttl=ttl, limit=limit, lock=lock, lock_args=copy.lock_args)
             record = self._live_record(copy)
-            if got.acquired and not got.reentered and record is not None:
+            if record is not None and self._verdict(record, copy) is not None:
+                verdict = self._claim(copy, write=True)  # it arrived: settle the record
+                assert verdict is not None
+                by = record.finished_by if verdict == CopyVerdict.DONE else None
+                return Start(Acquisition(False, refused=verdict), duplicate_of=by)
+            handed: list[tuple[str, bytes]] = []
+
+            def ahead(entry: _Entry) -> bool:
+                promoted = self._promote_older(key, entry, copy.message_id, order, reserve)
+                if promoted is not None:
+                    handed.append(promoted)
+                return promoted is not None
+
+            got = self._take(key, owner, ttl=ttl, limit=limit, lock=lock, lock_args=copy.lock_args, ahead=ahead)
+            promoted = handed[0][1] if handed else None
+            if handed:  # as start.lua: the waiter it went to holds it
+                got = got._replace(holder=handed[0][0])
+            if not got.acquired:
+                if self._in_line(copy):
+                    return Start(got, in_line=True, promoted=promoted, free_in=self._free_in(key))
+                self._claim(copy, write=True)
+                return Start(got, promoted=promoted)
+            self._claim(copy, write=True)
+            record = self._live_record(copy)
+            if not got.reentered and record is not None:
                 record.runner, record.ran = owner, (copy.attempt, copy.via, copy.retries)
-            if not got.acquired or queue_key is None:
+            if queue_key is None:
                 return Start(got)
             return Start(got, queue_released=self._drop(queue_key, copy.message_id)[0])
 
-    def release(self, key: str, owner: str, *, hand_over: bool = True) -> Release:
+    def _free_in(self, key: str) -> int:
+        """The PTTL of start.lua: until the last holder or reservation runs out."""
+        entry = self._entries.get(key)
+        deadlines = [*entry.holders.values(), *entry.reserved.values()] if entry is not None else []
+        return max(deadlines) - _now_ms() if deadlines else -2
+
+    def _in_line(self, copy: Copy) -> bool:
+        waiters = self._live_waiters(copy.key)
+        return waiters is not None and copy.message_id in waiters.order
+
+    def _promote_older(
+        self, key: str, entry: _Entry, message_id: str, order: Optional[int], reserve: int
+    ) -> Optional[tuple[str, bytes]]:
+        """ahead() of start.lua: hand a free slot to the oldest waiter
+        when it was sent before ``order`` (None: always) and is not
+        ``message_id``; its message id and message, or None.
+        """
+        waiters = self._live_waiters(key)
+        if waiters is None or not waiters.order:
+            return None
+        head = min(waiters.order, key=lambda name: waiters.order[name][0])
+        if head == message_id or (order is not None and waiters.order[head][0] >= order):
+            return None
+        entry.reserved[head] = _now_ms() + reserve
+        return head, waiters.order.pop(head)[1]
+
+    def release(
+        self, key: str, owner: str, *, hand_over: bool = True, succeeded: bool = False, reserve: int = DEFAULT_RESERVE
+    ) -> Release:
         with self._mutex:
             held, present = self._drop(key, owner)
             ran = Copy(key, owner.partition("/")[0])
             record = self._live_record(ran)
             if record is not None and record.runner == owner:
                 attempt, via, retries = record.ran
-                self._finish(record, ran._replace(attempt=attempt, via=via, retries=retries))
-            return Release(held, self._promote(key) if hand_over and present else None)
+                if succeeded:
+                    self._finish(record, ran._replace(attempt=attempt, via=via, retries=retries), owner)
+                else:
+                    record.runner = None  # a failed run: its next copy runs
+            return Release(held, self._promote(key, reserve) if hand_over and present else None)
 
     def _drop(self, key: str, owner: str) -> tuple[bool, bool]:
         """Remove ``owner``: whether it held a live slot, and whether it
@@ -287,11 +366,16 @@ class StubBackend(Reschedules, NewestWins):
             return None
         return record
 
-    def _promote(self, key: str) -> Optional[bytes]:
+    def _promote(self, key: str, reserve: int) -> Optional[bytes]:
+        """Pop the longest waiter and reserve the freed slot for it."""
         waiters = self._live_waiters(key)
         if waiters is None or not waiters.order:
             return None
         message_id = min(waiters.order, key=lambda name: waiters.order[name][0])
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = _Entry()
+        entry.reserved[message_id] = _now_ms() + reserve
         return waiters.order.pop(message_id)[1]
 
     def _unwait(self, copy: Copy) -> bool:
@@ -327,12 +411,12 @@ class StubBackend(Reschedules, NewestWins):
             return CopyVerdict.LOST
         return None
 
-    def _finish(self, record: _Record, copy: Copy) -> None:
+    def _finish(self, record: _Record, copy: Copy, by: str) -> None:
         # finish() of _claim.lua: later copies with no more retries are duplicates.
         if self._unwait(copy):
             record.out.discard((record.attempt, "handoff"))
         record.attempt, record.winner, record.finished = copy.attempt, copy.via, copy.retries
-        record.finished_as, record.runner = (copy.attempt, copy.via, copy.retries), None
+        record.finished_as, record.runner, record.finished_by = (copy.attempt, copy.via, copy.retries), None, by
         self._settle(record)
 
     @staticmethod
@@ -341,11 +425,11 @@ class StubBackend(Reschedules, NewestWins):
         if record.finished is not None and not record.out:
             record.expires_at = min(record.expires_at, _now_ms() + DUPLICATE_WINDOW)
 
-    def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> None:
+    def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> int:
         with self._mutex:
             recorded = self._live_record(copy)
             if recorded is not None and recorded.attempt >= copy.attempt:
-                return  # sent again after a lost reply: as wait.lua, it changes nothing
+                return 0  # sent again after a lost reply: as wait.lua, it changes nothing
             expires_at = _now_ms() + ttl
             record = recorded or _Record(copy.attempt, "", expires_at)
             record.attempt, record.winner, record.expires_at = copy.attempt, "", expires_at
@@ -354,17 +438,16 @@ class StubBackend(Reschedules, NewestWins):
             waiters = self._live_waiters(copy.key) or self._waiters.setdefault(copy.key, _Waiters())
             waiters.order[copy.message_id] = (order, message)
             waiters.expires_at = expires_at
+            return sum(1 for other, _ in waiters.order.values() if other < order)
 
     def claim(self, copy: Copy) -> bool:
         with self._mutex:
-            record = self._live_record(copy)
-            if record is not None and record.finished_as == (copy.attempt, copy.via, copy.retries):
-                return True  # the same copy claiming again, as claim.lua
+            # As claim.lua: the retired copy wins its attempt, and finishes nothing.
             if self._claim(copy, write=True) is not None:
                 return False
             record = self._live_record(copy)
             if record is not None:
-                self._finish(record, copy)
+                record.runner = None
             return True
 
     def _fence(self, entry: _Entry) -> int:
@@ -533,7 +616,7 @@ class StubBackend(Reschedules, NewestWins):
         with self._mutex:
             now = _now_ms()
             entry = self._live(key, now)
-            if entry is None:
+            if entry is None or not entry.holders:
                 return None
             offset = _unix_ms() - now
             holders = {owner: deadline + offset for owner, deadline in entry.holders.items()}
@@ -553,7 +636,7 @@ class StubBackend(Reschedules, NewestWins):
         with self._mutex:
             now = _now_ms()
             match = glob_pattern(pattern).fullmatch
-            keys = [key for key in list(self._entries) if self._live(key, now) and match(key)]
+            keys = [key for key in list(self._entries) if _held(self._live(key, now)) and match(key)]
         return iter(sorted(keys))
 
     def delete(self, key: str) -> bool:

@@ -78,12 +78,24 @@ class LockService:
         """
         return f"{self.settings.prefix}:{spec.scope}:{{{digest}}}:{phase}"
 
-    def emit(self, name: str, spec: "ActorSpec", key: str, message: Any, holder: Optional[str] = None) -> None:
+    def emit(
+        self,
+        name: str,
+        spec: "ActorSpec",
+        key: str,
+        message: Any,
+        holder: Optional[str] = None,
+        *,
+        reason: Optional[str] = None,
+    ) -> None:
         """Count a lock event and pass it to the listeners."""
         listeners = self.events.tally(name, spec.actor_name)
         if listeners:  # two events a job: built only for someone
             message_id = getattr(message, "message_id", None)
-            event = LockEvent(name, spec.actor_name, key, message_id, message_id_of(holder) if holder else None)
+            if reason is None:
+                event = LockEvent(name, spec.actor_name, key, message_id, message_id_of(holder) if holder else None)
+            else:  # a skipped copy names its reason, and the run it duplicates as a whole owner
+                event = LockEvent(name, spec.actor_name, key, message_id, holder, reason)
             self.events.tell(listeners, event)
 
     def backend_error(

@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from dramatiq.logging import get_logger
 
-from ..backends.base import BatchedReleases, Copy, Release, Start
+from ..backends.base import DEFAULT_RESERVE, BatchedReleases, Copy, Release, Releasing, Start
 from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread
 from ..clock import now_ms
 from ..forks import pid
@@ -90,9 +90,21 @@ class PendingRelease:
     done: Callable[[Outcome], Optional[Callable[[], None]]]
     submitted_at: float = field(default_factory=now_ms)
     resent: bool = False  # sent again after a call that may have applied it was broken
-    #: Further keyword arguments of the release call, kept as given when
-    #: the release is handed on at shutdown.
-    options: dict[str, Any] = field(default_factory=dict)
+    #: The run succeeded: its release finishes its message (see LockBackend.release).
+    succeeded: bool = False
+    #: How long the slot handed to a waiter stays reserved for it, in ms.
+    reserve: int = DEFAULT_RESERVE
+
+    def releasing(self) -> Releasing:
+        """What :meth:`LockBackend.release_many` is given for it."""
+        return Releasing(self.key, self.owner, self.succeeded, self.reserve)
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The release call's keyword arguments, as a stopping worker
+        hands the release on to the next (:mod:`.owed`).
+        """
+        return {"succeeded": self.succeeded, "reserve": self.reserve}
 
 
 #: A release and what its report left to do on the releaser thread.
@@ -174,7 +186,17 @@ class Releaser:
             self.on_stalled(stalled)
 
     def start(
-        self, key: str, owner: str, *, ttl: int, limit: int, lock: str, copy: Copy, queue_key: Optional[str] = None
+        self,
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        limit: int,
+        lock: str,
+        copy: Copy,
+        queue_key: Optional[str] = None,
+        order: Optional[int] = None,
+        reserve: int = DEFAULT_RESERVE,
     ) -> Start:
         """:meth:`LockBackend.start`, with the releases pending now sent
         in front of it, in the same round trip.  (Keywords spelled out:
@@ -186,10 +208,13 @@ class Releaser:
         """
         riders = self._board()
         if not riders:
-            return self.backend.start(key, owner, ttl=ttl, limit=limit, lock=lock, copy=copy, queue_key=queue_key)
+            return self.backend.start(
+                key, owner, ttl=ttl, limit=limit, lock=lock, copy=copy, queue_key=queue_key, order=order,
+                reserve=reserve,
+            )
         try:
             outcomes, started = self.backend.release_and_start(
-                [(pending.key, pending.owner) for pending in riders],
+                [pending.releasing() for pending in riders],
                 key,
                 owner,
                 ttl=ttl,
@@ -197,6 +222,8 @@ class Releaser:
                 lock=lock,
                 copy=copy,
                 queue_key=queue_key,
+                order=order,
+                reserve=reserve,
             )
         except Exception as e:
             outcomes, started = [e] * len(riders), e
@@ -375,7 +402,7 @@ class Releaser:
         if not batch:
             return []
         try:
-            outcomes = self.backend.release_many([(pending.key, pending.owner) for pending in batch])
+            outcomes = self.backend.release_many([pending.releasing() for pending in batch])
         except Exception as e:
             return [e] * len(batch)
         if self._stall_reported:

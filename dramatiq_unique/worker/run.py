@@ -52,8 +52,24 @@ if TYPE_CHECKING:
 SKIP_REASONS = {
     CopyVerdict.STALE: "it was rescheduled again, and a later copy of it runs",
     CopyVerdict.LOST: "the other copy of its reschedule arrived first",
-    CopyVerdict.DONE: "it is a second copy of a run that has ended",
+    CopyVerdict.DONE: "it duplicates a run of its message that succeeded",
 }
+
+#: A slot handed to a waiter stays reserved for its message this many
+#: reschedule delays (the longest a delayed copy of it takes to come,
+#: when its hand-off copy is lost), plus RESERVE_SLACK milliseconds.
+RESERVE_DELAYS = 2
+RESERVE_SLACK = 1_000
+
+#: A delayed copy that comes back while its message is still in line
+#: waits twice as long each time, at most this many reschedule delays.
+MAX_BACKOFF = 8
+
+#: A waiter with more than this many waiters ahead of it sends its first
+#: delayed copy twice as late, four times past twice as many, and so on
+#: (at most MAX_BACKOFF delays): its hand-off comes long before, and its
+#: delayed copy, a fallback, would only come back to wait again.
+LINE_STEP = 100
 
 
 class RunHelpers(NamedTuple):
@@ -165,6 +181,8 @@ class ProcessGuard:
                 lock=spec.lock.name,
                 copy=copy_of(raw, key),
                 queue_key=queue_key,
+                order=send_order(raw),
+                reserve=self.reserve(spec),
             )
         except Exception as e:
             error = service.backend_error("take the run lock", key, spec, message, e)
@@ -174,10 +192,14 @@ class ProcessGuard:
                 return
             raise error from e
         got, state.claimed = started.acquisition, True
+        if started.promoted is not None:
+            self._promote(broker, key, started.promoted)  # the free key went to an older waiter
         if not got.acquired:
             state.run_key = state.run_owner = None
             if got.refused:
-                self._skip_copy(message, state, got.refused)
+                self._skip_copy(message, state, got.refused, started.duplicate_of)
+            if started.in_line and spec.server == "reschedule":
+                self._wait_longer(broker, message, state, key, started.free_in)
             self._on_conflict(broker, message, state, key, got.holder)
         if queue_key is not None:
             self._queue_lock_released(message, state, queue_key, started.queue_released)
@@ -209,14 +231,69 @@ class ProcessGuard:
         if not may_run:
             self._skip_copy(message, state, CopyVerdict.LOST)
 
-    def _skip_copy(self, message: "MessageProxy", state: Delivery, verdict: CopyVerdict) -> NoReturn:
-        """Skip a copy of a message that another copy of it stands for."""
+    def _skip_copy(
+        self, message: "MessageProxy", state: Delivery, verdict: CopyVerdict, duplicate_of: Optional[str] = None
+    ) -> NoReturn:
+        """Skip a copy of a message that another copy of it stands for.
+        A duplicate of a run that succeeded is said at INFO, naming that
+        run: it is the one skip of a message that may be an operator's
+        replay.
+        """
         state.keeps_queue_lock = state.quiet_skip = True  # the copy that runs owns the message's locks
         store_nothing(message)
         reason = SKIP_REASONS[verdict]
-        self.service.emit("skipped", state.spec, self.service.key(state.spec, state.digest, "run"), message)
-        self.service.logger.debug("Skipped %s: %s.", message, reason)
+        key = self.service.key(state.spec, state.digest, "run")
+        self.service.emit("skipped", state.spec, key, message, duplicate_of, reason=verdict.value)
+        if verdict is CopyVerdict.DONE:
+            self.service.logger.info(
+                "Skipped %s: it duplicates run %s of message %s, which succeeded (lock %r).",
+                message,
+                duplicate_of or "?",
+                message.message_id,
+                key,
+            )
+        else:
+            self.service.logger.debug("Skipped %s: %s.", message, reason)
         raise CopySkipped(f"skipped: {reason}")
+
+    def reserve(self, spec: ActorSpec) -> int:
+        """How long a slot handed to a waiter of ``spec`` stays reserved
+        for it, in milliseconds.
+        """
+        return RESERVE_DELAYS * self._delay(spec) + RESERVE_SLACK
+
+    def _delay(self, spec: ActorSpec) -> int:
+        return spec.reschedule_delay if spec.reschedule_delay is not None else self.service.settings.reschedule_delay
+
+    def _wait_longer(
+        self, broker: "Broker", message: "MessageProxy", state: Delivery, key: str, free_in: Optional[int]
+    ) -> NoReturn:
+        """A delayed copy came back while its message is still in line:
+        the backend changed nothing, and it only comes back later, each
+        time twice as late (at most ``MAX_BACKOFF`` delays), but no later
+        than just after the key's holder runs out (``free_in``), should
+        it die: then the first copy to arrive hands the key to the oldest
+        waiter.  Should the enqueue fail, it is rescheduled as a new
+        attempt (:meth:`_reschedule`).
+        """
+        service, spec = self.service, state.spec
+        waits = message.options.get("unique_waits", 0) + 1
+        base = self._delay(spec)
+        delay = base * min(2**waits, MAX_BACKOFF) * random.uniform(0.8, 1.2)
+        if free_in is not None and free_in >= 0:
+            delay = min(delay, free_in + base * random.uniform(0.05, 0.25))
+        try:
+            broker.enqueue(message.copy(options={"unique_waits": waits}), delay=int(delay))
+        except Exception:
+            # It may have been applied.  A retry of this very copy would have one retry more than
+            # the run that the key is handed to, and run after it: reschedule anew instead, as a
+            # new attempt (the possibly queued copy is then stale), with its own stand-in.
+            self._reschedule(broker, message, state, key)
+        state.keeps_queue_lock = state.quiet_skip = True
+        store_nothing(message)
+        service.emit("rescheduled", spec, key, message)
+        service.logger.debug("Rescheduled %s again: it is still in line for run lock %r.", message, key)
+        raise Rescheduled(f"run lock {key!r} is held; still in line")
 
     def _on_conflict(
         self, broker: "Broker", message: "MessageProxy", state: Delivery, key: str, holder: Optional[str]
@@ -240,8 +317,8 @@ class ProcessGuard:
     def _reschedule(self, broker: "Broker", message: "MessageProxy", state: Delivery, key: str) -> NoReturn:
         service, spec = self.service, state.spec
         attempt = message.options.get("unique_reschedules", 0) + 1
-        base = spec.reschedule_delay if spec.reschedule_delay is not None else service.settings.reschedule_delay
-        options = {"unique_reschedules": attempt, "unique_digest": state.digest}
+        base = self._delay(spec)
+        options = {"unique_reschedules": attempt, "unique_digest": state.digest, "unique_waits": 0}
         # Register before enqueueing: a delayed copy that arrived first
         # would find no record, and the hand-off would run it again.
         try:
@@ -249,14 +326,16 @@ class ProcessGuard:
             waiting = Copy(key, message.message_id, attempt, "handoff")
             order, ttl = send_order(message), service.settings.lock_ttl
             rescheduling = Reschedules.require(service.locks, feature="on_conflict='reschedule'")
-            rescheduling.wait(waiting, handed.encode(), order=order, ttl=ttl)
+            ahead = rescheduling.wait(waiting, handed.encode(), order=order, ttl=ttl)
         except Exception as e:
             # It may have been applied: a hand-off copy of the attempt may come.
             self._stand_in(message, state, attempt)
             raise service.backend_error("register a message waiting for", key, spec, message, e) from e
         try:
             delayed = message.copy(options={**options, "unique_via": "delay"})
-            broker.enqueue(delayed, delay=int(base * random.uniform(0.8, 1.2)))
+            # (a backend written against the older wait, which returned None, has no line to tell)
+            factor = _line_factor(ahead if isinstance(ahead, int) else 0)
+            broker.enqueue(delayed, delay=int(base * factor * random.uniform(0.8, 1.2)))
         except Exception as e:
             # It may have been applied: the delayed copy may be queued.
             self._stand_in(message, state, attempt)
@@ -325,15 +404,20 @@ class ProcessGuard:
         )
         service.emit("lock_lost", state.spec, key, message)
 
-    def end_run(self, broker: "Broker", message: "MessageProxy", state: Delivery) -> None:
+    def end_run(self, broker: "Broker", message: "MessageProxy", state: Delivery, *, succeeded: bool) -> None:
         """Release the run lock of this delivery, once, and hand the key
         to its longest waiter: in the background when the backend
         batches releases (see :mod:`dramatiq_unique.worker.releaser`).
+        ``succeeded``: the run leaves nothing to do, and finishes its
+        message (a failed run never does, whatever becomes of its retry).
         """
         if state.run_key is None or state.run_owner is None:
             return
         service = self.service
-        if state.coroutine is not None and state.coroutine.defer(lambda: self.end_run(broker, message, state)):
+        coroutine = state.coroutine
+        if coroutine is not None and coroutine.defer(
+            partial(self.end_run, broker, message, state, succeeded=succeeded)
+        ):
             service.logger.error(
                 "Message %s is still running after it was interrupted: its run lock %r is kept until it ends.",
                 message,
@@ -347,13 +431,14 @@ class ProcessGuard:
         if lease is not None:
             self.run.leases().drop(lease)
         # A partial, not a closure: one Python frame less per release.
-        done = partial(self._released, broker, message, spec, key, owner, lease, confirmed)
+        done = partial(self._released, broker, message, spec, key, owner, lease, confirmed, succeeded)
         releaser = self.run.releaser()
+        reserve = self.reserve(spec)
         if releaser is not None:
-            releaser.submit(PendingRelease(key, owner, spec.actor_name, done))
+            releaser.submit(PendingRelease(key, owner, spec.actor_name, done, succeeded=succeeded, reserve=reserve))
             return
         try:
-            outcome: Outcome = self.backend.release(key, owner)
+            outcome: Outcome = self.backend.release(key, owner, succeeded=succeeded, reserve=reserve)
         except Exception as e:
             outcome = e
         hand_over = done(outcome)
@@ -369,10 +454,12 @@ class ProcessGuard:
         owner: str,
         lease: Optional[Lease],
         confirmed: bool,
+        succeeded: bool,
         outcome: Outcome,
     ) -> Optional[Callable[[], None]]:
         """Report a release; return the hand-off to do, if it handed the
         key to a waiter: the caller does it where no job waits for it.
+        A release that failed is sent again saying how the run ended.
         """
         service = self.service
         if isinstance(outcome, Exception):
@@ -380,7 +467,7 @@ class ProcessGuard:
             # Sent again off this thread until it lands or the lease has run out.
             until = lease.expires_at if lease is not None else time.monotonic() * 1000 + service.settings.lease
             landed = partial(self._released_again, broker, message, spec, key)
-            self.run.release_retries().submit(FailedRelease(key, owner, until, landed))
+            self.run.release_retries().submit(FailedRelease(key, owner, until, landed, succeeded=succeeded))
             return None
         if outcome.held:
             service.emit("released", spec, key, message)
@@ -441,6 +528,16 @@ class ProcessGuard:
             message_id_of(owner),
         )
         self.service.events.emit(LockEvent("lock_lost", actor, key, message_id_of(owner)))
+
+
+def _line_factor(ahead: int) -> int:
+    """How many reschedule delays the first delayed copy of a waiter
+    with ``ahead`` waiters ahead of it waits.
+    """
+    factor = 1
+    while ahead > LINE_STEP * factor and factor < MAX_BACKOFF:
+        factor *= 2
+    return factor
 
 
 def _age_limit(stack: list[Any]) -> Optional[AgeLimit]:

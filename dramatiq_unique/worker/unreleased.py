@@ -69,8 +69,8 @@ class FailedRelease:
       landed(callable): Called on the retry thread with the
         :class:`Release` once a retry is applied; it may return work to
         do next (a hand-off), done there too.
-      options(dict): Further keyword arguments of the release call,
-        kept as given when the release is handed on at shutdown.
+      succeeded(bool): The run succeeded: the release finishes its
+        message (see ``LockBackend.release``).
     """
 
     key: str
@@ -79,7 +79,14 @@ class FailedRelease:
     landed: Callable[[Release], Optional[Callable[[], None]]]
     due: float = 0.0
     wait: float = DEFAULT_FIRST_RETRY
-    options: dict[str, Any] = field(default_factory=dict)
+    succeeded: bool = False
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The release call's keyword arguments, as a stopping worker
+        hands the release on to the next (:mod:`.owed`).
+        """
+        return {"succeeded": self.succeeded}
 
 
 class ReleaseRetries:
@@ -233,7 +240,8 @@ class ReleaseRetries:
 
     def _send(self, batch: list[FailedRelease]) -> None:
         try:
-            outcomes: list[Union[Release, Exception]] = self.backend.release_many([(f.key, f.owner) for f in batch])
+            locks = [(f.key, f.owner, f.succeeded) for f in batch]
+            outcomes: list[Union[Release, Exception]] = self.backend.release_many(locks)
         except Exception as e:
             outcomes = [e] * len(batch)
         again = []

@@ -28,6 +28,7 @@ except ModuleNotFoundError as e:  # tested in a subprocess: tests/test_install.p
 from ...errors import ConfigurationError, LockBackendError
 from ...settings import DEFAULT_MIN_REPLICAS, DEFAULT_MIN_REPLICAS_TIMEOUT
 from ..base import (
+    DEFAULT_RESERVE,
     Acquisition,
     BatchedReleases,
     Copy,
@@ -40,6 +41,7 @@ from ..base import (
     NativeExtender,
     NewestWins,
     Release,
+    Releasing,
     RenewsNatively,
     Replacement,
     ReplaceStatus,
@@ -184,7 +186,15 @@ def _copy_args(copy: Copy) -> list[Any]:
 
 
 def _start_call(
-    key: str, owner: str, ttl: int, limit: int, lock: str, copy: Copy, queue_key: Optional[str] = None
+    key: str,
+    owner: str,
+    ttl: int,
+    limit: int,
+    lock: str,
+    copy: Copy,
+    queue_key: Optional[str] = None,
+    order: Optional[int] = None,
+    reserve: int = DEFAULT_RESERVE,
 ) -> tuple[list[str], list[Any]]:
     """start.lua's keys and arguments: every job's, so spelled out
     rather than built from :func:`_records` and :func:`_copy_args`.
@@ -192,7 +202,8 @@ def _start_call(
     keys = [key, f"{key}:m:{copy.message_id}", f"{key}:wait", f"{key}:bodies"]  # _records(copy), inline
     if queue_key:
         keys.append(queue_key)
-    args = [owner, ttl, limit, lock, copy.message_id, copy.attempt, copy.via, copy.retries]
+    place = "" if order is None else order
+    args = [owner, ttl, limit, lock, copy.message_id, copy.attempt, copy.via, copy.retries, place, reserve]
     if copy.lock_args is not None:  # only under record_lock_args: the default call is unchanged
         args.append(copy.lock_args)
     return keys, args
@@ -247,12 +258,21 @@ def _acquisition(reply: Any, owner: str) -> Acquisition:
 
 def _start(reply: Any, owner: str) -> Start:
     """start.lua's reply: fence * 2 + the queue flag (a fresh slot), or
-    {status, holder, fence, queue}.
+    {status, holder, fence, queue[, extra]}: status 4 is a conflict of a
+    copy still in line; extra the promoted waiter's message (status 0
+    or 4) or the owner of the run a "done" copy duplicates (status 3).
     """
     if isinstance(reply, int):  # Acquisition(True, holder=owner, fence=reply >> 1), and the queue flag
-        return _new(Start, (_new(Acquisition, (True, False, owner, reply >> 1, False, None)), bool(reply & 1)))
-    status, holder, fence, queue = reply
-    return Start(_acquisition([status, holder, fence, 0], owner), queue_released=bool(queue))
+        acquired = _new(Acquisition, (True, False, owner, reply >> 1, False, None))
+        return _new(Start, (acquired, bool(reply & 1), False, None, None, None))
+    status, holder, fence, queue = reply[:4]
+    extra = reply[4] if len(reply) > 4 else None
+    if status == 3:
+        return Start(_acquisition([status, holder, fence, 0], owner), duplicate_of=as_text(extra) if extra else None)
+    in_line = status == 4
+    acquisition = _acquisition([0 if in_line else status, holder, fence, 0], owner)
+    free_in = int(reply[5]) if in_line and len(reply) > 5 else None
+    return Start(acquisition, queue_released=bool(queue), in_line=in_line, promoted=extra or None, free_in=free_in)
 
 
 def _release(reply: Any) -> Release:
@@ -263,11 +283,20 @@ def _release(reply: Any) -> Release:
     return Release(bool(held), promoted or None)
 
 
-def _release_calls(locks: Sequence[tuple[str, str]]) -> list[Call]:
+def _release_args(owner: str, hand_over: bool, succeeded: bool, reserve: int) -> list[Any]:
+    return [owner, int(hand_over), _message_of(owner), int(succeeded), reserve]
+
+
+def _release_calls(locks: Sequence[tuple[Any, ...]]) -> list[Call]:
     """release.lua calls that hand each slot over (the keys of
     :func:`_waiting` spelled out: every job makes one).
     """
-    return [("release", _release_keys(key, owner), [owner, 1, _message_of(owner)]) for key, owner in locks]
+    calls: list[Call] = []
+    for lock in locks:
+        one = Releasing(*lock)
+        calls.append(("release", _release_keys(one.key, one.owner), _release_args(one.owner, True, one.succeeded,
+                                                                                  one.reserve)))
+    return calls
 
 
 def _releases(replies: Sequence[Any]) -> list[Union[Release, Exception]]:
@@ -524,9 +553,19 @@ class RedisBackend(Reschedules, NewestWins, SendsWithPublish, BatchedReleases, R
         return Acquisition(status in (1, 2), reentered=status == 2, holder=as_text(holder), fence=int(fence))
 
     def start(
-        self, key: str, owner: str, *, ttl: int, limit: int, lock: str, copy: Copy, queue_key: Optional[str] = None
+        self,
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        limit: int,
+        lock: str,
+        copy: Copy,
+        queue_key: Optional[str] = None,
+        order: Optional[int] = None,
+        reserve: int = DEFAULT_RESERVE,
     ) -> Start:
-        keys, args = _start_call(key, owner, ttl, limit, lock, copy, queue_key)
+        keys, args = _start_call(key, owner, ttl, limit, lock, copy, queue_key, order, reserve)
         if self.calls is None:
             return _start(self._call("start", keys, args), owner)
         # Every job makes this call: shared with other worker threads' of the moment.
@@ -557,13 +596,16 @@ class RedisBackend(Reschedules, NewestWins, SendsWithPublish, BatchedReleases, R
         lock: str,
         copy: Copy,
         queue_key: Optional[str] = None,
+        order: Optional[int] = None,
+        reserve: int = DEFAULT_RESERVE,
     ) -> tuple[list[Union[Release, Exception]], Union[Start, Exception]]:
         if self.calls is None:
             return release_then_start(
-                self, releases, key, owner, ttl=ttl, limit=limit, lock=lock, copy=copy, queue_key=queue_key
+                self, releases, key, owner, ttl=ttl, limit=limit, lock=lock, copy=copy, queue_key=queue_key,
+                order=order, reserve=reserve,
             )
         calls = _release_calls(releases)
-        calls.append(("start", *_start_call(key, owner, ttl, limit, lock, copy, queue_key)))
+        calls.append(("start", *_start_call(key, owner, ttl, limit, lock, copy, queue_key, order, reserve)))
         replies = self.calls.batch(calls, grouped=True, trailer=self.wait_command)
         acked = replies.pop() if self.wait_command is not None else None
         reply = replies.pop()
@@ -577,16 +619,19 @@ class RedisBackend(Reschedules, NewestWins, SendsWithPublish, BatchedReleases, R
             return _releases(replies), e
         return _releases(replies), started
 
-    def release(self, key: str, owner: str, *, hand_over: bool = True) -> Release:
-        return _release(self._call("release", _release_keys(key, owner), [owner, int(hand_over), _message_of(owner)]))
+    def release(
+        self, key: str, owner: str, *, hand_over: bool = True, succeeded: bool = False, reserve: int = DEFAULT_RESERVE
+    ) -> Release:
+        args = _release_args(owner, hand_over, succeeded, reserve)
+        return _release(self._call("release", _release_keys(key, owner), args))
 
-    def release_many(self, locks: Sequence[tuple[str, str]]) -> list[Union[Release, Exception]]:
+    def release_many(self, locks: Sequence[tuple[Any, ...]]) -> list[Union[Release, Exception]]:
         if self.calls is None or len(locks) < 2:
             return super().release_many(locks)
         return _releases(self.calls.batch(_release_calls(locks)))
 
-    def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> None:
-        self._call("wait", _records(copy), [copy.message_id, message, order, copy.attempt, ttl])
+    def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> int:
+        return int(self._call("wait", _records(copy), [copy.message_id, message, order, copy.attempt, ttl]) or 0)
 
     def claim(self, copy: Copy) -> bool:
         return bool(self._call("claim", _records(copy), _copy_args(copy)))

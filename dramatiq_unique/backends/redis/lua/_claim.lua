@@ -10,9 +10,12 @@
 --   many there are;
 -- * "runner", "ran": the owner of the run lock the record's message
 --   runs under, and "<attempt>|<via>|<retries>" of the copy it runs as;
--- * "finished": the Retries count of the copy whose run ended (or that
---   was retired): a copy with no more retries is a duplicate of it;
---   "finished_as": that copy, "<attempt>|<via>|<retries>".
+-- * "finished": the Retries count of the copy whose run succeeded: a
+--   copy with no more retries is a duplicate of it; "finished_as": that
+--   copy, "<attempt>|<via>|<retries>", and "finished_by": the run lock
+--   owner it ran under.  Only a run that leaves nothing to do finishes
+--   its message: a failed run, a retired (dead-lettered) copy never do,
+--   so their next copy (a retry, a redelivery, a replay) runs.
 --
 -- claim(record, wait, bodies, id, attempt, via, write, retries) returns
 -- "run", "stale" (a copy of an earlier attempt), "lost" (another copy
@@ -48,20 +51,25 @@ local function settle(record)
   if left < 0 or left > DUPLICATE_WINDOW then redis.call("PEXPIRE", record, DUPLICATE_WINDOW) end
 end
 
--- The run of a message ended, or its winning copy was retired: later
--- copies with no more retries than it are duplicates.  A waiter that a
--- duplicate registered meanwhile is withdrawn, and the record goes back
--- to the finished copy's attempt, so that its Retries copy may run.
-local function finish(record, wait, bodies, id, attempt, via, retries)
+-- The run of a message succeeded: later copies with no more retries
+-- than it are duplicates.  A waiter that a duplicate registered
+-- meanwhile is withdrawn, and the record goes back to the finished
+-- copy's attempt.
+local function finish(record, wait, bodies, id, attempt, via, retries, by)
   if redis.call("ZREM", wait, id) == 1 then
     redis.call("HDEL", bodies, id)
     local current = redis.call("HGET", record, "attempt")
     if current then arrived(record, current, "handoff") end
   end
   redis.call("HSET", record, "attempt", attempt, "winner", via, "finished", retries,
-    "finished_as", attempt .. "|" .. via .. "|" .. retries)
+    "finished_as", attempt .. "|" .. via .. "|" .. retries, "finished_by", by or "")
   redis.call("HDEL", record, "runner", "ran")
   settle(record)
+end
+
+-- Whether message id is still in line for the key (a registered waiter).
+local function in_line(wait, id)
+  return redis.call("ZSCORE", wait, id) ~= false
 end
 
 local function claim(record, wait, bodies, id, attempt, via, write, retries)
@@ -85,4 +93,13 @@ local function claim(record, wait, bodies, id, attempt, via, write, retries)
   end
   if write and verdict ~= "run" then settle(record) end
   return verdict
+end
+
+-- Reserve a free slot of the lock hash key for message id, for ms
+-- (see _take.lua): the key lives at least as long.
+local function reserve(key, id, ms)
+  local time = redis.call("TIME")
+  local deadline = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000) + ms
+  redis.call("HSET", key, "!r:" .. id, string.format("%.0f", deadline))
+  if redis.call("PTTL", key) < ms then redis.call("PEXPIREAT", key, string.format("%.0f", deadline)) end
 end

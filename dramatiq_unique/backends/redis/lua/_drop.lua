@@ -3,8 +3,8 @@
 -- drop(key, owner) returns held, present: held 1 when the owner held a
 -- live slot, 0 when it was absent or had lapsed; present false when it
 -- was absent.  Lapsed holders count for nothing and are
--- dropped too, and the key is deleted with its last live holder, so it
--- never outlives its last live holder until its own expiry.
+-- dropped too, and the key is deleted with its last live holder (or
+-- reservation, see _take.lua), so it never outlives them.
 local function drop(key, owner)
   local deadline = redis.call("HGET", key, owner)
   if not deadline then return 0, false end
@@ -15,7 +15,9 @@ local function drop(key, owner)
   local fields = redis.call("HGETALL", key)
   for i = 1, #fields, 2 do
     local name = fields[i]
-    if string.sub(name, 1, 1) ~= "!" then
+    if string.sub(name, 1, 3) == "!r:" then
+      if tonumber(fields[i + 1]) > now then holders = holders + 1 end
+    elseif string.sub(name, 1, 1) ~= "!" then
       if tonumber(fields[i + 1]) > now then
         holders = holders + 1
       else

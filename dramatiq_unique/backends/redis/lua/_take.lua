@@ -19,7 +19,15 @@
 -- where (a run lock) still records when it was taken, with no place:
 -- "<taken ms>|0|\n".  Expired holders are dropped first; the key
 -- expires with its last holder's deadline.
-local function take(key, owner, ttl, limit, lock, args, provisional, where)
+--
+-- A run lock's release that hands the key to a waiter reserves the
+-- freed slot for the waiter's message: field "!r:<message id>" =
+-- deadline (server ms).  A live reservation counts as a holder for
+-- every owner but that message's own ("<message id>/<token>"), whose
+-- take consumes it.  ahead (optional): a function called when a slot
+-- is free for the owner and none is reserved for it; when it returns
+-- true (an older waiter is in line), nothing is taken and status is 5.
+local function take(key, owner, ttl, limit, lock, args, provisional, where, ahead)
   local time = redis.call("TIME")
   local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
   ttl, provisional = tonumber(ttl), tonumber(provisional or "0")
@@ -28,10 +36,21 @@ local function take(key, owner, ttl, limit, lock, args, provisional, where)
   local record = where ~= nil
   local fields = redis.call("HGETALL", key)
   local live, other, mine, latest, fence = 0, false, false, 0, 0
+  local message = string.match(owner, "^([^/]*)")
+  local reserved = false
   for i = 1, #fields, 2 do
     local name, value = fields[i], tonumber(fields[i + 1])
     if name == "!fence" then
       fence = value
+    elseif string.sub(name, 1, 3) == "!r:" then
+      if value <= now then
+        redis.call("HDEL", key, name)
+      elseif string.sub(name, 4) == message then
+        reserved = true
+      else
+        live, other = live + 1, string.sub(name, 4)
+        if value > latest then latest = value end
+      end
     elseif string.sub(name, 1, 1) ~= "!" then
       if value <= now then
         redis.call("HDEL", key, name, "!m:" .. name)
@@ -74,6 +93,11 @@ local function take(key, owner, ttl, limit, lock, args, provisional, where)
   end
   if live >= tonumber(limit) then
     return {0, other, fence, 0}
+  end
+  if reserved then
+    redis.call("HDEL", key, "!r:" .. message)
+  elseif ahead and ahead() then
+    return {5, false, fence, 0}
   end
   if pending > 0 then deadline = pending end
   fence = math.max(fence + 1, tonumber(time[1]) * 1000000 + tonumber(time[2]))

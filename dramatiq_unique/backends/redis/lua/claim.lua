@@ -7,13 +7,13 @@
 -- ARGV[1]  message id   ARGV[2] attempt   ARGV[3] via   ARGV[4] retries
 --
 -- Returns 1 when this copy was, or now is, the one that may run: it
--- is retired in its message's stead, which is then finished.
--- The same copy claiming again (a call sent again after its reply was
--- lost) is still the one retired.
-local as = ARGV[2] .. "|" .. ARGV[3] .. "|" .. ARGV[4]
-if redis.call("HGET", KEYS[1], "finished_as") == as then return 1 end
+-- is retired in its message's stead, as the winner of its attempt, so
+-- that the attempt's other copy is skipped.  The message is not
+-- finished: a replay of the retired copy runs.  The same copy claiming
+-- again (a call sent again after its reply was lost) is still the
+-- winner.
 if claim(KEYS[1], KEYS[2], KEYS[3], ARGV[1], tonumber(ARGV[2]), ARGV[3], true, tonumber(ARGV[4])) ~= "run" then
   return 0
 end
-if redis.call("EXISTS", KEYS[1]) == 1 then finish(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2], ARGV[3], ARGV[4]) end
+redis.call("HDEL", KEYS[1], "runner", "ran")
 return 1

@@ -12,6 +12,9 @@
 -- The caller also enqueues a delayed copy of the same attempt; the
 -- first of the two copies to arrive becomes the attempt's winner.
 --
+-- Returns how many waiters are ahead of this one (0 when it changed
+-- nothing).
+--
 -- Only the copy that won attempt - 1 waits for attempt, once: a wait
 -- that finds its attempt recorded was sent again after its reply was
 -- lost (a client retrying a dropped connection), and changes nothing.
@@ -25,4 +28,4 @@ expect(KEYS[1], ARGV[4], "handoff")
 redis.call("ZADD", KEYS[2], ARGV[3], ARGV[1])
 redis.call("HSET", KEYS[3], ARGV[1], ARGV[2])
 for i = 1, 3 do redis.call("PEXPIRE", KEYS[i], ARGV[5]) end
-return 1
+return redis.call("ZRANK", KEYS[2], ARGV[1])
