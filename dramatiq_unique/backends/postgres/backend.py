@@ -32,6 +32,7 @@ except ModuleNotFoundError as e:  # tested in a subprocess: tests/test_postgres.
 from ...errors import ConfigurationError, LockBackendError
 from ...forks import pid
 from ..base import (
+    DEFAULT_RESERVE,
     Acquisition,
     BatchedReleases,
     Copy,
@@ -375,31 +376,7 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
         )
 
     def start(
-        self, key: str, owner: str, *, ttl: int, limit: int, lock: str, copy: Copy, queue_key: Optional[str] = None
-    ) -> Start:
-        keys = [key, copy.key] + ([queue_key] if queue_key else [])
-        return self._locked(
-            keys, lambda stub: stub.start(key, owner, ttl=ttl, limit=limit, lock=lock, copy=copy, queue_key=queue_key)
-        )
-
-    def release(self, key: str, owner: str, *, hand_over: bool = True) -> Release:
-        return self._locked([key], lambda stub: stub.release(key, owner, hand_over=hand_over))
-
-    #: Releases go in one transaction, and ride in front of the next
-    #: start: the worker releases run locks in the background.
-    batches_releases = True
-
-    def release_many(self, locks: Sequence[tuple[str, str]]) -> list[Union[Release, Exception]]:
-        if not locks:
-            return []
-        try:
-            return self._locked([key for key, _ in locks], lambda stub: stub.release_many(locks))
-        except Exception as e:
-            return [e] * len(locks)
-
-    def release_and_start(
         self,
-        releases: Sequence[tuple[str, str]],
         key: str,
         owner: str,
         *,
@@ -408,13 +385,58 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
         lock: str,
         copy: Copy,
         queue_key: Optional[str] = None,
+        order: Optional[int] = None,
+        reserve: int = DEFAULT_RESERVE,
+    ) -> Start:
+        keys = [key, copy.key] + ([queue_key] if queue_key else [])
+        return self._locked(
+            keys,
+            lambda stub: stub.start(
+                key, owner, ttl=ttl, limit=limit, lock=lock, copy=copy, queue_key=queue_key, order=order,
+                reserve=reserve,
+            ),
+        )
+
+    def release(
+        self, key: str, owner: str, *, hand_over: bool = True, succeeded: bool = False, reserve: int = DEFAULT_RESERVE
+    ) -> Release:
+        return self._locked(
+            [key], lambda stub: stub.release(key, owner, hand_over=hand_over, succeeded=succeeded, reserve=reserve)
+        )
+
+    #: Releases go in one transaction, and ride in front of the next
+    #: start: the worker releases run locks in the background.
+    batches_releases = True
+
+    def release_many(self, locks: Sequence[tuple[Any, ...]]) -> list[Union[Release, Exception]]:
+        if not locks:
+            return []
+        try:
+            return self._locked([lock[0] for lock in locks], lambda stub: stub.release_many(locks))
+        except Exception as e:
+            return [e] * len(locks)
+
+    def release_and_start(
+        self,
+        releases: Sequence[tuple[Any, ...]],
+        key: str,
+        owner: str,
+        *,
+        ttl: int,
+        limit: int,
+        lock: str,
+        copy: Copy,
+        queue_key: Optional[str] = None,
+        order: Optional[int] = None,
+        reserve: int = DEFAULT_RESERVE,
     ) -> tuple[list[Union[Release, Exception]], Union[Start, Exception]]:
-        keys = [name for name, _ in releases] + [key, copy.key] + ([queue_key] if queue_key else [])
+        keys = [release[0] for release in releases] + [key, copy.key] + ([queue_key] if queue_key else [])
         try:
             return self._locked(
                 keys,
                 lambda stub: release_then_start(
-                    stub, releases, key, owner, ttl=ttl, limit=limit, lock=lock, copy=copy, queue_key=queue_key
+                    stub, releases, key, owner, ttl=ttl, limit=limit, lock=lock, copy=copy, queue_key=queue_key,
+                    order=order, reserve=reserve,
                 ),
             )
         except Exception as e:
@@ -442,8 +464,8 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
 
     # The reschedule protocol -------------------------------------------
 
-    def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> None:
-        self._locked([copy.key], lambda stub: stub.wait(copy, message, order=order, ttl=ttl))
+    def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> int:
+        return self._locked([copy.key], lambda stub: stub.wait(copy, message, order=order, ttl=ttl))
 
     def claim(self, copy: Copy) -> bool:
         return self._locked([copy.key], lambda stub: stub.claim(copy))
