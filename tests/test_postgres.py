@@ -28,6 +28,7 @@ from tests.postgres_server import PgBouncer, database_on, with_database
 
 KEY = "t:actor:{abc}:run"
 QUEUE_KEY = "t:actor:{abc}:queue"
+RUN_KEY = "t:other:{def}:run"
 
 
 def rows(backend: PostgresBackend) -> dict[str, dict]:
@@ -48,6 +49,10 @@ def busy_stub() -> StubBackend:
     stub.wait(Copy(KEY, "m3", 1, "handoff"), b"other", order=8, ttl=60_000)
     stub.start(KEY, "m2/1", ttl=60_000, limit=2, lock="while_executing", copy=Copy(KEY, "m2", 1, "delay", retries=1))
     stub.claim(Copy(KEY, "m3", 1, "delay"))
+    # a run that succeeded finishes its message's record
+    stub.wait(Copy(RUN_KEY, "m4", 1, "handoff"), b"m4", order=9, ttl=60_000)
+    stub.start(RUN_KEY, "m4/1", ttl=60_000, limit=1, lock="while_executing", copy=Copy(RUN_KEY, "m4", 1, "delay"))
+    stub.release(RUN_KEY, "m4/1", succeeded=True)
     replace_key = "t:newest:{x}:queue"
     stub.replace(replace_key, "r1", ttl=60_000, superseded_ttl=60_000, where="w1", debounce=100)
     stub.replace(replace_key, "r2", ttl=60_000, superseded_ttl=60_000, where="w2")
@@ -60,7 +65,7 @@ def parts(stub: StubBackend, key: str) -> tuple:
 
 def test_every_part_of_a_keys_state_survives_the_round_trip_through_json() -> None:
     stub = busy_stub()
-    for key in (KEY, QUEUE_KEY, "t:newest:{x}:queue"):
+    for key in (KEY, QUEUE_KEY, RUN_KEY, "t:newest:{x}:queue"):
         dumped = dump(stub, key)
         assert dumped.expires_at > 0
         again = StubBackend()
@@ -68,7 +73,7 @@ def test_every_part_of_a_keys_state_survives_the_round_trip_through_json() -> No
         assert parts(again, key) == parts(stub, key)
         assert dump(again, key) == dumped
     # what the busy stub holds is there to check: records with a run, a finish and bytes
-    assert stub._records[(KEY, "m2")].runner == "m2/1" and stub._records[(KEY, "m3")].finished is not None
+    assert stub._records[(KEY, "m2")].runner == "m2/1" and stub._records[(RUN_KEY, "m4")].finished is not None
     assert dump(stub, KEY).state["entry"]["holders"].keys() == {"holder/1", "m2/1"}
 
 
