@@ -122,7 +122,7 @@ class PrivatePostgres:
             try:
                 pwd.getpwnam("postgres")
             except KeyError:
-                raise BenchmarkError("initdb refuses root and there is no postgres user: pass --postgres URL.")
+                raise BenchmarkError("initdb refuses root, and there is no postgres user: pass a URL.") from None
             prefix = ["runuser", "-u", "postgres", "--"]
         done = subprocess.run(prefix + command, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
