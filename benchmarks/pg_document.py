@@ -1,0 +1,162 @@
+"""The "Locks in PostgreSQL" section of ``docs/performance.md``: written
+by ``python -m benchmarks --postgres`` between two markers, and kept as
+it is by the other runs, which rewrite the rest of the page.
+"""
+
+from __future__ import annotations
+
+from statistics import median
+from typing import Optional
+
+from .pg_costs import Cost
+from .pg_rounds import SETTINGS, TARGET, PgResults, table, verdicts
+from .workers import THREADS
+
+BEGIN = "<!-- postgres: written by `python -m benchmarks --postgres`; do not edit by hand -->"
+END = "<!-- postgres: end -->"
+
+
+def splice(page: str, section: str) -> str:
+    """``page`` with its PostgreSQL section replaced by ``section``, or
+    ``section`` appended when it has none.
+    """
+    kept = extract(page)
+    if kept is None:
+        return page.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
+    return page.replace(kept, section.rstrip("\n"))
+
+
+def extract(page: str) -> Optional[str]:
+    """The PostgreSQL section of ``page``, markers included, or None."""
+    start = page.find(BEGIN)
+    end = page.find(END, start)
+    if start < 0 or end < 0:
+        return None
+    return page[start : end + len(END)]
+
+
+def keep(new_page: str, old_page: str) -> str:
+    """``new_page`` with ``old_page``'s PostgreSQL section, if it had one."""
+    kept = extract(old_page)
+    return new_page if kept is None else splice(new_page, kept)
+
+
+def cost_table(costs: dict[str, list[Cost]]) -> str:
+    names = [cost.name for cost in next(iter(costs.values()), [])]
+    header = ["call (one thread)"] + [f"{part}, synchronous_commit={s}" for s in costs
+                                      for part in ("wall µs", "client CPU µs", "server µs")]
+    rows = []
+    for name in names:
+        row = [name]
+        for setting_costs in costs.values():
+            [cost] = [c for c in setting_costs if c.name == name]
+            row += [f"{cost.wall:,.0f}", f"{cost.cpu:,.0f}", "n/a" if cost.server is None else f"{cost.server:,.0f}"]
+        rows.append(row)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def render(results: PgResults, costs: dict[str, list[Cost]]) -> str:
+    m, plan = results.meta, results.plan
+    lock_to_floor = {s: results.ratios(s, "pg_while_executing", "pg_floor") for s in SETTINGS}
+    short = "; ".join(f"synchronous_commit={s}: {median(v):.2f} × the floor" for s, v in lock_to_floor.items() if v)
+    return f"""{BEGIN}
+## Locks in PostgreSQL
+
+**In short:** `while_executing` with its locks in PostgreSQL processes {short}
+(the target is {TARGET:.2f} ×).
+
+- **When:** {m.get('date', '')}, {m.get('duration', '')}
+- **Machine:** {m.get('machine', '')}; {m.get('load', '')}
+- **PostgreSQL:** {m.get('postgres', '')}
+- **Plan:** {plan.rounds} rounds of {plan.sent} jobs per contender and setting, sent in turns of
+  {plan.chunk}; {plan.calls} single calls of each kind for the profile
+
+### How it measures
+
+Four contenders, each one `RedisBroker` app with the no-op actor `job(key, seq)` of the rest of
+this page, run by one real `dramatiq` worker process with {THREADS} threads, every job on a key
+of its own:
+
+- **bare Dramatiq**;
+- **`while_executing`, locks in Redis**: `UniqueMiddleware` with its default `RedisBackend` on
+  the broker's Redis;
+- **PostgreSQL floor**: bare Dramatiq plus one committed single-row write per job
+  (`INSERT ... ON CONFLICT DO UPDATE`, autocommit) in `before_process_message`, on the worker
+  thread, on a psycopg connection of the thread's own with the backend's settings (nothing
+  prepared): what no lock that commits its take in PostgreSQL on the worker thread can go below;
+- **`while_executing`, locks in PostgreSQL**: `UniqueMiddleware(backend=PostgresBackend(url=...))`.
+
+Each round runs every contender once with `synchronous_commit=on` and once with `off`, the two
+settings in turn, set per session through the URL (`options=-c synchronous_commit=off`), for the
+floor and the backend alike.  Within a setting the driver sends every contender's jobs in turns,
+then runs one worker per contender on its queue; the order of contenders rotates from round to
+round, and ratios are taken within a round: the median, then the lowest and highest round.  Each
+run checks that every job ran exactly once, that the floor left one row per job and the lock one
+row per key in PostgreSQL, and that each lock was taken once, and released once (a release that
+rides with a later call may land after the last ack: one per thread).
+
+### Processing, within each round (median, lowest–highest round)
+
+{table(results)}
+
+{chr(10).join(verdicts(results))}
+
+### One take and release, from one thread
+
+Each call {plan.calls} times in chunks taken in turn, from one thread of the driver: wall time,
+the thread's CPU time (psycopg, JSON and the stub's rules), and the server's execution time of the
+statements (`pg_stat_statements`, which the private cluster loads; the commit's flush is not in
+it).  "Rules in memory" runs the stub's method of the call on the rows a call reads, held in
+memory: the Python between the read and the write.
+
+{cost_table(costs)}
+
+{findings(results, costs)}
+{END}
+"""
+
+
+def _cost(costs: list[Cost], start: str) -> Cost:
+    [cost] = [c for c in costs if c.name.startswith(start)]
+    return cost
+
+
+def _per_job(costs: list[Cost]) -> str:
+    take, release = _cost(costs, "take"), _cost(costs, "release")
+    floor, trip = _cost(costs, "floor"), _cost(costs, "round trip")
+    rules = _cost(costs, "rules of a take").wall + _cost(costs, "rules of a release").wall
+    wall, cpu = take.wall + release.wall, take.cpu + release.cpu
+    server = None if take.server is None or release.server is None else take.server + release.server
+    waiting = wall - cpu - (server or 0)
+    return (f"a take and its release cost {wall:,.0f} µs against {floor.wall:,.0f} µs for the floor's write "
+            f"({wall / floor.wall:.1f} ×): {cpu:,.0f} µs of client CPU (the floor's: {floor.cpu:,.0f} µs), of "
+            f"which {rules:,.0f} µs run the stub's rules; "
+            + ("" if server is None else f"{server:,.0f} µs of statements on the server (the floor's: "
+               f"{floor.server or 0:,.0f} µs); ")
+            + f"and {waiting:,.0f} µs waiting: four round trips (a bare one costs {trip.wall:,.0f} µs here) "
+            "and two commits, where the floor makes one of each")
+
+
+def findings(results: PgResults, costs: dict[str, list[Cost]]) -> str:
+    """Where the time goes, read off the profile, and what the lock does
+    per job that the floor does not.
+    """
+    missed = [s for s in SETTINGS if (r := results.ratios(s, "pg_while_executing", "pg_floor")) and median(r) < TARGET]
+    lines = ["### Where the time goes", "",
+             "Per job, the lock makes two transactions on the worker thread: the take (`start`) before the "
+             "job, and the release after it.  Each is two round trips: the first locks and reads the key's row "
+             "(`INSERT ... ON CONFLICT DO UPDATE ... RETURNING`), the stub's rules decide in Python, the "
+             "second sends the write and `COMMIT`.  The floor makes one round trip and one commit.  From one "
+             "thread:", ""]
+    lines += [f"- synchronous_commit={setting}: {_per_job(setting_costs)}." for setting, setting_costs in costs.items()]
+    if missed:
+        lines += ["", "What would close the gap to the floor, largest first: send each thread's release with its "
+                  "next take, in the take's transaction, and set `batches_releases` (the Redis backend's "
+                  "`release_and_start` and `release_many`): one transaction, two round trips and one commit per "
+                  "job; let a release's commit skip the flush (`SET LOCAL synchronous_commit = off` in a "
+                  "transaction that only releases): a release lost with the server holds its key until the "
+                  "lease runs out, as a killed worker's does, while a take must stay durable; and take the "
+                  "read and the write of a call in one round trip, which needs the decision on the server "
+                  "(a function holding the rules of the hot path in SQL)."]
+    return "\n".join(lines)
