@@ -103,10 +103,41 @@ def _rules_cost(backend: Any, conn: Any, namespace: str, calls: int) -> tuple[fl
     return timings[0], timings[1]
 
 
-def profile(postgres_url: str, setting: str, calls: int, chunk: int = 50) -> list[Cost]:
+def scans(conn: Any, key: str) -> dict[str, str]:
+    """How the server plans the backend's write and delete of one held
+    key, as the backend sends them (in a transaction that rolls back):
+    the node that reads the lock table, and how many rows it holds.
+    """
+    from dramatiq_unique.backends.postgres import sql
+
+    found = {}
+    with conn.transaction(force_rollback=True):
+        rows = conn.execute(f"SELECT count(*) FROM {sql.LOCKS}").fetchone()
+        for name, statement, parameter in (
+            ("write", sql.WRITE, json.dumps([{"key": key, "state": {}, "expires_at": 0}])),
+            ("delete", sql.DELETE, json.dumps([key])),
+        ):
+            plan = conn.execute("EXPLAIN (FORMAT JSON) " + statement, [parameter]).fetchone()[0][0]["Plan"]
+            found[name] = f"{_scan_of(plan, sql.LOCKS)} of {rows[0] if rows else '?'} rows"
+    return found
+
+
+def _scan_of(plan: dict[str, Any], table: str) -> str:
+    """The plan node that reads ``table``, e.g. ``Seq Scan``."""
+    if plan.get("Relation Name") == table and "Scan" in plan.get("Node Type", ""):
+        return str(plan["Node Type"])
+    for child in plan.get("Plans", []):
+        found = _scan_of(child, table)
+        if found:
+            return found
+    return ""
+
+
+def profile(postgres_url: str, setting: str, calls: int, chunk: int = 50) -> tuple[list[Cost], dict[str, str]]:
     """Time, from one thread, with ``synchronous_commit`` at ``setting``:
     a bare round trip, the floor's write, a take (``start``), a release,
-    and the rules of each in memory.
+    and the rules of each in memory; and how the server plans the
+    backend's write and delete with those keys' rows in the table.
     """
     import psycopg
 
@@ -134,7 +165,7 @@ def profile(postgres_url: str, setting: str, calls: int, chunk: int = 50) -> lis
         }, stats)
         costs += [Cost("rules of a take, in memory", take_rules, take_rules),
                   Cost("rules of a release, in memory", release_rules, release_rules)]
-        return costs
+        return costs, scans(conn, keys[0])
     finally:
         rows_of(conninfo, namespace)
         backend.close()

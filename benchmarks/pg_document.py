@@ -56,7 +56,13 @@ def cost_table(costs: dict[str, list[Cost]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
-def render(results: PgResults, costs: dict[str, list[Cost]]) -> str:
+def plans_line(plans: dict[str, str]) -> str:
+    """How the server reads the lock table to write and to delete."""
+    found = ", ".join(f"the {name}: {scan or 'no scan of the table'}" for name, scan in plans.items())
+    return f"The server's plans of the backend's statements, after the profile's calls: {found}."
+
+
+def render(results: PgResults, costs: dict[str, list[Cost]], plans: dict[str, str]) -> str:
     m, plan = results.meta, results.plan
     lock_to_floor = {s: results.ratios(s, "pg_while_executing", "pg_floor") for s in SETTINGS}
     short = "; ".join(f"synchronous_commit={s}: {median(v):.2f} × the floor" for s, v in lock_to_floor.items() if v)
@@ -112,7 +118,7 @@ memory: the Python between the read and the write.
 
 {cost_table(costs)}
 
-{findings(results, costs)}
+{findings(results, costs, plans)}
 {END}
 """
 
@@ -138,7 +144,7 @@ def _per_job(costs: list[Cost]) -> str:
             "and two commits, where the floor makes one of each")
 
 
-def findings(results: PgResults, costs: dict[str, list[Cost]]) -> str:
+def findings(results: PgResults, costs: dict[str, list[Cost]], plans: dict[str, str]) -> str:
     """Where the time goes, read off the profile, and what the lock does
     per job that the floor does not.
     """
@@ -150,9 +156,19 @@ def findings(results: PgResults, costs: dict[str, list[Cost]]) -> str:
              "second sends the write and `COMMIT`.  The floor makes one round trip and one commit.  From one "
              "thread:", ""]
     lines += [f"- synchronous_commit={setting}: {_per_job(setting_costs)}." for setting, setting_costs in costs.items()]
+    lines += ["", plans_line(plans)]
+    seq_scan = any("Seq Scan" in scan for scan in plans.values())
+    if seq_scan:
+        lines += ["", "A sequential scan reads every row of the table, held or fenced, in every call that writes: "
+                  "the planner takes `jsonb_to_recordset` and `jsonb_array_elements_text` for 100 rows each, and "
+                  "below some thousands of rows a hash join over the whole table looks cheaper than 100 index "
+                  "probes.  The cost of each call grows with the table until the plan flips.  With "
+                  "`enable_seqscan = off` in the call's transaction (or statements whose row count the planner "
+                  "sees), the same statements are index lookups."]
     if missed:
-        lines += ["", "What would close the gap to the floor, largest first: send each thread's release with its "
-                  "next take, in the take's transaction, and set `batches_releases` (the Redis backend's "
+        first = "the index lookups above; " if seq_scan else ""
+        lines += ["", f"What would close the gap to the floor, largest first: {first}send each thread's release "
+                  "with its next take, in the take's transaction, and set `batches_releases` (the Redis backend's "
                   "`release_and_start` and `release_many`): one transaction, two round trips and one commit per "
                   "job; let a release's commit skip the flush (`SET LOCAL synchronous_commit = off` in a "
                   "transaction that only releases): a release lost with the server holds its key until the "

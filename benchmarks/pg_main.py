@@ -36,10 +36,10 @@ def run(args: argparse.Namespace) -> int:
         postgres = None if args.postgres else PrivatePostgres().start()
         postgres_url = args.postgres or postgres.url  # type: ignore[union-attr]
         results = pg_rounds.measure(connect(redis_url), redis_url, postgres_url, plan, progress)
-        costs = {}
+        costs, plans = {}, {}
         for setting in pg_rounds.SETTINGS:
             progress(f"profile of one take and release, synchronous_commit={setting}")
-            costs[setting] = pg_costs.profile(postgres_url, setting, plan.calls)
+            costs[setting], plans = pg_costs.profile(postgres_url, setting, plan.calls)
         results.meta = meta(postgres_url, args, started, load)
     except BenchmarkError as e:
         progress(f"benchmark failed: {e}")
@@ -52,10 +52,11 @@ def run(args: argparse.Namespace) -> int:
     print(pg_rounds.table(results))
     print("\n".join(pg_rounds.verdicts(results)))
     print(pg_document.cost_table(costs))
+    print(pg_document.plans_line(plans))
     if args.output != "-":
         path = Path(args.output)
         page = path.read_text() if path.exists() else "# Performance\n"
-        path.write_text(pg_document.splice(page, pg_document.render(results, costs)))
+        path.write_text(pg_document.splice(page, pg_document.render(results, costs, plans)))
         progress(f"wrote its section of {args.output}")
     for violation in results.violations:
         progress(f"GUARANTEE BROKEN: {violation}")

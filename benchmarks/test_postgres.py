@@ -10,10 +10,12 @@ set, else a private ``redis-server`` and a private PostgreSQL.
 from __future__ import annotations
 
 import os
+import uuid
 from typing import Iterator
 
 import pytest
 
+from . import pg_document
 from .app import BARE
 from .pg_app import PG_FLOOR, PG_LOCK
 from .pg_rounds import CONTENDERS, REDIS_LOCK, SETTINGS, PgPlan, Run, check, measure, table
@@ -38,7 +40,7 @@ def redis_url() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def postgres_url() -> Iterator[str]:
     if os.environ.get("DRAMATIQ_UNIQUE_POSTGRES_URL"):
-        yield os.environ["DRAMATIQ_UNIQUE_POSTGRES_URL"]
+        yield from database_on(os.environ["DRAMATIQ_UNIQUE_POSTGRES_URL"])
         return
     try:
         server = PrivatePostgres().start()
@@ -46,6 +48,21 @@ def postgres_url() -> Iterator[str]:
         pytest.fail(str(e))
     yield server.url
     server.stop()
+
+
+def database_on(url: str) -> Iterator[str]:
+    """A database of the test's own on the server at ``url``, dropped afterwards."""
+    import psycopg
+    from psycopg.conninfo import make_conninfo
+
+    name = f"du_bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    try:
+        yield make_conninfo(url, dbname=name)
+    finally:
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 def test_each_contender_runs_every_job_once_and_writes_to_postgres(redis_url: str, postgres_url: str) -> None:
@@ -94,3 +111,17 @@ def _run(*, exactly_once: bool = True, floor_rows: int = 0, lock_rows: int = 0, 
 )
 def test_a_run_that_did_not_do_its_work_is_caught(contender: str, run: Run, broken: bool) -> None:
     assert (check(contender, 10, run) is not None) == broken
+
+
+def test_the_postgres_section_is_replaced_by_its_run_and_kept_by_the_others() -> None:
+    first = f"{pg_document.BEGIN}\n## Locks in PostgreSQL\n\nold figures\n{pg_document.END}"
+    second = first.replace("old figures", "new figures")
+    # The --postgres run appends its section, then replaces it, and only it
+    page = pg_document.splice("# Performance\n\nRedis tables\n", first)
+    assert page.startswith("# Performance\n\nRedis tables\n") and page.count(pg_document.BEGIN) == 1
+    page = pg_document.splice(page, second)
+    assert "new figures" in page and "old figures" not in page and "Redis tables" in page
+    # The full run rewrites the page and keeps the section
+    rewritten = pg_document.keep("# Performance\n\nnew Redis tables\n", page)
+    assert "new Redis tables" in rewritten and "new figures" in rewritten and "\nRedis tables" not in rewritten
+    assert pg_document.keep("# Performance\n", "# Performance\n") == "# Performance\n"
