@@ -112,6 +112,7 @@ def scans(conn: Any, key: str) -> dict[str, str]:
 
     found = {}
     with conn.transaction(force_rollback=True):
+        conn.execute(sql.STATEMENT_TIMEOUT, ["5000"])  # and whatever else the backend sets in its transactions
         rows = conn.execute(f"SELECT count(*) FROM {sql.LOCKS}").fetchone()
         for name, statement, parameter in (
             ("write", sql.WRITE, json.dumps([{"key": key, "state": {}, "expires_at": 0}])),

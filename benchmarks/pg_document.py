@@ -144,6 +144,22 @@ def _per_job(costs: list[Cost]) -> str:
             "and two commits, where the floor makes one of each")
 
 
+def _worker_cpu(results: PgResults) -> str:
+    """What the lock's worker spends per job beyond the floor's, in the rounds."""
+    def cpu(setting: str, contender: str) -> Optional[float]:
+        values = [run.worker_cpu for run in results.runs.get((setting, contender), []) if run.worker_cpu is not None]
+        return median(values) if values else None
+
+    parts = []
+    for setting in SETTINGS:
+        bare, floor, lock = (cpu(setting, c) for c in ("bare", "pg_floor", "pg_while_executing"))
+        if bare is not None and floor is not None and lock is not None:
+            parts.append(f"{lock - bare:,.0f} µs of worker CPU per job beyond bare Dramatiq's with "
+                         f"synchronous_commit={setting}, against {floor - bare:,.0f} µs for the floor")
+    return ("In the rounds, the lock costs " + "; ".join(parts) + ": with eight threads on a few cores, the "
+            "worker's CPU, under one GIL, bounds its rate before the server does.") if parts else ""
+
+
 def findings(results: PgResults, costs: dict[str, list[Cost]], plans: dict[str, str]) -> str:
     """Where the time goes, read off the profile, and what the lock does
     per job that the floor does not.
@@ -156,7 +172,7 @@ def findings(results: PgResults, costs: dict[str, list[Cost]], plans: dict[str, 
              "second sends the write and `COMMIT`.  The floor makes one round trip and one commit.  From one "
              "thread:", ""]
     lines += [f"- synchronous_commit={setting}: {_per_job(setting_costs)}." for setting, setting_costs in costs.items()]
-    lines += ["", plans_line(plans)]
+    lines += ["", _worker_cpu(results), "", plans_line(plans)]
     seq_scan = any("Seq Scan" in scan for scan in plans.values())
     if seq_scan:
         lines += ["", "A sequential scan reads every row of the table, held or fenced, in every call that writes: "

@@ -36,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
         postgres = None if args.postgres else PrivatePostgres().start()
         postgres_url = args.postgres or postgres.url  # type: ignore[union-attr]
         results = pg_rounds.measure(connect(redis_url), redis_url, postgres_url, plan, progress)
-        costs, plans = {}, {}
+        costs: dict[str, list[pg_costs.Cost]] = {}
+        plans: dict[str, str] = {}
         for setting in pg_rounds.SETTINGS:
             progress(f"profile of one take and release, synchronous_commit={setting}")
             costs[setting], plans = pg_costs.profile(postgres_url, setting, plan.calls)
