@@ -26,7 +26,7 @@ from dramatiq.rate_limits.backends import RedisBackend as RateLimiterBackend
 from dramatiq_unique import DEFAULT_LEASE, EVENTS, LOCK_TYPES, UniqueMiddleware
 from dramatiq_unique.backends.redis import RedisBackend
 
-from . import trips
+from . import pg_app, trips
 
 #: Dramatiq with no middleware of ours.
 BARE = "bare"
@@ -297,14 +297,16 @@ def build(
     report: Optional[str] = None,
     expect: int = 0,
     latency: bool = False,
+    postgres_url: Optional[str] = None,
 ) -> tuple[RedisBroker, dramatiq.Actor[Any, Any]]:
     """The broker and actor of one contender, isolated by ``namespace``.
 
     Raises:
       ValueError: for an unknown contender.
     """
-    if contender not in CONTENDERS:
-        raise ValueError(f"Unknown contender {contender!r}. Valid choices: {', '.join(CONTENDERS)}.")
+    if contender not in CONTENDERS + pg_app.CONTENDERS:
+        choices = ", ".join(CONTENDERS + pg_app.CONTENDERS)
+        raise ValueError(f"Unknown contender {contender!r}. Valid choices: {choices}.")
     broker = RedisBroker(url=redis_url, namespace=namespace)
     unique: Optional[UniqueMiddleware] = None
     options: dict[str, Any] = {}
@@ -312,6 +314,8 @@ def build(
         unique = UniqueMiddleware(prefix=namespace)
         broker.add_middleware(unique)
         options = {"lock": contender, "lock_args": ["key"]}
+    if contender in pg_app.CONTENDERS:
+        unique, options = pg_app.install(broker, contender, namespace=namespace, postgres_url=postgres_url)
     if contender == FLOOR:
         broker.add_middleware(Floor())
     if contender == FLOOR_ONE:
@@ -369,4 +373,5 @@ def from_environment() -> tuple[RedisBroker, dramatiq.Actor[Any, Any]]:
         report=os.environ["BENCH_REPORT"],
         expect=int(os.environ["BENCH_EXPECT"]),
         latency=os.environ.get(LATENCY) == "1",
+        postgres_url=os.environ.get(pg_app.URL_VARIABLE),
     )
