@@ -8,7 +8,6 @@ round trip (``SELECT 1``) and the floor's committed write.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -90,7 +89,7 @@ def _rules_cost(backend: Any, conn: Any, namespace: str, calls: int) -> tuple[fl
     clock = str(int(time.time() * 1e6))
     empty = [(key, "{}", clock)]
     backend.start(key, owner, ttl=LEASE, limit=1, lock="while_executing", copy=copy)
-    held = [tuple(row) for row in conn.execute(sql.READ, [json.dumps([key])]).fetchall() if row[0] is not None]
+    held = [tuple(row) for row in conn.execute(sql.READ, [key]).fetchall() if row[0] is not None]
     backend.release(key, owner)
     held = [(k, state, clock) for k, state, _ in held]
     start = lambda stub: stub.start(key, owner, ttl=LEASE, limit=1, lock="while_executing", copy=copy)  # noqa: E731
@@ -114,11 +113,11 @@ def scans(conn: Any, key: str) -> dict[str, str]:
     with conn.transaction(force_rollback=True):
         conn.execute(sql.STATEMENT_TIMEOUT, ["5000"])  # and whatever else the backend sets in its transactions
         rows = conn.execute(f"SELECT count(*) FROM {sql.LOCKS}").fetchone()
-        for name, statement, parameter in (
-            ("write", sql.WRITE, json.dumps([{"key": key, "state": {}, "expires_at": 0}])),
-            ("delete", sql.DELETE, json.dumps([key])),
+        for name, statement, parameters in (
+            ("write", sql.WRITE, ["{}", "0", key]),
+            ("delete", sql.DELETE, [key]),
         ):
-            plan = conn.execute("EXPLAIN (FORMAT JSON) " + statement, [parameter]).fetchone()[0][0]["Plan"]
+            plan = conn.execute("EXPLAIN (FORMAT JSON) " + statement, parameters).fetchone()[0][0]["Plan"]
             found[name] = f"{_scan_of(plan, sql.LOCKS)} of {rows[0] if rows else '?'} rows"
     return found
 
