@@ -153,7 +153,7 @@ def _per_job(costs: list[Cost]) -> str:
             + ("" if server is None else f"{server:,.0f} µs of statements on the server (the floor's: "
                f"{floor.server or 0:,.0f} µs); ")
             + f"and {waiting:,.0f} µs waiting: four round trips (a bare one costs {trip.wall:,.0f} µs here) "
-            "and two commits, where the floor makes one of each")
+            "and the take's commit, where the floor makes one of each")
 
 
 def _worker_cpu(results: PgResults) -> str:
@@ -178,11 +178,14 @@ def findings(results: PgResults, costs: dict[str, list[Cost]], plans: dict[str, 
     """
     missed = [s for s in SETTINGS if (r := results.ratios(s, "pg_while_executing", "pg_floor")) and median(r) < TARGET]
     lines = ["### Where the time goes", "",
-             "Per job, the lock makes two transactions on the worker thread: the take (`start`) before the "
-             "job, and the release after it.  Each is two round trips: the first locks and reads the key's row "
-             "(`INSERT ... ON CONFLICT DO UPDATE ... RETURNING`), the stub's rules decide in Python, the "
-             "second sends the write and `COMMIT`.  The floor makes one round trip and one commit.  From one "
-             "thread:", ""]
+             "Each call of the backend is one transaction of two round trips, each one message of statements "
+             "with their values bound by psycopg: `BEGIN`, the `statement_timeout` and the row locks "
+             "(`INSERT ... ON CONFLICT DO UPDATE ... RETURNING`), then, once the stub's rules decided in "
+             "Python, the writes and `COMMIT`; a transaction that only released and promoted no waiter "
+             "commits without waiting for the flush.  In a worker the release of a job rides in the next "
+             "job's start (`release_and_start`): one transaction and one flushed commit per job, where the "
+             "floor makes one round trip and one commit.  The profile times a take and a release as separate "
+             "calls, from one thread:", ""]
     lines += [f"- synchronous_commit={setting}: {_per_job(setting_costs)}." for setting, setting_costs in costs.items()]
     lines += ["", _worker_cpu(results), "", plans_line(plans)]
     seq_scan = any("Seq Scan" in scan for scan in plans.values())
@@ -195,15 +198,10 @@ def findings(results: PgResults, costs: dict[str, list[Cost]], plans: dict[str, 
                   "sees), the same statements are index lookups."]
     if missed:
         first = "the index lookups above; " if seq_scan else ""
-        lines += ["", f"What would close the gap to the floor: {first}send each thread's release "
-                  "with its next take, in the take's transaction, and set `batches_releases` (the Redis backend's "
-                  "`release_and_start` and `release_many`): one transaction, two round trips and one commit per "
-                  "job; fewer statements per transaction, each sent in fewer writes (the client CPU above is "
-                  "mostly psycopg's, per statement: the `statement_timeout` can ride in the locking statement, "
-                  "the write and `COMMIT` in one string); let a release's commit skip the flush "
-                  "(`SET LOCAL synchronous_commit = off` in a "
-                  "transaction that only releases): a release lost with the server holds its key until the "
-                  "lease runs out, as a killed worker's does, while a take must stay durable; and take the "
-                  "read and the write of a call in one round trip, which needs the decision on the server "
-                  "(a function holding the rules of the hot path in SQL)."]
+        lines += ["", f"What would close the gap to the floor: {first}one round trip per call instead of two, "
+                  "which needs the decision on the server: the rules of the hot path (`start`, "
+                  "`release_and_start`, `release`) written again in SQL, as a function of the key's row that "
+                  "returns the result, beside the stub's rules in Python, with the contract suite and the model "
+                  "run against both; and less worker CPU per job (psycopg's per query, and the state's JSON "
+                  "and the stub's rules, some 100 µs a call)."]
     return "\n".join(lines)

@@ -4,7 +4,8 @@ Each call on one digest is one transaction: it locks the rows of the
 keys it touches (in key order, so that two calls never deadlock), runs
 :class:`~..stub.StubBackend`'s own method on their state at the
 server's clock (:mod:`.rules`), writes back what changed and commits,
-in two round trips (the statements are pipelined).  Nothing lives in a
+in two round trips of one message each (:func:`.sql.opening`,
+:func:`.sql.closing`).  Nothing lives in a
 session: no advisory lock outlives its transaction, so the backend
 works behind PgBouncer in transaction mode.
 """
@@ -110,6 +111,20 @@ def check_hosts(conninfo: str) -> None:
             ) from None
 
 
+def _promoted(release: Release) -> bool:
+    """Whether a release's commit must be flushed: it promoted a waiter.
+
+    A release that only let go of its lock commits without waiting for
+    the flush: lost in a crash of the server, it holds the key until
+    the lease it released runs out, as a crashed worker's does.
+    """
+    return release.promoted is not None
+
+
+def _any_promoted(releases: Sequence[Union[Release, Exception]]) -> bool:
+    return any(not isinstance(release, Release) or _promoted(release) for release in releases)
+
+
 class PostgresBackend(LockBackend):
     """A lock backend that stores locks in PostgreSQL (10 or later).
 
@@ -123,13 +138,15 @@ class PostgresBackend(LockBackend):
       statement_timeout(int): The longest a call's statements may take
         on the server, in milliseconds.
       max_size(int): The most connections the pool opens.
-      prepare_threshold(int): psycopg's; None (the default) prepares no
+      prepare_threshold(int): psycopg's, for the reads and the sweep
+        (lock calls prepare nothing); None (the default) prepares no
         statement, as PgBouncer's transaction mode needs before 1.21
         (from 1.21 with ``max_prepared_statements`` set, 5 saves a
         little server time).
       synchronous_commit(str): The ``synchronous_commit`` of each lock
         transaction, e.g. ``"off"``; None (the default) keeps the
-        server's.  ``"off"`` halves a call's time, and a server crash
+        server's.  A transaction that only releases and promotes no
+        waiter commits with ``off`` whatever this says.  ``"off"`` halves a call's time, and a server crash
         can then lose the last few hundred milliseconds of locks (see
         docs/postgres.md).
       create_schema(bool): Create the table on first use when it is
@@ -176,6 +193,7 @@ class PostgresBackend(LockBackend):
         else:
             self._settings = sql.STATEMENT_TIMEOUT_AND_COMMIT
             self._setting_values = [self.statement_timeout, str(synchronous_commit)]
+        self._opening = sql.opening(self._settings)
         self.create = create_schema
         self.sweep_interval = sweep_interval
         self.sweep_batch = sweep_batch
@@ -278,24 +296,35 @@ class PostgresBackend(LockBackend):
             self.pool.open(wait=False)
             self._pool_pid = pid()
 
-    def _locked(self, keys: Sequence[str], verb: Callable[[StubBackend], T]) -> T:
-        """Run ``verb`` on the locked rows of ``keys``, in one transaction."""
+    def _locked(
+        self, keys: Sequence[str], verb: Callable[[StubBackend], T], *, flush: Optional[Callable[[T], bool]] = None
+    ) -> T:
+        """Run ``verb`` on the locked rows of ``keys``, in one transaction
+        of two queries: the opening (begin, settings, row locks) and the
+        closing (writes, deletes, commit), each one message of
+        statements with their parameters bound by psycopg.
+
+        ``flush``, given what ``verb`` returned, says whether the commit
+        must wait for its flush; without it, it always does.
+        """
         self._ensure_schema()
         payload = json.dumps(sorted(set(keys)))
         for attempt in range(2):
             sent, conn = False, None
             try:
-                with self._connection() as conn, conn.pipeline():
-                    conn.execute("BEGIN")
-                    conn.execute(self._settings, self._setting_values)
-                    rows: list[Row] = conn.execute(sql.LOCK, [payload]).fetchall()
+                with self._connection() as conn:
+                    cursor = psycopg.ClientCursor(conn)
+                    cursor.execute(self._opening, [*self._setting_values, payload])
+                    while cursor.nextset():
+                        pass
+                    rows: list[Row] = cursor.fetchall()
                     applied = apply(rows, verb, fence_memory=self.fence_memory)
+                    parameters = [value for write in applied.writes for value in write] + applied.deletes
+                    closing = sql.closing(
+                        len(applied.writes), len(applied.deletes), flush=flush is None or flush(applied.result)
+                    )
                     sent = True
-                    for write in applied.writes:
-                        conn.execute(sql.WRITE, write)
-                    for key in applied.deletes:
-                        conn.execute(sql.DELETE, [key])
-                    conn.execute("COMMIT")
+                    cursor.execute(closing, parameters)
                 break
             except psycopg.OperationalError:
                 # A connection that broke before one write was sent: the
@@ -379,7 +408,7 @@ class PostgresBackend(LockBackend):
         )
 
     def release(self, key: str, owner: str, *, hand_over: bool = True) -> Release:
-        return self._locked([key], lambda stub: stub.release(key, owner, hand_over=hand_over))
+        return self._locked([key], lambda stub: stub.release(key, owner, hand_over=hand_over), flush=_promoted)
 
     #: Releases go in one transaction, and ride in front of the next
     #: start: the worker releases run locks in the background.
@@ -389,7 +418,7 @@ class PostgresBackend(LockBackend):
         if not locks:
             return []
         try:
-            return self._locked([key for key, _ in locks], lambda stub: stub.release_many(locks))
+            return self._locked([key for key, _ in locks], lambda stub: stub.release_many(locks), flush=_any_promoted)
         except Exception as e:
             return [e] * len(locks)
 

@@ -14,6 +14,7 @@ through a psycopg connection and through libpq directly
 
 from __future__ import annotations
 
+import functools
 import re
 
 #: The version in the names of everything the backend creates: a change
@@ -93,6 +94,33 @@ STATEMENT_TIMEOUT = "SELECT set_config('statement_timeout', %s, true)"
 STATEMENT_TIMEOUT_AND_COMMIT = (
     "SELECT set_config('statement_timeout', %s, true), set_config('synchronous_commit', %s, true)"
 )
+
+
+#: Skip the wait for the flush of this transaction's commit: for calls
+#: that only released, whose loss in a crash holds a key no longer than
+#: its lease (see docs/postgres.md).
+NO_FLUSH = "SET LOCAL synchronous_commit = off"
+
+
+def opening(settings: str) -> str:
+    """The first query of a lock call: open the transaction, set
+    ``settings`` (:data:`STATEMENT_TIMEOUT`...) and lock the rows, as
+    one string of three statements sent in one message; the server
+    times each statement of such a string on its own, so the timeout
+    set covers the row locks.
+    """
+    return f"BEGIN; {settings}; {LOCK}"
+
+
+@functools.lru_cache(maxsize=256)
+def closing(writes: int, deletes: int, *, flush: bool = True) -> str:
+    """The last query of a lock call: ``writes`` :data:`WRITE` and
+    ``deletes`` :data:`DELETE` statements, then ``COMMIT``, as one
+    string sent in one message; ``flush=False`` skips the wait for the
+    commit's flush (:data:`NO_FLUSH`).
+    """
+    statements = [WRITE] * writes + [DELETE] * deletes + ([] if flush else [NO_FLUSH]) + ["COMMIT"]
+    return "; ".join(statements)
 
 
 def numbered(statement: str) -> str:
