@@ -15,7 +15,7 @@ from typing import Iterator
 
 import pytest
 
-from . import pg_document
+from . import pg_costs, pg_document
 from .app import BARE
 from .pg_app import PG_FLOOR, PG_LOCK
 from .pg_rounds import CONTENDERS, REDIS_LOCK, SETTINGS, PgPlan, Run, check, measure, table
@@ -81,6 +81,13 @@ def test_each_contender_runs_every_job_once_and_writes_to_postgres(redis_url: st
             if contender in (REDIS_LOCK, PG_LOCK):
                 assert run.events["locked"] == 40 and 40 - THREADS <= run.events["released"] <= 40
     assert "÷ PostgreSQL floor" in table(results)
+
+
+def test_the_profile_times_every_call_and_reads_the_plans_of_the_backends_writes(postgres_url: str) -> None:
+    costs, plans = pg_costs.profile(postgres_url, "off", calls=20, chunk=10)
+    assert {cost.name for cost in costs} >= {"take (`start`)", "release", "rules of a release, in memory"}
+    assert all(cost.wall > 0 and cost.cpu >= 0 for cost in costs)
+    assert set(plans) == {"write", "delete"} and all("Scan" in plan for plan in plans.values())
 
 
 def test_each_setting_reaches_the_sessions(postgres_url: str) -> None:
