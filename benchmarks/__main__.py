@@ -1,4 +1,4 @@
-"""``python -m benchmarks [--quick | --layers] [--redis URL] [--output PATH]``
+"""``python -m benchmarks [--quick | --layers] [--redis URL] [--output PATH] [--postgres [URL]]``
 
 Measures every contender side by side, prints the tables and writes
 ``docs/performance.md``.  Exits with 1 when a run broke a guarantee
@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import redis
 
-from . import app, costs, document, footprint, layers, replace_cost, serial, throughput
+from . import app, costs, document, footprint, layers, pg_document, pg_main, replace_cost, serial, throughput
 from .report import CONFIG_CONTENDERS, Results, figure_name, tables
 from .runs import CPU_1MS, DEFAULT, MIN_REPLICAS_1, PREFETCH_64, SLEEP_1MS, Config
 from .server import BenchmarkError, PrivateRedis, connect, replicas_of
@@ -71,6 +71,10 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         "the harness only touches keys under its own bench-* namespaces")
     parser.add_argument("--output", metavar="PATH", default=str(ROOT / "docs" / "performance.md"),
                         help="where to write the report (default: docs/performance.md); '-' writes none")
+    parser.add_argument("--postgres", metavar="URL", nargs="?", const="",
+                        help="measure locks in PostgreSQL instead (bare Dramatiq, a PostgreSQL floor, "
+                        "while_executing on Redis and on PostgreSQL, synchronous_commit on and off), on a "
+                        "private PostgreSQL or the one at URL, and write only its section of the report")
     return parser.parse_args(argv)
 
 
@@ -207,6 +211,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         plan = replace(plan, configs=tuple(config for config in plan.configs if not config.replicas))
     for name in set(os.environ) - set(clean_environment()):
         del os.environ[name]  # every contender runs with default settings
+    if args.postgres is not None:
+        return pg_main.run(args)
     started, load = time.time(), os.getloadavg()
     server = None if args.redis else PrivateRedis().start()
     try:
@@ -231,7 +237,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         print(tables(results))
         if args.output != "-":
-            Path(args.output).write_text(document.render(results))
+            old = Path(args.output).read_text() if Path(args.output).exists() else ""
+            Path(args.output).write_text(pg_document.keep(document.render(results), old))
             progress(f"wrote {args.output}")
     for violation in results.violations:
         progress(f"GUARANTEE BROKEN: {violation}")

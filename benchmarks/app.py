@@ -27,7 +27,7 @@ from dramatiq_unique import DEFAULT_LEASE, EVENTS, LOCK_TYPES, UniqueMiddleware
 from dramatiq_unique.backends.redis import RedisBackend
 from dramatiq_unique.settings import from_environment as from_settings
 
-from . import trips
+from . import pg_app, trips
 
 #: Dramatiq with no middleware of ours.
 BARE = "bare"
@@ -308,14 +308,15 @@ def build(
     report: Optional[str] = None,
     expect: int = 0,
     latency: bool = False,
+    postgres_url: Optional[str] = None,
 ) -> tuple[RedisBroker, dramatiq.Actor[Any, Any]]:
     """The broker and actor of one contender, isolated by ``namespace``.
 
     Raises:
       ValueError: for an unknown contender.
     """
-    if contender not in CONTENDERS and contender not in LAYER_SWITCHES:
-        valid = (*CONTENDERS, *LAYER_SWITCHES)
+    valid = (*CONTENDERS, *LAYER_SWITCHES, *pg_app.CONTENDERS)
+    if contender not in valid:
         raise ValueError(f"Unknown contender {contender!r}. Valid choices: {', '.join(valid)}.")
     broker = RedisBroker(url=redis_url, namespace=namespace)
     unique: Optional[UniqueMiddleware] = None
@@ -328,6 +329,8 @@ def build(
         unique = UniqueMiddleware(prefix=namespace, backend=_switched_backend(broker, contender))
         broker.add_middleware(unique)
         options = {"lock": "while_executing", "lock_args": ["key"]}
+    elif contender in pg_app.CONTENDERS:
+        unique, options = pg_app.install(broker, contender, namespace=namespace, postgres_url=postgres_url)
     if contender == FLOOR:
         broker.add_middleware(Floor())
     if contender == FLOOR_ONE:
@@ -396,4 +399,5 @@ def from_environment() -> tuple[RedisBroker, dramatiq.Actor[Any, Any]]:
         report=os.environ["BENCH_REPORT"],
         expect=int(os.environ["BENCH_EXPECT"]),
         latency=os.environ.get(LATENCY) == "1",
+        postgres_url=os.environ.get(pg_app.URL_VARIABLE),
     )

@@ -33,7 +33,9 @@ class Sender:
         return self.sent / self.seconds
 
 
-def enqueue_round(client: redis.Redis, url: str, contenders: list[str], sent: int, chunk: int) -> list[Sender]:
+def enqueue_round(
+    client: redis.Redis, url: str, contenders: list[str], sent: int, chunk: int, postgres_url: Optional[str] = None
+) -> list[Sender]:
     """Send ``sent`` jobs on distinct keys for every contender, in
     chunks of ``chunk`` taken in turn, so that load from elsewhere hits
     every contender alike.  One thread, as a web request would send.
@@ -41,7 +43,7 @@ def enqueue_round(client: redis.Redis, url: str, contenders: list[str], sent: in
     senders = []
     for contender in contenders:
         namespace = new_namespace()
-        broker, actor = app.build(contender, redis_url=url, namespace=namespace)
+        broker, actor = app.build(contender, redis_url=url, namespace=namespace, postgres_url=postgres_url)
         senders.append(Sender(contender, namespace, broker, actor))
     calls = command_calls(client)
     for turn, first in enumerate(range(0, sent, chunk)):

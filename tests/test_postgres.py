@@ -100,6 +100,31 @@ def test_deadlines_follow_the_servers_clock(postgres_backend: PostgresBackend) -
     assert before + 10_000 <= deadline < before + 10_000 + 5_000
 
 
+def test_the_statement_timeout_bounds_a_call_that_waits_for_a_locked_row(postgres_url: str) -> None:
+    """The timeout is set in the same message as the row locks: it must
+    cover them, or a call behind a stuck transaction waits for it.
+    """
+    backend = PostgresBackend(url=postgres_url, statement_timeout=300)
+    backend.acquire(KEY, "a", ttl=60_000)
+    with psycopg.connect(postgres_url, autocommit=True) as blocker:
+        blocker.execute("SET statement_timeout = 5000")
+        with blocker.transaction():
+            blocker.execute(f"SELECT 1 FROM {sql.LOCKS} WHERE key = %s FOR UPDATE", [KEY])
+            # the blocker lets go after 4 s at the latest: without the timeout, the call returns then
+            letting_go = threading.Timer(4.0, blocker.close)
+            letting_go.start()
+            started = time.monotonic()
+            try:
+                with pytest.raises(psycopg.errors.QueryCanceled):
+                    backend.release(KEY, "a")
+            finally:
+                letting_go.cancel()
+            waited = time.monotonic() - started
+    assert 0.25 < waited < 3.0
+    assert backend.release(KEY, "a").held  # the canceled call changed nothing
+    backend.close()
+
+
 # Mutual exclusion under contention -------------------------------------------
 
 

@@ -4,7 +4,8 @@ Each call on one digest is one transaction: it locks the rows of the
 keys it touches (in key order, so that two calls never deadlock), runs
 :class:`~..stub.StubBackend`'s own method on their state at the
 server's clock (:mod:`.rules`), writes back what changed and commits,
-in two round trips (the statements are pipelined).  Nothing lives in a
+in two round trips of one message each (:func:`.sql.opening`,
+:func:`.sql.closing`).  Nothing lives in a
 session: no advisory lock outlives its transaction, so the backend
 works behind PgBouncer in transaction mode.
 """
@@ -128,13 +129,15 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
       statement_timeout(int): The longest a call's statements may take
         on the server, in milliseconds.
       max_size(int): The most connections the pool opens.
-      prepare_threshold(int): psycopg's; None (the default) prepares no
+      prepare_threshold(int): psycopg's, for the reads and the sweep
+        (lock calls prepare nothing); None (the default) prepares no
         statement, as PgBouncer's transaction mode needs before 1.21
         (from 1.21 with ``max_prepared_statements`` set, 5 saves a
         little server time).
       synchronous_commit(str): The ``synchronous_commit`` of each lock
         transaction, e.g. ``"off"``; None (the default) keeps the
-        server's.  ``"off"`` halves a call's time, and a server crash
+        server's.  A transaction that only releases and promotes no
+        waiter commits with ``off`` whatever this says.  ``"off"`` halves a call's time, and a server crash
         can then lose the last few hundred milliseconds of locks (see
         docs/postgres.md).
       create_schema(bool): Create the table on first use when it is
@@ -181,6 +184,7 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
         else:
             self._settings = sql.STATEMENT_TIMEOUT_AND_COMMIT
             self._setting_values = [self.statement_timeout, str(synchronous_commit)]
+        self._opening = sql.opening(self._settings)
         self.create = create_schema
         self.sweep_interval = sweep_interval
         self.sweep_batch = sweep_batch
@@ -284,23 +288,27 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
             self._pool_pid = pid()
 
     def _locked(self, keys: Sequence[str], verb: Callable[[StubBackend], T]) -> T:
-        """Run ``verb`` on the locked rows of ``keys``, in one transaction."""
+        """Run ``verb`` on the locked rows of ``keys``, in one transaction
+        of two queries: the opening (begin, settings, row locks) and the
+        closing (writes, deletes, commit), each one message of
+        statements with their parameters bound by psycopg.
+        """
         self._ensure_schema()
         payload = json.dumps(sorted(set(keys)))
         for attempt in range(2):
             sent, conn = False, None
             try:
-                with self._connection() as conn, conn.pipeline():
-                    conn.execute("BEGIN")
-                    conn.execute(self._settings, self._setting_values)
-                    rows: list[Row] = conn.execute(sql.LOCK, [payload]).fetchall()
+                with self._connection() as conn:
+                    cursor = psycopg.ClientCursor(conn)
+                    cursor.execute(self._opening, [*self._setting_values, payload])
+                    while cursor.nextset():
+                        pass
+                    rows: list[Row] = cursor.fetchall()
                     applied = apply(rows, verb, fence_memory=self.fence_memory)
+                    parameters = [value for write in applied.writes for value in write] + applied.deletes
+                    closing = sql.closing(len(applied.writes), len(applied.deletes))
                     sent = True
-                    for write in applied.writes:
-                        conn.execute(sql.WRITE, write)
-                    for key in applied.deletes:
-                        conn.execute(sql.DELETE, [key])
-                    conn.execute("COMMIT")
+                    cursor.execute(closing, parameters)
                 break
             except psycopg.OperationalError:
                 # A connection that broke before one write was sent: the

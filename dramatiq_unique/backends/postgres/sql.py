@@ -14,6 +14,7 @@ through a psycopg connection and through libpq directly
 
 from __future__ import annotations
 
+import functools
 import re
 
 #: The version in the names of everything the backend creates: a change
@@ -93,6 +94,26 @@ STATEMENT_TIMEOUT = "SELECT set_config('statement_timeout', %s, true)"
 STATEMENT_TIMEOUT_AND_COMMIT = (
     "SELECT set_config('statement_timeout', %s, true), set_config('synchronous_commit', %s, true)"
 )
+
+
+def opening(settings: str) -> str:
+    """The first query of a lock call: open the transaction, set
+    ``settings`` (:data:`STATEMENT_TIMEOUT`...) and lock the rows, as
+    one string of three statements sent in one message; the server
+    times each statement of such a string on its own, so the timeout
+    set covers the row locks.
+    """
+    return f"BEGIN; {settings}; {LOCK}"
+
+
+@functools.lru_cache(maxsize=256)
+def closing(writes: int, deletes: int) -> str:
+    """The last query of a lock call: ``writes`` :data:`WRITE` and
+    ``deletes`` :data:`DELETE` statements, then ``COMMIT``, as one
+    string sent in one message.
+    """
+    statements = [WRITE] * writes + [DELETE] * deletes + ["COMMIT"]
+    return "; ".join(statements)
 
 
 def numbered(statement: str) -> str:

@@ -19,7 +19,7 @@ import base64
 import dataclasses
 import functools
 import typing
-from typing import Any, NamedTuple, Union
+from typing import Any, Callable, NamedTuple, Union
 
 from .. import stub as stub_module
 from ..stub import KeyState, StubBackend
@@ -39,50 +39,79 @@ def _dataclass_of(hint: Any) -> Any:
     return next(arg for arg in typing.get_args(hint) if dataclasses.is_dataclass(arg))
 
 
-def _encode(value: Any, hint: Any) -> Any:
+Codec = Callable[[Any], Any]
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def _encoder(hint: Any) -> Codec:
+    """The function that turns a value of type ``hint`` into JSON data;
+    made once per type, from its hints.
+    """
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if value is None:
-        return None
     if origin is Union:
-        return _encode(value, next(arg for arg in args if arg is not type(None)))
+        inner = _encoder(next(arg for arg in args if arg is not type(None)))
+        return lambda value: None if value is None else inner(value)
     if dataclasses.is_dataclass(hint):
-        return encode_dataclass(value)
+        return encode_dataclass
     if hint is bytes:
-        return base64.b64encode(value).decode()
+        return lambda value: base64.b64encode(value).decode()
     if origin is dict:
-        return {key: _encode(item, args[1]) for key, item in value.items()}
+        item = _encoder(args[1])
+        return lambda value: {key: item(element) for key, element in value.items()}
     if origin in (set, frozenset):
-        return sorted(_encode(item, args[0]) for item in value)
+        item = _encoder(args[0])
+        return lambda value: sorted(item(element) for element in value)
     if origin is list:
-        return [_encode(item, args[0]) for item in value]
+        item = _encoder(args[0])
+        return lambda value: [item(element) for element in value]
     if origin is tuple:
-        return [_encode(item, arg) for item, arg in zip(value, args)]
+        items = [_encoder(arg) for arg in args]
+        return lambda value: [code(element) for element, code in zip(value, items)]
     if hint in (int, str, bool, float):
-        return value
+        return _same
     raise TypeError(f"cannot store a value of type {hint!r}")
 
 
-def _decode(data: Any, hint: Any) -> Any:
+@functools.lru_cache(maxsize=None)
+def _decoder(hint: Any) -> Codec:
+    """The function that turns JSON data back into a value of type
+    ``hint``: the inverse of :func:`_encoder`.
+    """
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if data is None:
-        return None
     if origin is Union:
-        return _decode(data, next(arg for arg in args if arg is not type(None)))
+        inner = _decoder(next(arg for arg in args if arg is not type(None)))
+        return lambda data: None if data is None else inner(data)
     if dataclasses.is_dataclass(hint):
-        return decode_dataclass(data, hint)
+        return functools.partial(decode_dataclass, cls=hint)
     if hint is bytes:
-        return base64.b64decode(data)
+        return base64.b64decode
     if origin is dict:
-        return {key: _decode(item, args[1]) for key, item in data.items()}
+        item = _decoder(args[1])
+        return lambda data: {key: item(element) for key, element in data.items()}
     if origin in (set, frozenset):
-        return origin(_decode(item, args[0]) for item in data)
+        item, kind = _decoder(args[0]), origin
+        return lambda data: kind(item(element) for element in data)
     if origin is list:
-        return [_decode(item, args[0]) for item in data]
+        item = _decoder(args[0])
+        return lambda data: [item(element) for element in data]
     if origin is tuple:
-        return tuple(_decode(item, arg) for item, arg in zip(data, args))
+        items = [_decoder(arg) for arg in args]
+        return lambda data: tuple(code(element) for element, code in zip(data, items))
     if hint in (int, str, bool, float):
-        return hint(data)
+        return hint  # type: ignore[no-any-return]
     raise TypeError(f"cannot load a value of type {hint!r}")
+
+
+def _encode(value: Any, hint: Any) -> Any:
+    return None if value is None else _encoder(hint)(value)
+
+
+def _decode(data: Any, hint: Any) -> Any:
+    return None if data is None else _decoder(hint)(data)
 
 
 def _default(field: dataclasses.Field) -> Any:
@@ -93,22 +122,36 @@ def _default(field: dataclasses.Field) -> Any:
     return dataclasses.MISSING
 
 
+@functools.lru_cache(maxsize=None)
+def _layout(cls: Any) -> tuple[tuple[str, Any, Codec, Codec], ...]:
+    """Each field of dataclass ``cls``: its name, its default (MISSING
+    when it has none), its encoder and its decoder.
+    """
+    hints = _hints(cls)
+    return tuple((field.name, _default(field), _encoder(hints[field.name]), _decoder(hints[field.name]))
+                 for field in dataclasses.fields(cls))
+
+
+@functools.lru_cache(maxsize=None)
+def _decoders(cls: Any) -> dict[str, Codec]:
+    return {name: decode for name, _, _, decode in _layout(cls)}
+
+
 def encode_dataclass(value: Any) -> dict[str, Any]:
     """A dataclass instance as a JSON object, its default fields left out."""
-    hints = _hints(type(value))  # type: ignore[arg-type]
     encoded = {}
-    for field in dataclasses.fields(value):
-        item = getattr(value, field.name)
-        if item != _default(field):
-            encoded[field.name] = _encode(item, hints[field.name])
+    for name, default, encode, _ in _layout(type(value)):  # type: ignore[arg-type]
+        item = getattr(value, name)
+        if item != default:
+            encoded[name] = None if item is None else encode(item)
     return encoded
 
 
 def decode_dataclass(data: dict[str, Any], cls: Any) -> Any:
     """The instance of dataclass ``cls`` that :func:`encode_dataclass` wrote."""
-    hints = _hints(cls)
-    names = {field.name for field in dataclasses.fields(cls)}
-    return cls(**{name: _decode(item, hints[name]) for name, item in data.items() if name in names})
+    decoders = _decoders(cls)
+    return cls(**{name: None if item is None else decoders[name](item)
+                  for name, item in data.items() if name in decoders})
 
 
 class Dumped(NamedTuple):
