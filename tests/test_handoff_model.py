@@ -57,7 +57,7 @@ from hypothesis.stateful import (
 )
 
 from dramatiq_unique import LockBackendError, StubBackend, UniqueMiddleware
-from dramatiq_unique.backends.base import BatchedReleases, NewestWins, Reschedules, release_then_start
+from dramatiq_unique.backends.base import BatchedReleases, LockBackend, NewestWins, Reschedules, release_then_start
 from dramatiq_unique.send.copies import message_id_of
 from dramatiq_unique.events import LockEvent
 from dramatiq_unique.worker.owed import OWED_ACTOR
@@ -116,6 +116,11 @@ class FaultyBackend(StubBackend):
         """Time passes for ``owner``'s slot of ``key``: its deadline is past."""
         self._entries[key].holders[owner] = 0
 
+    def reservations_run_out(self) -> None:
+        """Time passes: every slot reserved for a waiter is free again."""
+        for entry in self._entries.values():
+            entry.reserved = {message: 0 for message in entry.reserved}
+
     def waiting(self) -> bool:
         return any(waiters.order for waiters in self._waiters.values())
 
@@ -142,6 +147,7 @@ def postgres_backends(url: str) -> tuple[type, type]:
 
     class FaultyPostgres(PostgresBackend):
         fault: Optional[str] = None
+        down = False
         batches_releases = False  # released in its own call: the model's first mode
 
         def __init__(self) -> None:
@@ -167,6 +173,18 @@ def postgres_backends(url: str) -> tuple[type, type]:
                     entry.holders[owner] = 0
 
             self._locked([key], lapsed)
+
+        def reservations_run_out(self) -> None:
+            _, keys = self._snapshot()
+
+            def ran_out(stub: StubBackend) -> None:
+                for key in keys:
+                    entry = stub.key_state(key).entry
+                    if entry is not None:
+                        entry.reserved = {message: 0 for message in entry.reserved}
+
+            if keys:
+                self._locked(list(keys), ran_out)
 
         def waiting(self) -> bool:
             stub, keys = self._snapshot()
@@ -232,8 +250,12 @@ def _faulty(name: str, applied: Callable[..., Any]) -> Callable[..., Any]:
 def _with_faults(faulty: type, batching: type, base: type) -> tuple[type, type]:
     for name in FAULTY_CALLS:
         setattr(faulty, name, _faulty(name, getattr(base, name)))
+    if base.release_many is not LockBackend.release_many:
+        # One call of its own (PostgreSQL: one transaction), not a release per lock: a fault hits it whole.
+        faulty.release_many = _faulty("release_many", base.release_many)
     for name in ("release_many", "release_and_start"):
-        setattr(batching, name, _faulty(name, getattr(batching, name)))
+        own = getattr(base, name) if name in vars(faulty) else getattr(batching, name)
+        setattr(batching, name, _faulty(name, own))
     return faulty, batching
 
 
@@ -613,8 +635,7 @@ class HandoffModel(RuleBasedStateMachine):
 
     def reservations_run_out(self) -> None:
         """Time passes: every slot reserved for a waiter is free again."""
-        for entry in self.locks._entries.values():
-            entry.reserved = {message: 0 for message in entry.reserved}
+        self.locks.reservations_run_out()
 
     @precondition(lambda self: self.flights)
     @rule(index=st.integers(0, 50))
@@ -830,7 +851,7 @@ class HandoffModel(RuleBasedStateMachine):
             if thread.name == "dramatiq-unique-owed":
                 thread.join()  # an enqueue that outlived the bound lands, or not, before we look
         if releaser is not None:  # nothing of the stopped process is left in memory
-            releaser._pending, releaser._sending, releaser._follow_ups = [], [], []
+            releaser._pending, releaser._sending, releaser._follow_ups, releaser._riding = [], [], [], 0
         self.collect()
         written = [entry for entry in self.pool if is_owed(entry[1]) and not before[entry[1]]]
         in_pool = {pair for _, raw in written for pair in owed_in(raw)}

@@ -22,10 +22,10 @@ class FlakyBackend(StubBackend):
 
     down = False
 
-    def release(self, key, owner, *, hand_over=True):  # type: ignore[no-untyped-def]
+    def release(self, key, owner, **options):  # type: ignore[no-untyped-def]
         if self.down:
             raise ConnectionError("the lock backend is unreachable")
-        return super().release(key, owner, hand_over=hand_over)
+        return super().release(key, owner, **options)
 
 
 class RefusingBroker(StubBroker):

@@ -641,7 +641,10 @@ class StubBackend(Reschedules, NewestWins):
 
     def delete(self, key: str) -> bool:
         with self._mutex:
-            return self._entries.pop(key, None) is not None
+            # As DEL: a key whose slots and reservations all ran out is no longer there.
+            live = self._live(key, _now_ms())
+            self._entries.pop(key, None)
+            return live is not None
 
     def delete_prefix(self, prefix: str) -> int:
         with self._mutex:
