@@ -186,8 +186,8 @@ class CoreOnly(LockBackend):
     def start(self, key: str, owner: str, **options: Any) -> Start:
         return self.locks.start(key, owner, **options)
 
-    def release(self, key: str, owner: str, *, hand_over: bool = True) -> Release:
-        return self.locks.release(key, owner, hand_over=hand_over)
+    def release(self, key: str, owner: str, **options: Any) -> Release:
+        return self.locks.release(key, owner, **options)
 
     def extend(self, locks: Sequence[tuple[str, str]], ttl: int) -> list[bool]:
         return self.locks.extend(locks, ttl)

@@ -448,6 +448,10 @@ class StubBackend(Reschedules, NewestWins):
             record = self._live_record(copy)
             if record is not None:
                 record.runner = None
+            # No copy of the message runs now: a slot reserved for it is free for the next in line.
+            entry = self._entries.get(copy.key)
+            if entry is not None and entry.reserved.pop(copy.message_id, None) is not None:
+                self._live(copy.key, _now_ms())
             return True
 
     def _fence(self, entry: _Entry) -> int:

@@ -22,7 +22,6 @@ records existed).
 from __future__ import annotations
 
 import os
-import random
 import time as mod_time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, TypeVar
@@ -30,6 +29,7 @@ from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, TypeVa
 from dramatiq.logging import get_logger
 
 from ..backends.base import EnqueueRecord, LockBackend, Place
+from ..clock import JITTER
 from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread
 
 T = TypeVar("T")
@@ -298,7 +298,7 @@ class PeriodicReaper:
         self.reaper = Reaper(admin, queues, min_age=min_age)
         self.backend: LockBackend = admin.backend
         self.key = f"{admin.prefix}:!reaper"
-        self.owner = f"reaper/{os.getpid():x}.{random.getrandbits(32):08x}"
+        self.owner = f"reaper/{os.getpid():x}.{JITTER.getrandbits(32):08x}"
         self.interval = interval
         self.lease = lease
         self.max_keys = max_keys
@@ -314,7 +314,7 @@ class PeriodicReaper:
         self._thread.stop(timeout=timeout)
 
     def _run(self, thread: BackgroundThread) -> None:
-        while not thread.wait(self.interval * random.uniform(0.8, 1.2)) and not thread.stopping:
+        while not thread.wait(self.interval * JITTER.uniform(0.8, 1.2)) and not thread.stopping:
             try:
                 self.run_once()
             except Exception as e:

@@ -26,7 +26,6 @@ return within the bound) safe to send again.
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ import dramatiq
 from dramatiq import Message
 from dramatiq.logging import get_logger
 
-from ..clock import now_ms
+from ..clock import JITTER, now_ms
 
 if TYPE_CHECKING:
     from dramatiq import Broker
@@ -209,7 +208,7 @@ class OwedReleases:
         if made:
             self.logger.info("Made %d release(s) owed by a worker that stopped.", made)
         if left:
-            wait = min(self.first_retry * 2**attempt, self.most_between) * random.uniform(0.5, 1.0)
+            wait = min(self.first_retry * 2**attempt, self.most_between) * JITTER.uniform(0.5, 1.0)
             self.actor.broker.enqueue(self._message(left, attempt=attempt + 1), delay=int(wait))
 
     def _hand_over(self, key: str, encoded: bytes) -> None:

@@ -14,7 +14,6 @@ skipped.  ``docs/reliability.md``,
 from __future__ import annotations
 
 import itertools
-import random
 import time
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, NoReturn, Optional
@@ -30,6 +29,7 @@ from ..forks import pid
 from ..model.spec import ActorSpec
 from ..send.context import LockService
 from ..send.copies import copy_of, message_id_of, send_order
+from ..clock import JITTER
 from ..send.results import store_failure, store_nothing
 from .coroutines import watch
 from .delivery import Delivery, attach, set_fence
@@ -94,7 +94,7 @@ class ProcessGuard:
         # Owner tokens must differ between executions of one message,
         # even in two processes forked from one parent.
         self._tokens = itertools.count()
-        self._token_prefix = f"{random.getrandbits(32):08x}"
+        self._token_prefix = f"{JITTER.getrandbits(32):08x}"
         self.handoffs = HandoffPolls()
         # The stack last seen (held, so that no other list can take its
         # identity), its length, and per actor what _age_limit_of found.
@@ -279,9 +279,9 @@ class ProcessGuard:
         service, spec = self.service, state.spec
         waits = message.options.get("unique_waits", 0) + 1
         base = self._delay(spec)
-        delay = base * min(2**waits, MAX_BACKOFF) * random.uniform(0.8, 1.2)
+        delay = base * min(2**waits, MAX_BACKOFF) * JITTER.uniform(0.8, 1.2)
         if free_in is not None and free_in >= 0:
-            delay = min(delay, free_in + base * random.uniform(0.05, 0.25))
+            delay = min(delay, free_in + base * JITTER.uniform(0.05, 0.25))
         try:
             broker.enqueue(message.copy(options={"unique_waits": waits}), delay=int(delay))
         except Exception:
@@ -335,7 +335,7 @@ class ProcessGuard:
             delayed = message.copy(options={**options, "unique_via": "delay"})
             # (a backend written against the older wait, which returned None, has no line to tell)
             factor = _line_factor(ahead if isinstance(ahead, int) else 0)
-            broker.enqueue(delayed, delay=int(base * factor * random.uniform(0.8, 1.2)))
+            broker.enqueue(delayed, delay=int(base * factor * JITTER.uniform(0.8, 1.2)))
         except Exception as e:
             # It may have been applied: the delayed copy may be queued.
             self._stand_in(message, state, attempt)

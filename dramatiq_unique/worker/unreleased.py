@@ -27,7 +27,6 @@ middleware, which writes it to the broker for the next worker
 
 from __future__ import annotations
 
-import random
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
@@ -36,7 +35,7 @@ from dramatiq.logging import get_logger
 
 from ..backends.base import LockBackend, Release
 from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread
-from ..clock import now_ms
+from ..clock import JITTER, now_ms
 from ..forks import pid
 
 #: Milliseconds before the first retry of a failed release; each retry
@@ -269,4 +268,4 @@ class ReleaseRetries:
 
     @staticmethod
     def _jittered(wait: float) -> float:
-        return wait * random.uniform(0.5, 1.0)
+        return wait * JITTER.uniform(0.5, 1.0)

@@ -634,7 +634,7 @@ class RedisBackend(Reschedules, NewestWins, SendsWithPublish, BatchedReleases, R
         return int(self._call("wait", _records(copy), [copy.message_id, message, order, copy.attempt, ttl]) or 0)
 
     def claim(self, copy: Copy) -> bool:
-        return bool(self._call("claim", _records(copy), _copy_args(copy)))
+        return bool(self._call("claim", [*_records(copy), copy.key], _copy_args(copy)))
 
     def extend(self, locks: Sequence[tuple[str, str]], ttl: int) -> list[bool]:
         return self._each("extend", [(key, owner, ttl) for key, owner in locks])
