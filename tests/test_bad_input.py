@@ -603,7 +603,9 @@ def read_setting(name: str, value: Any, *, text: bool) -> tuple[bool, Any]:
             except ValueError:
                 return False, None
         return is_whole(value, 0, MAX_REPLICAS), value
-    if name in ("lock_ttl", "lease", "reschedule_delay", "provisional_window", "reap_interval", "min_replicas_timeout"):
+    durations = ("lock_ttl", "lease", "reschedule_delay", "provisional_window", "reap_interval", "min_replicas_timeout",
+                 "shutdown_timeout")
+    if name in durations:
         low = 0 if name in ("reschedule_delay", "provisional_window", "reap_interval") else 1
         if text:
             try:
