@@ -37,6 +37,8 @@ _MUTEX_COMMANDS = {"SET", "GET", "WATCH", "UNWATCH", "MULTI+SET+EXEC"}
 _counts: Counter[str] = Counter()
 #: The round trips made on Dramatiq's worker threads, which run the actors.
 _worker_counts: Counter[str] = Counter()
+#: The round trips made on each thread, by thread ident.
+_thread_counts: dict[int, Counter[str]] = {}
 _mutex = threading.Lock()
 _original: Optional[Callable[..., Any]] = None
 #: The lock backend's own exchange, where this version has one.
@@ -125,6 +127,7 @@ def _count(packed: Any) -> None:
         _counts[name] += 1
         if on_worker:
             _worker_counts[name] += 1
+        _thread_counts.setdefault(threading.get_ident(), Counter())[name] += 1
 
 
 def install() -> None:
@@ -173,7 +176,16 @@ def worker_counts() -> dict[str, int]:
         return dict(_worker_counts)
 
 
+def thread_counts() -> dict[str, int]:
+    """Round trips so far on the calling thread, by label: a send's own,
+    without those of background threads a process may still run.
+    """
+    with _mutex:
+        return dict(_thread_counts.get(threading.get_ident(), ()))
+
+
 def reset() -> None:
     with _mutex:
         _counts.clear()
         _worker_counts.clear()
+        _thread_counts.clear()

@@ -98,6 +98,9 @@ class _Caller:
         return self.replies
 
 
+_INTERRUPTED = "the worker's shutdown interrupted this lock call; it may have applied"
+
+
 def _interrupted(interrupt: BaseException) -> TimeoutError:
     """What the other callers of a round trip get when an interrupt (a
     time limit, a shutdown notice) meant for the leading thread broke it:
@@ -447,17 +450,22 @@ class ScriptCalls(Interruptible):
         def attempt() -> list[Any]:
             # A round trip that a shutdown broke (see interrupt) is not sent again.
             if interrupts != self._interrupts:
-                raise redis.TimeoutError("the worker's shutdown interrupted this lock call; it may have applied")
+                raise redis.TimeoutError(_INTERRUPTED)
             return self._exchange(conn, commands)
 
         self._busy[id(conn)] = (conn, now_ms())
         try:
             result: list[Any] = conn.retry.call_with_retry(attempt, lambda _error: conn.disconnect())
-        except BaseException:
+        except BaseException as e:
             # Whatever broke the exchange (a time limit's exception too)
             # may have left replies unread: never reuse the socket, nor
             # the connection (the next call makes a fresh one).
             conn.disconnect()
+            if isinstance(e, Exception) and interrupts != self._interrupts:
+                # A shutdown broke it from another thread: redis-py's own
+                # parser then fails on its closed buffer (a ValueError),
+                # hiredis as a lost connection; either way it may have applied.
+                raise redis.TimeoutError(_INTERRUPTED) from e
             raise
         finally:
             self._busy.pop(id(conn), None)
