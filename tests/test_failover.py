@@ -50,7 +50,8 @@ def _synced(url: str) -> bool:
 @pytest.fixture
 def pair() -> Iterator[Pair]:
     primary_port, replica_port = free_port(), free_port()
-    primary = start_redis_server(primary_port)
+    # Redis waits 5 s by default before a diskless sync, for more replicas to join.
+    primary = start_redis_server(primary_port, "--repl-diskless-sync-delay", "0")
     replica = start_redis_server(replica_port, "--replicaof", "127.0.0.1", str(primary_port))
     pair = Pair(primary, replica, f"redis://127.0.0.1:{primary_port}/0", f"redis://127.0.0.1:{replica_port}/0")
     deadline = time.monotonic() + 10

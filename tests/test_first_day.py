@@ -25,7 +25,7 @@ MINUTE = 60_000
 # A worker's boot --------------------------------------------------------------
 
 #: The start of the line a worker logs when its lock backend does not answer.
-UNREACHABLE = "Lock backend RedisBackend({url}) does not answer at worker boot ("
+UNREACHABLE = "Lock backend {backend}({url}) does not answer at worker boot ("
 
 
 def boot(url: str) -> str:
@@ -41,16 +41,18 @@ def boot(url: str) -> str:
         return workers.output()
 
 
-@pytest.mark.parametrize("host, reason", [
-    ("no-such-host.invalid:6379", "Name or service not known"),
-    ("127.0.0.1:{port}", "Connection refused"),
-], ids=["unknown host", "closed port"])
-def test_a_worker_that_cannot_reach_its_lock_backend_says_so_at_boot_and_goes_on(host, reason):
-    url = f"redis://{host.format(port=free_port())}/0"
+@pytest.mark.parametrize("url, reason, error", [
+    ("redis://no-such-host.invalid:6379/0", "Name or service not known", "(ConnectionError: Error "),
+    ("redis://127.0.0.1:{port}/0", "Connection refused", "(ConnectionError: Error "),
+    ("postgresql://no-such-host.invalid:5432/db", "Name or service not known", "(OperationalError: "),
+], ids=["unknown host", "closed port", "unknown host on postgres"])
+def test_a_worker_that_cannot_reach_its_lock_backend_says_so_at_boot_and_goes_on(url, reason, error):
+    url = url.format(port=free_port())
     output = boot(url)
-    lines = [line for line in output.splitlines() if UNREACHABLE.format(url=url) in line]
+    backend = "PostgresBackend" if url.startswith("postgresql") else "RedisBackend"
+    lines = [line for line in output.splitlines() if UNREACHABLE.format(backend=backend, url=url) in line]
     assert len(lines) == 1, output
-    assert "[ERROR]" in lines[0] and "(ConnectionError: Error " in lines[0], lines[0]
+    assert "[ERROR]" in lines[0] and error in lines[0], lines[0]
     assert reason in lines[0] and "on_backend_error='fail'" in lines[0], lines[0]
     # It booted all the same: the backend may come up later.
     assert "Worker process is ready for action." in output

@@ -4,6 +4,7 @@ and the Redis broker with an in-process worker.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import uuid
@@ -378,6 +379,9 @@ def test_a_backend_outage_never_runs_a_locked_actor(rig):
 
     # Given locks in a Redis that does not answer
     rig.unique.backend = RedisBackend(url=f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.2)
+    # A failed take may have applied: the stopping worker owes its releases
+    # and would try to send them for most of the default 10 s.
+    rig.unique.settings = dataclasses.replace(rig.unique.settings, shutdown_timeout=1000)
     runner = sleeper(rig, lock="while_executing", max_retries=2, min_backoff=50)
     sender = sleeper(rig, lock="until_executed")
     # Then a send with an enqueue lock fails, naming the backend, and enqueues nothing

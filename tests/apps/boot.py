@@ -13,10 +13,10 @@ import dramatiq
 from dramatiq.brokers.stub import StubBroker
 
 from dramatiq_unique import UniqueMiddleware
-from dramatiq_unique.backends.redis import RedisBackend
+from dramatiq_unique.backends import from_url
 
 broker = StubBroker()
-broker.add_middleware(UniqueMiddleware(backend=RedisBackend(url=os.environ["BOOT_LOCKS_URL"])))
+broker.add_middleware(UniqueMiddleware(backend=from_url(os.environ["BOOT_LOCKS_URL"])))
 
 
 @dramatiq.actor(broker=broker, lock="while_executing")

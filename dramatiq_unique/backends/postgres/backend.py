@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, TypeVar, Union
@@ -97,23 +96,16 @@ def _without_password(url: str) -> str:
     return f"postgresql://{user}{host}{':' + str(port) if port else ''}/{dbname}"
 
 
-def check_hosts(conninfo: str) -> None:
-    """Raise ConfigurationError when a host ``conninfo`` names does not
-    resolve (a Unix socket directory is not looked up).
+def check_url(conninfo: str) -> None:
+    """Raise ConfigurationError when ``conninfo`` does not parse.  A host
+    that does not resolve is no error here: the name may not be in DNS
+    yet, so the worker's boot check reports it and the worker goes on,
+    as with Redis (:mod:`dramatiq_unique.worker.boot`).
     """
     try:
-        params = conninfo_to_dict(conninfo)
+        conninfo_to_dict(conninfo)
     except psycopg.ProgrammingError as e:
         raise ConfigurationError(f"PostgresBackend cannot parse the URL {conninfo!r}: {e}") from None
-    for host in str(params.get("host") or "").split(","):
-        if not host or host.startswith("/") or host.startswith("@"):
-            continue
-        try:
-            socket.getaddrinfo(host, None)
-        except OSError as e:
-            raise ConfigurationError(
-                f"PostgresBackend: the host {host!r} of {_without_password(conninfo)} does not resolve ({e})."
-            ) from None
 
 
 class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
@@ -191,7 +183,7 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
         self.fence_memory = fence_memory
         if pool is None:
             assert url is not None
-            check_hosts(url)
+            check_url(url)
             connect.setdefault("connect_timeout", max(1, round(timeout)))
             self.conninfo = make_conninfo(url, **connect)
             self._kwargs = {"autocommit": True, "prepare_threshold": prepare_threshold}
@@ -265,6 +257,16 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
                     )
                 self.create_schema()
             self._ready = True
+
+    def check(self, key: str) -> None:
+        """Read ``key`` (see :meth:`LockReads.check`), after one connection
+        of its own: a pool that cannot connect says only that it timed
+        out, where libpq's own error says why (the host, "Name or service
+        not known", "Connection refused").
+        """
+        with psycopg.connect(self.conninfo, autocommit=True) as conn:
+            conn.execute("SELECT 1")
+        self.inspect(key)
 
     # Transactions ------------------------------------------------------
 
