@@ -42,7 +42,8 @@ PHASES = (QUEUE, RUN)
 DIGEST_LENGTH = 32
 
 #: A lock key after its prefix and colon.  The actor part is greedy, so
-#: an actor name holding colons (or even ``:{...}:run``) still parses.
+#: an actor name holding colons (or even ``:{...}:run``) still parses;
+#: one holding a newline does not (``.`` stops there), as it never has.
 _KEY = re.compile(rf"(?P<scope>.+):\{{(?P<digest>[0-9a-f]{{{DIGEST_LENGTH}}})\}}:(?P<phase>queue|run)")
 _DIGEST = re.compile(rf"[0-9a-f]{{{DIGEST_LENGTH}}}")
 _GLOB_SPECIALS = re.compile(r"[*?\[\]\\]")
