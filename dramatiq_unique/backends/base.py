@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterator, NamedTuple, Optional, Protocol, Sequence, TypeVar, Union
 
 from ..errors import ConfigurationError
+from ..model.wire import EnqueueRecord
 
 
 class _Named(str, enum.Enum):
@@ -202,88 +203,6 @@ class Release(NamedTuple):
 
     held: bool
     promoted: Optional[bytes] = None
-
-
-@dataclass(frozen=True)
-class EnqueueRecord:
-    """What an enqueue lock records about its holder, for operators and
-    the reaper.
-
-    Attributes:
-      taken_at(int): When the slot was taken, in Unix milliseconds.
-      provisional_until(int): While the slot waits for its message's
-        publish to be confirmed, the Unix milliseconds when it lapses
-        unless confirmed; 0 once confirmed.
-      where(str): Where the message was last published (for the Redis
-        broker ``namespace\tqueue\tredis_message_id``), or "".
-      before(str): Where it was published before that, or "": during a
-        move between queues the message is at one of the two.
-    """
-
-    taken_at: int
-    provisional_until: int = 0
-    where: str = ""
-    before: str = ""
-
-    def encode(self) -> str:
-        """The text the backend stores."""
-        return f"{self.taken_at}|{self.provisional_until}|{self.where}\n{self.before}"
-
-    @classmethod
-    def decode(cls, text: str) -> Optional["EnqueueRecord"]:
-        """Parse stored text; None when it is not a record."""
-        try:
-            taken, provisional, places = text.split("|", 2)
-            where, _, before = places.partition("\n")
-            return cls(int(taken), int(provisional), where, before)
-        except ValueError:
-            return None
-
-    @property
-    def queue(self) -> str:
-        """The queue ``where`` names, without a delay queue's ``.DQ``;
-        "" if none.
-        """
-        return Place.queue_in(self.where)
-
-
-def _canonical_queue(queue: str) -> str:
-    """``queue`` without a delay queue's ``.DQ``."""
-    return queue[:-3] if queue.endswith(".DQ") else queue
-
-
-@dataclass(frozen=True)
-class Place:
-    """Where a message was published, as an :class:`EnqueueRecord`
-    writes it: ``namespace\tqueue\tredis_message_id`` (namespace and id
-    empty on brokers other than Redis).
-    """
-
-    namespace: str
-    queue: str
-    redis_id: str
-
-    @classmethod
-    def parse(cls, where: str) -> Optional["Place"]:
-        """The place in a record's ``where``; None when it names none
-        that can be looked up (another broker, or nothing recorded).
-        """
-        parts = where.split("\t")
-        if len(parts) != 3 or not parts[0] or not parts[2]:
-            return None
-        return cls(*parts)
-
-    @staticmethod
-    def queue_in(where: str) -> str:
-        """The queue a ``where`` names, on any broker, without a delay
-        queue's ``.DQ``; "" if none.
-        """
-        parts = where.split("\t")
-        return _canonical_queue(parts[1]) if len(parts) == 3 else ""
-
-    @property
-    def canonical_queue(self) -> str:
-        return _canonical_queue(self.queue)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
+from ..model.wire import split_owner
 from .base import (
     DEFAULT_RESERVE,
     DUPLICATE_WINDOW,
@@ -229,7 +230,7 @@ class StubBackend(Reschedules, NewestWins):
                 entry.records[owner] = self._record(old, where, deadline - now if short else 0)
             # As _take.lua: a taken slot names its owner as the holder.
             return Acquisition(True, reentered=True, holder=owner, fence=entry.fence, provisional=short)
-        message = owner.partition("/")[0]
+        message = split_owner(owner).message_id
         others = [name for name in entry.reserved if name != message]
         if len(entry.holders) + len(others) >= limit:
             return Acquisition(False, holder=next(iter([*entry.holders, *others])), fence=entry.fence)
@@ -328,7 +329,7 @@ class StubBackend(Reschedules, NewestWins):
     ) -> Release:
         with self._mutex:
             held, present = self._drop(key, owner)
-            ran = Copy(key, owner.partition("/")[0])
+            ran = Copy(key, split_owner(owner).message_id)
             record = self._live_record(ran)
             if record is not None and record.runner == owner:
                 attempt, via, retries = record.ran

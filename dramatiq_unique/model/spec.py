@@ -18,6 +18,7 @@ from dramatiq.logging import get_logger
 from ..errors import ConfigurationError
 from ..settings import MAX_DURATION, is_duration
 from .locks import LockType, lock_type, strategies
+from .wire import ANY_ACTOR, DIGEST_LENGTH, UNIQUE_ACROSS_ACTORS, UNIQUE_ACROSS_QUEUES, actor_scope
 
 if TYPE_CHECKING:
     from dramatiq import Actor
@@ -31,8 +32,8 @@ ACTOR_OPTIONS = frozenset(
         "lock_args_method",
         "lock_ttl",
         "lock_limit",
-        "unique_across_queues",
-        "unique_across_actors",
+        UNIQUE_ACROSS_QUEUES,
+        UNIQUE_ACROSS_ACTORS,
         "reschedule_delay",
         "debounce",
         "debounce_max",
@@ -45,10 +46,6 @@ DEBOUNCE_LOCK = "until_executing"
 #: Bumped whenever the digest's inputs change shape, so old and new
 #: digests never collide.
 DIGEST_VERSION = 1
-
-#: The key scope used instead of an actor name by
-#: ``unique_across_actors``.
-ANY_ACTOR = "@any"
 
 logger = get_logger(__name__)
 
@@ -95,7 +92,7 @@ class ActorSpec:
             self.key_material(args, kwargs),
         ]
         text = self.canonical(material)
-        digest = hashlib.sha256(text.encode()).hexdigest()[:32]
+        digest = hashlib.sha256(text.encode()).hexdigest()[:DIGEST_LENGTH]
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("Digest %s of %s is made of %s.", digest, self.actor_name, text)
         return digest
@@ -167,13 +164,6 @@ def _optional(options: Mapping[str, Any], name: str, check: Callable[[Any], bool
 
 def _is_int(value: Any, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-
-
-def actor_scope(actor: str) -> str:
-    """The actor part of the keys of ``actor``: braces would clash with
-    the Cluster hash tag, so the middleware writes them as parentheses.
-    """
-    return actor.replace("{", "(").replace("}", ")")
 
 
 def _lock_args(options: Mapping[str, Any], signature: Optional[inspect.Signature]) -> Optional[tuple[str, ...]]:
@@ -252,8 +242,8 @@ def _actor_spec(actor: "Actor[Any, Any]") -> Optional[ActorSpec]:
             f"a positive whole number of milliseconds, at most {MAX_DURATION}",
         ),
         lock_limit=_optional(options, "lock_limit", lambda v: _is_int(v, 1), "a whole number, 1 or more") or 1,
-        across_queues=bool(_optional(options, "unique_across_queues", is_bool, "True or False")),
-        across_actors=bool(_optional(options, "unique_across_actors", is_bool, "True or False")),
+        across_queues=bool(_optional(options, UNIQUE_ACROSS_QUEUES, is_bool, "True or False")),
+        across_actors=bool(_optional(options, UNIQUE_ACROSS_ACTORS, is_bool, "True or False")),
         reschedule_delay=_optional(
             options,
             "reschedule_delay",

@@ -18,22 +18,24 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeVar
 
 from ..backends.base import EnqueueRecord, LockBackend, LockInfo, Waiter
 from ..errors import LockBackendError, UniqueError
-from ..model.spec import actor_scope
-from ..send.copies import message_id_of
+from ..model.wire import (
+    PHASES,
+    QUEUE,
+    RUN,
+    LockKey,
+    actor_scope,
+    check_key,
+    digest_in,
+    lock_key_glob,
+    message_id_of,
+    parse_lock_key,
+)
 from ..settings import DEFAULT_PREFIX
-
-#: The two kinds of lock key: taken at enqueue, or around a run.
-PHASES = ("queue", "run")
-
-_KEY = re.compile(r"(?P<actor>.+):\{(?P<digest>[0-9a-f]{32})\}:(?P<phase>queue|run)")
-_DIGEST = re.compile(r"[0-9a-f]{32}")
-_GLOB_SPECIALS = re.compile(r"[*?\[\]\\]")
 
 T = TypeVar("T")
 
@@ -153,27 +155,18 @@ def _decoded(lock_args: Optional[str]) -> Any:
         return lock_args
 
 
-def _wildcard(text: str) -> str:
-    """``text`` as a glob where each glob special character matches any
-    one character.  Redis and ``fnmatch`` escape differently, so results
-    are re-checked exactly instead.
-    """
-    return _GLOB_SPECIALS.sub("?", text)
-
-
 def digest_of(text: str) -> str:
     """The digest named by ``text``: a digest itself, or a lock key.
 
     Raises:
       UnknownLock: when ``text`` is neither.
     """
-    text = text.strip()
-    if _DIGEST.fullmatch(text):
-        return text
-    found = _KEY.search(text)
+    found = digest_in(text)
     if found is None:
-        raise UnknownLock(f"{text!r} is not a digest: expected the 32 hex characters inside the braces of a lock key.")
-    return found["digest"]
+        raise UnknownLock(
+            f"{text.strip()!r} is not a digest: expected the 32 hex characters inside the braces of a lock key."
+        )
+    return found
 
 
 class LockAdmin:
@@ -199,7 +192,7 @@ class LockAdmin:
 
     def check(self) -> None:
         """Make one backend call, to fail early when it is unreachable."""
-        self._call("answer", self.backend.check, f"{self.prefix}:!check")
+        self._call("answer", self.backend.check, check_key(self.prefix))
 
     def locks(
         self, *, actor: Optional[str] = None, pattern: Optional[str] = None, phase: Optional[str] = None
@@ -214,8 +207,7 @@ class LockAdmin:
           phase(str): Only the ``queue`` (enqueue) or ``run`` locks.
         """
         scope = actor_scope(actor) if actor is not None else None
-        suffix = f":{phase}" if phase else ""
-        glob = pattern or f"{_wildcard(self.prefix)}:{_wildcard(scope) if scope else '*'}:*{suffix}"
+        glob = pattern or lock_key_glob(prefix=self.prefix, scope=scope, phase=phase)
         for key in self._scan(glob):
             lock = self._lock(key)
             if lock is not None and scope in (None, lock.actor) and phase in (None, lock.phase):
@@ -232,7 +224,7 @@ class LockAdmin:
           UnknownLock: when no live lock has this digest.
         """
         digest = digest_of(digest)
-        glob = f"{_wildcard(self.prefix)}:*:{{{digest}}}:*"
+        glob = lock_key_glob(prefix=self.prefix, digest=digest)
         found = [lock for lock in map(self._lock, self._scan(glob)) if lock is not None and lock.digest == digest]
         found.sort(key=lambda lock: PHASES.index(lock.phase))
         if not found:
@@ -295,7 +287,7 @@ class LockAdmin:
         """
         slots = [
             (lock.key, h.owner)
-            for lock in self.locks(phase="queue")
+            for lock in self.locks(phase=QUEUE)
             for h in lock.holders
             if h.record is not None and h.record.queue == queue
         ]
@@ -339,16 +331,14 @@ class LockAdmin:
         return self._call(doing, call, *args)
 
     def _lock(self, key: str) -> Optional[Lock]:
-        if not key.startswith(f"{self.prefix}:"):
-            return None
-        parts = _KEY.fullmatch(key[len(self.prefix) + 1 :])
+        parts = parse_lock_key(key, prefix=self.prefix)
         if parts is None:
             return None
         info = self._call(f"inspect {key!r}", self.backend.inspect, key)
         if info is None:
             return None
         waiting = []
-        if parts["phase"] == "run":
+        if parts.phase == RUN:
             waiting = self._call(f"list the waiters of {key!r}", self.backend.waiters, key)
         return _from_info(info, parts, tuple(waiting))
 
@@ -377,7 +367,7 @@ class LockAdmin:
             raise LockBackendError(f"Lock backend {where} failed to {doing}: {reason}", backend=where) from e
 
 
-def _from_info(info: LockInfo, parts: "re.Match[str]", waiting: tuple[Waiter, ...] = ()) -> Lock:
+def _from_info(info: LockInfo, parts: LockKey, waiting: tuple[Waiter, ...] = ()) -> Lock:
     holders = sorted(
         (
             Holder(owner, message_id_of(owner) or owner, deadline, info.records.get(owner))
@@ -387,9 +377,9 @@ def _from_info(info: LockInfo, parts: "re.Match[str]", waiting: tuple[Waiter, ..
     )
     return Lock(
         key=info.key,
-        actor=parts["actor"],
-        digest=parts["digest"],
-        phase=parts["phase"],
+        actor=parts.scope,
+        digest=parts.digest,
+        phase=parts.phase,
         lock=info.lock,
         holders=tuple(holders),
         lock_args=info.lock_args,

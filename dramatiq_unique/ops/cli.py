@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
 
 from ..dashboard.view import duration
 from ..errors import UniqueError
+from ..model.wire import PHASES, QUEUE, RUN
 
 if TYPE_CHECKING:
     from .admin import Lock, LockAdmin
@@ -113,7 +114,7 @@ def _state(lock: "Lock") -> str:
     """"provisional" while any holder awaits the confirmation of its
     publish, "confirmed" otherwise; "-" for a run lock.
     """
-    if lock.phase != "queue":
+    if lock.phase != QUEUE:
         return "-"
     return "provisional" if any(h.provisional for h in lock.holders) else "confirmed"
 
@@ -122,7 +123,7 @@ def _row(lock: "Lock") -> list[str]:
     soonest = _remaining(lock.holders[0].deadline)
     oldest = min((h.taken_at for h in lock.holders if h.taken_at is not None), default=None)
     age = _age(oldest)
-    waiting = str(len(lock.waiting)) if lock.phase == "run" else "-"
+    waiting = str(len(lock.waiting)) if lock.phase == RUN else "-"
     row = [lock.actor, lock.digest, lock.phase, lock.lock or "?", str(len(lock.holders)), age, soonest, _state(lock)]
     return [*row, waiting]
 
@@ -159,7 +160,7 @@ def _print_lock(lock: "Lock") -> None:
             print(f"    taken   {_timestamp(holder.taken_at)} ({_age(holder.taken_at)} ago)")
         state = "  provisional: lapses then unless its publish is confirmed" if holder.provisional else ""
         print(f"    expires {_timestamp(holder.deadline)} (in {_remaining(holder.deadline)}){state}")
-    if lock.phase == "run":
+    if lock.phase == RUN:
         print(f"waiting    {len(lock.waiting)}")
         for waiter in lock.waiting:
             print(f"  message {waiter.message_id}  sent {_timestamp(waiter.sent_at)} ({_ago(waiter.sent_at)} ago)")
@@ -226,7 +227,7 @@ def _release_queue(admin: "LockAdmin", args: argparse.Namespace) -> int:
 
     count = sum(
         1
-        for lock in admin.locks(phase="queue")
+        for lock in admin.locks(phase=QUEUE)
         for h in lock.holders
         if h.record is not None and queue_of(h.record) == args.queue
     )
@@ -377,7 +378,7 @@ def _add_admin_commands(commands: Any) -> None:
     release = commands.add_parser("release", parents=common, help="release a digest's locks, a holder, or an actor's")
     release.add_argument("digest", metavar="DIGEST", nargs="?", help="release the locks of this digest")
     release.add_argument("--holder", metavar="ID", help="release only this holder (message id or owner)")
-    release.add_argument("--phase", choices=("queue", "run"), help="release only the enqueue or the run lock")
+    release.add_argument("--phase", choices=PHASES, help="release only the enqueue or the run lock")
     release.add_argument("--actor", metavar="NAME", help="release every lock of this actor (asks first)")
     release.add_argument(
         "--queue", metavar="NAME", help="release the enqueue locks of the messages published to this queue (asks first)"

@@ -28,9 +28,10 @@ from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, TypeVa
 
 from dramatiq.logging import get_logger
 
-from ..backends.base import EnqueueRecord, LockBackend, Place
+from ..backends.base import LockBackend
 from ..clock import JITTER
 from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread
+from ..model.wire import QUEUE, EnqueueRecord, Place, join_owner, reaper_key
 
 T = TypeVar("T")
 
@@ -235,7 +236,7 @@ class Reaper:
         report = ReapReport()
         pending: list[tuple[ListedLock, str, EnqueueRecord]] = []
         stop_at = None if budget is None else mod_time.monotonic() + budget
-        for n, lock in enumerate(self.admin.locks(actor=actor, phase="queue")):
+        for n, lock in enumerate(self.admin.locks(actor=actor, phase=QUEUE)):
             if (max_keys is not None and n >= max_keys) or (stop_at is not None and mod_time.monotonic() > stop_at):
                 report.complete = False
                 break
@@ -297,8 +298,8 @@ class PeriodicReaper:
         self.logger = get_logger(__name__, type(self))
         self.reaper = Reaper(admin, queues, min_age=min_age)
         self.backend: LockBackend = admin.backend
-        self.key = f"{admin.prefix}:!reaper"
-        self.owner = f"reaper/{os.getpid():x}.{JITTER.getrandbits(32):08x}"
+        self.key = reaper_key(admin.prefix)
+        self.owner = join_owner("reaper", f"{os.getpid():x}.{JITTER.getrandbits(32):08x}")
         self.interval = interval
         self.lease = lease
         self.max_keys = max_keys

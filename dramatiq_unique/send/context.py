@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 from ..compat import ConsumerThread
 from ..errors import DuplicateMessage, LockBackendError
 from ..events import EventHub, LockEvent
-from .copies import message_id_of
+from ..model.wire import UNIQUE_DIGEST, UNIQUE_LOCK_ARGS, join_place, lock_key, message_id_of
 
 if TYPE_CHECKING:
     from ..backends.base import LockBackend
@@ -76,7 +76,7 @@ class LockService:
         """The backend key of one lock: prefix, actor in clear text, and
         the digest inside a Cluster hash tag.
         """
-        return f"{self.settings.prefix}:{spec.scope}:{{{digest}}}:{phase}"
+        return lock_key(prefix=self.settings.prefix, scope=spec.scope, digest=digest, phase=phase)
 
     def emit(
         self,
@@ -93,7 +93,7 @@ class LockService:
         if listeners:  # two events a job: built only for someone
             message_id = getattr(message, "message_id", None)
             if reason is None:
-                event = LockEvent(name, spec.actor_name, key, message_id, message_id_of(holder) if holder else None)
+                event = LockEvent(name, spec.actor_name, key, message_id, message_id_of(holder))
             else:  # a skipped copy names its reason, and the run it duplicates as a whole owner
                 event = LockEvent(name, spec.actor_name, key, message_id, holder, reason)
             self.events.tell(listeners, event)
@@ -167,7 +167,7 @@ def is_fresh(message: Any) -> bool:
     """Whether this enqueue is a new send, which may be refused, rather
     than a re-enqueue, which must never raise.
     """
-    return "unique_digest" not in message.options and not isinstance(threading.current_thread(), ConsumerThread)
+    return UNIQUE_DIGEST not in message.options and not isinstance(threading.current_thread(), ConsumerThread)
 
 
 class EnqueueLocks:
@@ -191,8 +191,8 @@ class EnqueueLocks:
         """
         redis_id = message.options.get("redis_message_id")
         if self.namespace is None or not isinstance(redis_id, str):
-            return f"\t{message.queue_name}\t"
-        return f"{self.namespace}\t{message.queue_name}\t{redis_id}"
+            return join_place("", message.queue_name, "")
+        return join_place(self.namespace, message.queue_name, redis_id)
 
     def lock_args(self, message: Any, spec: "ActorSpec", fresh: bool) -> Optional[str]:
         """The lock args JSON a new send records, if the middleware
@@ -200,7 +200,7 @@ class EnqueueLocks:
         """
         if not (fresh and self.service.record_lock_args):
             return None
-        stamped = message.options.get("unique_lock_args")
+        stamped = message.options.get(UNIQUE_LOCK_ARGS)
         if isinstance(stamped, str):
             return stamped
         return spec.canonical(spec.key_material(message.args, message.kwargs))
@@ -212,7 +212,7 @@ class EnqueueLocks:
         """
         recorded = self.lock_args(message, spec, fresh)
         if recorded is not None:
-            message.options.setdefault("unique_lock_args", recorded)
+            message.options.setdefault(UNIQUE_LOCK_ARGS, recorded)
 
     def record(self, key: str, owner: str) -> None:
         """Remember a lock this guarded call took, to give it back if
@@ -233,7 +233,7 @@ class EnqueueLocks:
         returned, unsent message.
         """
         service = self.service
-        message.options.pop("unique_digest", None)
+        message.options.pop(UNIQUE_DIGEST, None)
         service.emit("duplicate", spec, key, message, holder)
         text = f"Not enqueued: {message} duplicates message {holder}, which holds lock {key!r}."
         if spec.client == "raise":
@@ -261,7 +261,7 @@ class EnqueueLocks:
         service = self.service
         wrapped = service.backend_error("take the enqueue lock", key, spec, message, error)
         if fresh and service.settings.on_backend_error == "fail":
-            message.options.pop("unique_digest", None)
+            message.options.pop(UNIQUE_DIGEST, None)
             if give_back and maybe_applied(error):
                 # Only the reply may be lost: the guard gives back whatever
                 # this new message holds (and what a replace superseded).

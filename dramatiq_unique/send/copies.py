@@ -3,17 +3,19 @@
 A new message gets its place among its producer's sends of the same
 millisecond (waiters of one key are handed the key in that order); each
 delivery is one copy of its message (:class:`~..backends.base.Copy`),
-named by the options the sends stamped; and a lock owner names its
-message (a message id, or ``<message id>/<token>`` for a run lock).  The
-send side stamps these, the worker and the operators read them.
+named by the options the sends stamped (their names, and how a lock
+owner names its message, are in :mod:`..model.wire`).  The send side
+stamps these, the worker and the operators read them.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional
+from typing import Any
 
 from ..backends.base import SENDS_PER_MS, Copy
+from ..model.wire import UNIQUE_LOCK_ARGS, UNIQUE_RESCHEDULES, UNIQUE_SEQ, UNIQUE_VIA
+from ..model.wire import message_id_of as message_id_of  # where worker/run.py reads it
 
 
 class _SendOrder:
@@ -35,7 +37,7 @@ class _SendOrder:
             if ms != self._ms:
                 self._ms, self._next = ms, 0
             seq, self._next = self._next, self._next + 1
-        message.options["unique_seq"] = min(seq, SENDS_PER_MS - 1)
+        message.options[UNIQUE_SEQ] = min(seq, SENDS_PER_MS - 1)
 
 
 #: Stamps the send order of this process's new messages.
@@ -47,14 +49,7 @@ def send_order(message: Any) -> int:
     millisecond its message was made, then its place among its
     producer's messages of that millisecond.
     """
-    return int(message.message_timestamp) * SENDS_PER_MS + int(message.options.get("unique_seq", 0))
-
-
-def message_id_of(owner: Optional[str]) -> Optional[str]:
-    """The message id in a lock owner: a message id itself (enqueue
-    locks) or ``<message id>/<token>`` (run locks).
-    """
-    return owner.split("/")[0] if owner else None
+    return int(message.message_timestamp) * SENDS_PER_MS + int(message.options.get(UNIQUE_SEQ, 0))
 
 
 def copy_of(message: Any, key: str) -> Copy:
@@ -64,9 +59,9 @@ def copy_of(message: Any, key: str) -> Copy:
     fields = (
         key,
         message.message_id,
-        options.get("unique_reschedules", 0),
-        options.get("unique_via", ""),
-        options.get("unique_lock_args"),  # stamped at send under record_lock_args only
+        options.get(UNIQUE_RESCHEDULES, 0),
+        options.get(UNIQUE_VIA, ""),
+        options.get(UNIQUE_LOCK_ARGS),  # stamped at send under record_lock_args only
         options.get("retries", 0),
     )
     return tuple.__new__(Copy, fields)

@@ -51,6 +51,7 @@ from dramatiq.middleware import Middleware
 from ..backends.base import Acquisition, DispatchFailed, LockBackend, SendsWithPublish
 from ..compat import RedisDispatch, redis_dispatch, replace_redis_do_enqueue
 from ..model.spec import ActorSpec
+from ..model.wire import QUEUE, UNIQUE_DIGEST
 from .context import CURRENT_CALL, Deferred, EnqueueLocks, maybe_applied
 
 if TYPE_CHECKING:
@@ -197,7 +198,7 @@ class SendPath:
         ):
             return False
         locks = self.locks
-        key = self.service.key(spec, message.options["unique_digest"], "queue")
+        key = self.service.key(spec, message.options[UNIQUE_DIGEST], QUEUE)
         lock_args = locks.lock_args(message, spec, fresh)
         deferred = Deferred(key, self.service.enqueue_ttl(spec, delay), lock_args, locks.where(message), spec, message)
         if call.deferred is None:

@@ -27,6 +27,7 @@ from ..compat import replace_broker_enqueue
 from ..errors import DuplicateMessage
 from ..events import LockEvent
 from ..model.spec import ActorSpec
+from ..model.wire import QUEUE, RUN, UNIQUE_DIGEST, UNIQUE_DUPLICATE_OF
 from . import replace
 from .confirm import Confirmer, Pending
 from .context import CURRENT_CALL, EnqueueLocks, GuardedCall, LockService, Refused, is_fresh
@@ -74,7 +75,7 @@ class EnqueueGuard:
             try:
                 sent = original(message, delay=delay)
             except Refused as refused:
-                unsent = message.copy(options={"unique_duplicate_of": refused.holder})
+                unsent = message.copy(options={UNIQUE_DUPLICATE_OF: refused.holder})
                 duplicate = DuplicateMessage(str(refused), key=refused.key, holder=refused.holder)
                 store_failure(broker, unsent, duplicate)  # a caller waiting on it learns why at once
                 return unsent
@@ -156,8 +157,8 @@ class EnqueueGuard:
         (a retry, a delay-queue move, a reschedule, a publish retry):
         its lock is re-entered, and nothing here raises for it.
         """
-        if "unique_digest" not in message.options:
-            message.options["unique_digest"] = spec.digest(message.args, message.kwargs)
+        if UNIQUE_DIGEST not in message.options:
+            message.options[UNIQUE_DIGEST] = spec.digest(message.args, message.kwargs)
             if spec.lock.run_lock:
                 send_sequence.stamp(message)
         if spec.lock.run_lock:
@@ -175,15 +176,15 @@ class EnqueueGuard:
         if spec.client == "replace":
             return replace.take(self.locks, message, delay, spec, fresh)
         service, locks = self.service, self.locks
-        digest = message.options["unique_digest"]
-        key = service.key(spec, digest, "queue")
+        digest = message.options[UNIQUE_DIGEST]
+        key = service.key(spec, digest, QUEUE)
         ttl = service.enqueue_ttl(spec, delay)
         call = CURRENT_CALL.get()
         window = service.settings.provisional_window if call is not None else 0
         started = time.monotonic() * 1000
         # A re-enqueued copy of a message that a reschedule made twice
         # over may not run (see Copy): it must not take the lock back.
-        copy = None if fresh or not spec.lock.run_lock else copy_of(message, service.key(spec, digest, "run"))
+        copy = None if fresh or not spec.lock.run_lock else copy_of(message, service.key(spec, digest, RUN))
         try:
             got = service.backend.acquire(  # type: ignore[union-attr]
                 key,

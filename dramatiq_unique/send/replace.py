@@ -23,6 +23,7 @@ from dramatiq.middleware import MiddlewareError
 
 from ..backends.base import CurrentStatus, NewestWins, ReplaceStatus
 from ..model.spec import ActorSpec
+from ..model.wire import QUEUE, RUN, UNIQUE_DIGEST, UNIQUE_REPLACED
 from .context import EnqueueLocks, LockService, is_fresh
 from .copies import copy_of
 
@@ -43,7 +44,7 @@ def take(locks: EnqueueLocks, message: Any, delay: Optional[int], spec: ActorSpe
     message was superseded.
     """
     service = locks.service
-    key = service.key(spec, message.options["unique_digest"], "queue")
+    key = service.key(spec, message.options[UNIQUE_DIGEST], QUEUE)
     ttl = service.enqueue_ttl(spec, delay)
     try:
         if fresh:
@@ -79,7 +80,7 @@ def _replace(locks: EnqueueLocks, message: Any, delay: Optional[int], spec: Acto
         return
     locks.locked(message, spec, key)
     if got.status is ReplaceStatus.REPLACED and got.holder is not None:
-        message.options["unique_replaced"] = got.holder
+        message.options[UNIQUE_REPLACED] = got.holder
         service.logger.debug("Message %s replaced message %s as holder of %r.", message.message_id, got.holder, key)
     if spec.debounce is not None and "eta" in message.options and (delay or 0) <= spec.debounce:
         # The broker set eta from the full window; the lock knows the burst.
@@ -89,7 +90,7 @@ def _replace(locks: EnqueueLocks, message: Any, delay: Optional[int], spec: Acto
 def _reenter(locks: EnqueueLocks, message: Any, spec: ActorSpec, key: str, ttl: int) -> None:
     service = locks.service
     # A copy of a reschedule that may not run must not take the lock back (see Copy).
-    run_key = service.key(spec, message.options["unique_digest"], "run")
+    run_key = service.key(spec, message.options[UNIQUE_DIGEST], RUN)
     copy = copy_of(message, run_key) if spec.lock.run_lock else None
     status, other = NewestWins.require(service.locks, feature="on_conflict='replace'").current(
         key, message.message_id, reenter=True, ttl=ttl, lock=spec.lock.name, copy=copy, where=locks.where(message)

@@ -26,6 +26,7 @@ except ModuleNotFoundError as e:  # tested in a subprocess: tests/test_install.p
     ) from None
 
 from ...errors import ConfigurationError, LockBackendError
+from ...model import wire
 from ...settings import DEFAULT_MIN_REPLICAS, DEFAULT_MIN_REPLICAS_TIMEOUT
 from ..base import (
     DEFAULT_RESERVE,
@@ -157,28 +158,30 @@ def _waiting(key: str) -> list[str]:
     """The waiters and bodies keys of a run lock key: same hash tag,
     same Cluster slot.
     """
-    return [f"{key}:wait", f"{key}:bodies"]
+    return [wire.waiters_key(key), wire.bodies_key(key)]
 
 
 def _records(copy: Copy) -> list[str]:
     """The keys a :class:`Copy` is settled on: its message record, then
     the waiters and bodies of its run lock.
     """
-    return [f"{copy.key}:m:{copy.message_id}", *_waiting(copy.key)]
+    return [wire.message_key(copy.key, copy.message_id), *_waiting(copy.key)]
 
 
 def _message_of(owner: str) -> str:
     """The message id of a run lock owner (``<message id>/<token>``); an
     enqueue lock's owner is its message id.
     """
-    return owner.partition("/")[0]
+    return wire.message_id_of(owner) or ""
 
 
 def _release_keys(key: str, owner: str) -> list[str]:
     """release.lua's keys: the lock, its waiters and bodies, and the
-    record of the owner's message, whose run the release ends.
+    record of the owner's message, whose run the release ends (every
+    job's, so the suffixes spelled out).
     """
-    return [key, f"{key}:wait", f"{key}:bodies", f"{key}:m:{_message_of(owner)}"]
+    message = f"{key}{wire.MESSAGE_SUFFIX}{_message_of(owner)}"
+    return [key, f"{key}{wire.WAIT_SUFFIX}", f"{key}{wire.BODIES_SUFFIX}", message]
 
 
 def _copy_args(copy: Copy) -> list[Any]:
@@ -199,7 +202,8 @@ def _start_call(
     """start.lua's keys and arguments: every job's, so spelled out
     rather than built from :func:`_records` and :func:`_copy_args`.
     """
-    keys = [key, f"{key}:m:{copy.message_id}", f"{key}:wait", f"{key}:bodies"]  # _records(copy), inline
+    message = f"{key}{wire.MESSAGE_SUFFIX}{copy.message_id}"
+    keys = [key, message, f"{key}{wire.WAIT_SUFFIX}", f"{key}{wire.BODIES_SUFFIX}"]  # _records(copy), inline
     if queue_key:
         keys.append(queue_key)
     place = "" if order is None else order
@@ -211,7 +215,7 @@ def _start_call(
 
 def _superseded(key: str) -> str:
     """The superseded record of an enqueue lock key: same hash tag."""
-    return f"{key}:superseded"
+    return wire.superseded_key(key)
 
 
 #: replace.lua's status codes.
@@ -737,19 +741,20 @@ class RedisBackend(Reschedules, NewestWins, SendsWithPublish, BatchedReleases, R
     def inspect(self, key: str) -> Optional[LockInfo]:
         fields = {as_text(name): as_text(value) for name, value in self.client.hgetall(key).items()}
         now = self._now_ms(key)
-        holders = {name: int(value) for name, value in fields.items() if not name.startswith("!") and int(value) > now}
+        meta = wire.META_MARK
+        holders = {name: int(value) for name, value in fields.items() if not name.startswith(meta) and int(value) > now}
         if not holders:
             return None
-        records = {owner: EnqueueRecord.decode(fields.get(f"!m:{owner}", "")) for owner in holders}
-        current = fields.get("!current")
+        records = {owner: EnqueueRecord.decode(fields.get(wire.record_field(owner), "")) for owner in holders}
+        current = fields.get(wire.CURRENT_FIELD)
         return LockInfo(
             key,
-            fields.get("!lock") or None,
+            fields.get(wire.LOCK_FIELD) or None,
             holders,
-            fields.get("!args"),
-            int(fields.get("!fence", 0)),
+            fields.get(wire.ARGS_FIELD),
+            int(fields.get(wire.FENCE_FIELD, 0)),
             current=current if current in holders else None,
-            superseded=int(fields.get("!superseded", 0)),
+            superseded=int(fields.get(wire.SUPERSEDED_FIELD, 0)),
             records={owner: record for owner, record in records.items() if record is not None},
         )
 

@@ -1,0 +1,370 @@
+"""The wire format: every text the package writes for another process
+to read (a sender's lock read by a worker, a worker's by an operator,
+an old release's by a new one).  Keys and records already deployed must
+stay readable, so nothing here changes shape without a migration; the
+Lua scripts in ``backends/redis/lua`` write the same texts, and
+``tests/test_wire_format.py`` checks that they agree.
+
+* Lock keys: ``<prefix>:<scope>:{<digest>}:<phase>``, and the companion
+  keys a backend hangs off one (:func:`lock_key`, :func:`parse_lock_key`).
+* Lock owners: a message id (an enqueue lock), or ``<message id>/<token>``
+  (a run lock, one token per execution) (:func:`join_owner`,
+  :func:`split_owner`).
+* The message options this package stamps (``UNIQUE_*``).
+* The enqueue record of a lock holder, and the place in it
+  (:class:`EnqueueRecord`, :class:`Place`).
+
+It imports nothing of the package: every side reads it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+# -- Lock keys -------------------------------------------------------------
+
+#: The scope of the keys of the actors with ``unique_across_actors``,
+#: instead of an actor name.
+ANY_ACTOR = "@any"
+
+#: The phase of an enqueue lock's key, owned by a message id.
+QUEUE = "queue"
+
+#: The phase of a run lock's key, owned by ``<message id>/<token>``.
+RUN = "run"
+
+#: The two kinds of lock key: taken at enqueue, or around a run.
+PHASES = (QUEUE, RUN)
+
+#: How many hex characters a digest has (a truncated SHA-256).
+DIGEST_LENGTH = 32
+
+#: A lock key after its prefix and colon.  The actor part is greedy, so
+#: an actor name holding colons (or even ``:{...}:run``) still parses;
+#: one holding a newline does not (``.`` stops there), as it never has.
+_KEY = re.compile(rf"(?P<scope>.+):\{{(?P<digest>[0-9a-f]{{{DIGEST_LENGTH}}})\}}:(?P<phase>queue|run)")
+_DIGEST = re.compile(rf"[0-9a-f]{{{DIGEST_LENGTH}}}")
+_GLOB_SPECIALS = re.compile(r"[*?\[\]\\]")
+
+#: The companions of a run lock key: its waiters (a zset of message ids
+#: by send order), their encoded bodies (a hash), and the record of each
+#: of its messages (a hash per message id, ``<key>:m:<message id>``).
+WAIT_SUFFIX = ":wait"
+BODIES_SUFFIX = ":bodies"
+MESSAGE_SUFFIX = ":m:"
+
+#: The companion of an enqueue lock key under ``on_conflict="replace"``:
+#: the messages its sends superseded.
+SUPERSEDED_SUFFIX = ":superseded"
+
+
+class LockKey(NamedTuple):
+    """A lock key, in its parts.
+
+    Attributes:
+      prefix(str): The middleware's prefix.
+      scope(str): The actor in clear text, braces written as
+        parentheses (``@any`` under ``unique_across_actors``).
+      digest(str): The 32 hex characters inside the Cluster hash tag.
+      phase(str): :data:`QUEUE` or :data:`RUN`.
+    """
+
+    prefix: str
+    scope: str
+    digest: str
+    phase: str
+
+
+def actor_scope(actor: str) -> str:
+    """The actor part of the keys of ``actor``: braces would clash with
+    the Cluster hash tag, so they are written as parentheses.
+    """
+    return actor.replace("{", "(").replace("}", ")")
+
+
+def lock_key(*, prefix: str, scope: str, digest: str, phase: str) -> str:
+    """The backend key of one lock: prefix, actor in clear text, and the
+    digest inside a Cluster hash tag (so a lock's keys share a slot).
+    """
+    return f"{prefix}:{scope}:{{{digest}}}:{phase}"
+
+
+def parse_lock_key(key: str, *, prefix: str) -> Optional[LockKey]:
+    """The parts of a lock key under ``prefix``; None for any other key
+    (another prefix, a companion key, an empty scope, a digest that is
+    not 32 lowercase hex characters).
+    """
+    if not key.startswith(f"{prefix}:"):
+        return None
+    found = _KEY.fullmatch(key, len(prefix) + 1)
+    if found is None:
+        return None
+    return LockKey(prefix, found["scope"], found["digest"], found["phase"])
+
+
+def digest_in(text: str) -> Optional[str]:
+    """The digest ``text`` names: a digest itself, or a lock key (under
+    any prefix); None when it names none.
+    """
+    text = text.strip()
+    if _DIGEST.fullmatch(text):
+        return text
+    found = _KEY.search(text)
+    return found["digest"] if found else None
+
+
+def _wildcard(text: str) -> str:
+    """``text`` as a glob where each glob special character matches any
+    one character.  Redis and ``fnmatch`` escape differently, so matches
+    are re-checked exactly with :func:`parse_lock_key`.
+    """
+    return _GLOB_SPECIALS.sub("?", text)
+
+
+def lock_key_glob(
+    *, prefix: str, scope: Optional[str] = None, digest: Optional[str] = None, phase: Optional[str] = None
+) -> str:
+    """A ``SCAN`` glob for the lock keys under ``prefix``, of one scope,
+    digest or phase if given.  It may match companion keys too: parse
+    each match.
+    """
+    tail = f"{{{digest}}}:*" if digest else "*"
+    return f"{_wildcard(prefix)}:{_wildcard(scope) if scope else '*'}:{tail}{f':{phase}' if phase else ''}"
+
+
+def waiters_key(key: str) -> str:
+    """The waiters zset of run lock ``key``."""
+    return f"{key}{WAIT_SUFFIX}"
+
+
+def bodies_key(key: str) -> str:
+    """The hash of the waiters' encoded messages of run lock ``key``."""
+    return f"{key}{BODIES_SUFFIX}"
+
+
+def message_key(key: str, message_id: str) -> str:
+    """The record of message ``message_id``'s copies under run lock ``key``."""
+    return f"{key}{MESSAGE_SUFFIX}{message_id}"
+
+
+def superseded_key(key: str) -> str:
+    """The superseded record of enqueue lock ``key``."""
+    return f"{key}{SUPERSEDED_SUFFIX}"
+
+
+def check_key(prefix: str) -> str:
+    """The key a liveness check reads: under the prefix, never a lock."""
+    return f"{prefix}:!check"
+
+
+def reaper_key(prefix: str) -> str:
+    """The lock that one reaper pass at a time holds."""
+    return f"{prefix}:!reaper"
+
+
+# -- Lock owners -----------------------------------------------------------
+
+#: Between the message id and the token of a run lock owner.
+OWNER_SEPARATOR = "/"
+
+
+class Owner(NamedTuple):
+    """A lock owner, in its parts.
+
+    Attributes:
+      message_id(str): The message that holds the slot.
+      token(str): The execution's token (a run lock); None for an
+        enqueue lock, owned by the message id alone.
+    """
+
+    message_id: str
+    token: Optional[str] = None
+
+
+def join_owner(message_id: str, token: Optional[str] = None) -> str:
+    """The owner string of a message's slot: its id, then ``/token`` for
+    a run lock.  A message id holding ``/`` does not split back (the Lua
+    scripts read the id up to the first ``/`` too).
+    """
+    return message_id if token is None else f"{message_id}{OWNER_SEPARATOR}{token}"
+
+
+def split_owner(owner: str) -> Owner:
+    """The parts of an owner string, split at its first ``/``."""
+    message_id, separator, token = owner.partition(OWNER_SEPARATOR)
+    return Owner(message_id, token if separator else None)
+
+
+def message_id_of(owner: Optional[str]) -> Optional[str]:
+    """The message id in a lock owner; None for no owner (or "")."""
+    return owner.partition(OWNER_SEPARATOR)[0] if owner else None
+
+
+# -- Message options -------------------------------------------------------
+
+#: The lock digest, stamped at send; a message that carries it is a
+#: re-enqueue (a retry, a move, a reschedule), never refused.
+UNIQUE_DIGEST = "unique_digest"
+
+#: The send's place among its producer's sends of the same millisecond.
+UNIQUE_SEQ = "unique_seq"
+
+#: The lock args JSON, stamped at send under ``record_lock_args`` only.
+UNIQUE_LOCK_ARGS = "unique_lock_args"
+
+#: How many times the message was rescheduled: 0 (absent) for the original.
+UNIQUE_RESCHEDULES = "unique_reschedules"
+
+#: Which copy of a reschedule this is: ``delay``, ``handoff`` or ``retry``.
+UNIQUE_VIA = "unique_via"
+
+#: How many times a delivery waited for the run lock's holder to finish.
+UNIQUE_WAITS = "unique_waits"
+
+#: On a refused send's returned copy: the owner whose lock refused it.
+UNIQUE_DUPLICATE_OF = "unique_duplicate_of"
+
+#: On a replacing send: the message it superseded.
+UNIQUE_REPLACED = "unique_replaced"
+
+#: The actor option: one key across every queue the actor is sent to.
+UNIQUE_ACROSS_QUEUES = "unique_across_queues"
+
+#: The actor option: one key across every actor that sets it.
+UNIQUE_ACROSS_ACTORS = "unique_across_actors"
+
+#: The message options above, which the package stamps and reads.
+MESSAGE_OPTIONS = frozenset(
+    {
+        UNIQUE_DIGEST,
+        UNIQUE_SEQ,
+        UNIQUE_LOCK_ARGS,
+        UNIQUE_RESCHEDULES,
+        UNIQUE_VIA,
+        UNIQUE_WAITS,
+        UNIQUE_DUPLICATE_OF,
+        UNIQUE_REPLACED,
+    }
+)
+
+
+# -- Enqueue records -------------------------------------------------------
+
+#: The lock hash's fields other than its holders start with this: a
+#: holder's own field is its owner string, valued its deadline (ms).
+META_MARK = "!"
+
+#: The lock hash's meta fields: the lock type, the lock args JSON (when
+#: recorded), the last fencing token, the newest send (under replace),
+#: and how many sends were superseded.
+LOCK_FIELD = "!lock"
+ARGS_FIELD = "!args"
+FENCE_FIELD = "!fence"
+CURRENT_FIELD = "!current"
+SUPERSEDED_FIELD = "!superseded"
+
+
+def record_field(owner: str) -> str:
+    """The lock hash field holding ``owner``'s :class:`EnqueueRecord`."""
+    return f"!m:{owner}"
+
+
+def join_place(namespace: str, queue: str, redis_id: str) -> str:
+    """A :class:`Place` as an :class:`EnqueueRecord` writes it."""
+    return f"{namespace}\t{queue}\t{redis_id}"
+
+
+def _canonical_queue(queue: str) -> str:
+    """``queue`` without a delay queue's ``.DQ``."""
+    return queue[:-3] if queue.endswith(".DQ") else queue
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a message was published, as an :class:`EnqueueRecord`
+    writes it: ``namespace\tqueue\tredis_message_id`` (namespace and id
+    empty on brokers other than Redis).
+    """
+
+    namespace: str
+    queue: str
+    redis_id: str
+
+    @classmethod
+    def parse(cls, where: str) -> Optional["Place"]:
+        """The place in a record's ``where``; None when it names none
+        that can be looked up (another broker, or nothing recorded).
+        """
+        parts = where.split("\t")
+        if len(parts) != 3 or not parts[0] or not parts[2]:
+            return None
+        return cls(*parts)
+
+    @staticmethod
+    def queue_in(where: str) -> str:
+        """The queue a ``where`` names, on any broker, without a delay
+        queue's ``.DQ``; "" if none.
+        """
+        parts = where.split("\t")
+        return _canonical_queue(parts[1]) if len(parts) == 3 else ""
+
+    @property
+    def canonical_queue(self) -> str:
+        return _canonical_queue(self.queue)
+
+
+@dataclass(frozen=True)
+class EnqueueRecord:
+    """What an enqueue lock records about its holder, for operators and
+    the reaper.
+
+    The Redis backend stores it in the lock hash, field
+    ``!m:<owner>`` (:func:`record_field`), as the text
+    ``<taken_at>|<provisional_until>|<where>\\n<before>``: two decimal
+    integers (Unix ms, no sign, no fraction: Lua writes them with
+    ``%.0f``), ``|`` after each, then ``where`` up to the newline and
+    ``before`` after it.  ``_take.lua`` writes it (``before`` empty for a
+    new slot; a run lock's slot records ``<taken>|0|\\n``),
+    ``replace.lua`` writes it confirmed (``|0|``) and ``confirm.lua``
+    rewrites its second number to 0; ``reap.lua`` compares it whole to
+    :meth:`encode`'s text.  A place holds no newline of its own (queue
+    names and message ids cannot).
+
+    Attributes:
+      taken_at(int): When the slot was taken, in Unix milliseconds.
+      provisional_until(int): While the slot waits for its message's
+        publish to be confirmed, the Unix milliseconds when it lapses
+        unless confirmed; 0 once confirmed.
+      where(str): Where the message was last published (for the Redis
+        broker ``namespace\tqueue\tredis_message_id``), or "".
+      before(str): Where it was published before that, or "": during a
+        move between queues the message is at one of the two.
+    """
+
+    taken_at: int
+    provisional_until: int = 0
+    where: str = ""
+    before: str = ""
+
+    def encode(self) -> str:
+        """The text the backend stores."""
+        return f"{self.taken_at}|{self.provisional_until}|{self.where}\n{self.before}"
+
+    @classmethod
+    def decode(cls, text: str) -> Optional["EnqueueRecord"]:
+        """Parse stored text; None when it is not a record."""
+        try:
+            taken, provisional, places = text.split("|", 2)
+            where, _, before = places.partition("\n")
+            return cls(int(taken), int(provisional), where, before)
+        except ValueError:
+            return None
+
+    @property
+    def queue(self) -> str:
+        """The queue ``where`` names, without a delay queue's ``.DQ``;
+        "" if none.
+        """
+        return Place.queue_in(self.where)
