@@ -38,6 +38,8 @@ import os
 import uuid
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 
+from .model.wire import UNIQUE_DUPLICATE_OF, check_key
+
 # Loaded by pytest as a plugin in every run of an environment that has
 # dramatiq-unique: import nothing heavy here (no Dramatiq, no redis), so
 # that a broken or partial install can never break an unrelated run.
@@ -107,7 +109,7 @@ def assert_duplicate(message: "Message[Any]", of: Union["Message[Any]", str, Non
       AssertionError: when ``message`` was enqueued, or a different
         message holds the lock.
     """
-    holder = message.options.get("unique_duplicate_of")
+    holder = message.options.get(UNIQUE_DUPLICATE_OF)
     if holder is None:
         raise AssertionError(f"{message} (message {message.message_id}) was enqueued, not refused as a duplicate.")
     expected = getattr(of, "message_id", of)
@@ -145,7 +147,7 @@ def redis_backend_for_tests(url: Optional[str] = None) -> "LockBackend":
     url = url or os.environ.get("REDIS_URL") or DEFAULT_TEST_REDIS_URL
     backend = from_url(url, socket_connect_timeout=2)
     try:
-        backend.inspect("dramatiq-unique-test:!check")
+        backend.check(check_key("dramatiq-unique-test"))
     except Exception as e:
         backend.close()
         raise ConfigurationError(
