@@ -11,8 +11,10 @@ import time
 from typing import Any, Sequence, Union
 
 import dramatiq
+import pytest
 from dramatiq import Worker
 from dramatiq.brokers.redis import RedisBroker
+from dramatiq.middleware.time_limit import TimeLimitExceeded
 
 from dramatiq_unique.backends.base import Release
 from dramatiq_unique.backends.redis import RedisBackend
@@ -185,4 +187,64 @@ def test_a_forked_child_leaves_the_parents_releases_to_the_parent_and_sends_its_
     # And the parent still sends its own
     assert releaser.pending() == 1 and releaser.drain(5_000)
     assert [outcome.held for outcome in outcomes] == [True] and not redis_client.exists("t:{parent}:run")
+    releaser.stop()
+
+
+def test_a_release_sent_now_goes_on_the_calling_thread_with_the_pending_ones_and_hands_over_there(redis_client):
+    # Given a releaser that lingers a minute, with one release pending
+    backend = SlowBackend(redis_client)
+    backend.gate.set()
+    for key in ("t:{pending}:run", "t:{now}:run"):
+        assert backend.acquire(key, key, ttl=60_000).acquired
+    releaser = Releaser(backend, on_stalled=lambda batch: None, linger=60_000)
+    outcomes: list[Any] = []
+    releaser.submit(pending("t:{pending}:run", "t:{pending}:run", outcomes))
+    handed_over_on: list[threading.Thread] = []
+
+    def done(outcome: Any) -> Any:
+        outcomes.append(outcome)
+        return lambda: handed_over_on.append(threading.current_thread())
+
+    # When a release is sent now (the run of a message that waited for its key)
+    releaser.release_now(PendingRelease("t:{now}:run", "t:{now}:run", "actor", done))
+    # Then both were sent in one round trip before it returned, the pending one first, and reported
+    assert backend.sent == [("t:{pending}:run", "t:{pending}:run"), ("t:{now}:run", "t:{now}:run")]
+    assert [outcome.held for outcome in outcomes] == [True, True]
+    assert not redis_client.exists("t:{pending}:run") and not redis_client.exists("t:{now}:run")
+    # And what its report left to do (the hand-off) was done on the calling thread, leaving nothing pending
+    assert handed_over_on == [threading.current_thread()]
+    assert releaser.pending() == 0
+    releaser.stop()
+
+
+class InterruptedOnce(RedisBackend):
+    """Releases for real, but the first call is broken by a time limit
+    after it was applied, as an interrupt meant for the worker thread
+    would break it.
+    """
+
+    def __init__(self, client: Any) -> None:
+        super().__init__(client=client)
+        self.release_calls = 0
+
+    def release_many(self, locks: Sequence[tuple[str, str]]) -> list[Union[Release, Exception]]:
+        self.release_calls += 1
+        outcomes = super().release_many(locks)
+        if self.release_calls == 1:
+            raise TimeLimitExceeded()
+        return outcomes
+
+
+def test_a_release_sent_now_that_an_interrupt_breaks_is_sent_again_by_the_releaser_thread(redis_client):
+    # Given a held lock, and a backend whose first release call an interrupt breaks after it was applied
+    backend = InterruptedOnce(redis_client)
+    assert backend.acquire("t:{i}:run", "t:{i}:run", ttl=60_000).acquired
+    releaser = Releaser(backend, on_stalled=lambda batch: None, linger=60_000)
+    outcomes: list[Any] = []
+    # When it is released now, and the interrupt breaks the call
+    with pytest.raises(TimeLimitExceeded):
+        releaser.release_now(pending("t:{i}:run", "t:{i}:run", outcomes))
+    # Then the releaser thread sends it again at once, and the release found done is not reported as lost
+    assert releaser.drain(5_000)
+    assert backend.release_calls == 2 and outcomes == [] and not redis_client.exists("t:{i}:run")
     releaser.stop()

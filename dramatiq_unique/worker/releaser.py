@@ -9,7 +9,10 @@ carried within ``linger`` milliseconds, one background thread per
 process (a :class:`~..background.BackgroundThread`) sends in one round trip (:meth:`LockBackend.release_many`).  Each
 outcome is reported where it arrived, in order with the call it rode
 with; the work a report leaves to do (enqueueing the waiter a release
-handed its key to) is done on the releaser thread.
+handed its key to) is done on the releaser thread.  The release of a run
+that a waiter is likely waiting for goes at once instead, on its worker
+thread (:meth:`Releaser.release_now`): lingering for a start to carry it
+would hold up the hand-off, one after another down a line of waiters.
 
 What stays true:
 
@@ -20,8 +23,8 @@ What stays true:
   release script checks the owner, so a release can never free another
   holder's slot.  A release sent in front of another lock's call is
   applied before it.
-* Nothing on a worker thread waits for Redis here: submitting appends
-  to a list.  A batch that has waited longer than ``stall_after`` for
+* Nothing on a worker thread waits for Redis here but a release it
+  sends now: submitting appends to a list.  A batch that has waited longer than ``stall_after`` for
   its reply is reported (ERROR log and a ``backend_error`` per lock) by
   the next submission, so a stuck Redis is never silent.  A release
   that rides with a run lock's call fails with that call.
@@ -235,6 +238,34 @@ class Releaser:
             raise started
         return started
 
+    def release_now(self, pending: PendingRelease) -> None:
+        """Send one release at once, on the calling thread, with the
+        releases pending now riding in front of it, and do here what the
+        reports leave to do (the hand-off): for a release that a waiter
+        is most likely waiting for, which lingering for a run lock call
+        to ride with, and then a hop to the releaser thread, would only
+        delay.  An interrupt meant for the calling thread (a time limit,
+        a shutdown notice) leaves what it broke to the releaser thread.
+        """
+        with self._lock:
+            riders, self._pending = self._pending[: self.batch - 1] + [pending], self._pending[self.batch - 1 :]
+            self._riding += len(riders)
+        try:
+            outcomes: list[Outcome] = list(self.backend.release_many([rider.releasing() for rider in riders]))
+        except Exception as e:
+            outcomes = [e] * len(riders)
+        except BaseException:
+            self._unboard(riders)
+            raise
+        follow_ups = self._reports(riders, outcomes)
+        try:
+            while follow_ups:
+                self._follow(*follow_ups[0])
+                del follow_ups[0]
+        finally:
+            # An interrupted hand-off is done again there: one enqueued twice is skipped as a copy that lost.
+            self._settled(len(riders), follow_ups)
+
     def _board(self) -> list[PendingRelease]:
         if not self._pending:
             return []  # read without the lock: a release missed here goes with the next call
@@ -264,13 +295,23 @@ class Releaser:
         order, and leave what the reports left to do (the hand-offs) to
         the releaser thread.
         """
+        self._settled(len(riders), self._reports(riders, outcomes))
+
+    def _reports(self, riders: Sequence[PendingRelease], outcomes: Sequence[Outcome]) -> list[FollowUp]:
+        """Report each release; return what the reports left to do."""
         follow_ups: list[FollowUp] = []
         for pending, outcome in zip(riders, outcomes):
             follow_up = self._report(pending, outcome)
             if follow_up is not None:
                 follow_ups.append((pending, follow_up))
+        return follow_ups
+
+    def _settled(self, carried: int, follow_ups: list[FollowUp]) -> None:
+        """``carried`` releases that a worker thread sent are reported;
+        ``follow_ups`` is left to the releaser thread.
+        """
         with self._lock:
-            self._riding -= len(riders) - len(follow_ups)  # a hand-off counts until it is done
+            self._riding -= carried - len(follow_ups)  # a hand-off counts until it is done
             self._follow_ups += follow_ups
             if follow_ups:
                 self._ensure_thread()

@@ -435,7 +435,13 @@ class ProcessGuard:
         releaser = self.run.releaser()
         reserve = self.reserve(spec)
         if releaser is not None:
-            releaser.submit(PendingRelease(key, owner, spec.actor_name, done, succeeded=succeeded, reserve=reserve))
+            pending = PendingRelease(key, owner, spec.actor_name, done, succeeded=succeeded, reserve=reserve)
+            # A message that waited for its key most likely leaves waiters behind, the next of which waits for
+            # this release: it goes at once rather than lingering for another call to ride with.
+            if message.options.get("unique_reschedules"):
+                releaser.release_now(pending)
+            else:
+                releaser.submit(pending)
             return
         try:
             outcome: Outcome = self.backend.release(key, owner, succeeded=succeeded, reserve=reserve)
