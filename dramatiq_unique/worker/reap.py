@@ -342,17 +342,23 @@ class BackendLocks:
                 yield QueueLock(key, parts.scope, info.lock, info.lock_args, holders)
 
     def call(self, doing: str, call: Callable[..., T], *args: Any) -> T:
-        """Run one backend call, turning its failures into
-        :class:`LockBackendError` with a one-line message.
-        """
-        try:
-            return call(*args)
-        except UniqueError:
-            raise
-        except Exception as e:
-            where = self.backend.describe()
-            reason = " ".join(str(e).split()) or type(e).__name__
-            raise LockBackendError(f"Lock backend {where} failed to {doing}: {reason}", backend=where) from e
+        """Run one backend call (see :func:`call_backend`)."""
+        return call_backend(self.backend, doing, call, *args)
+
+
+def call_backend(backend: LockBackend, doing: str, call: Callable[..., T], *args: Any) -> T:
+    """Run one call of ``backend``, turning its failures into
+    :class:`LockBackendError` with a one-line message, as the operators'
+    listing words them.
+    """
+    try:
+        return call(*args)
+    except UniqueError:
+        raise
+    except Exception as e:
+        where = backend.describe()
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise LockBackendError(f"Lock backend {where} failed to {doing}: {reason}", backend=where) from e
 
 
 class PeriodicReaper:
