@@ -38,6 +38,7 @@ from .compat import Prometheus, proxied_message
 from .errors import ConfigurationError
 from .events import EventHub, Listener
 from .model.spec import ACTOR_OPTIONS, ActorSpec, actor_spec
+from .model.wire import UNIQUE_DIGEST
 from .send.context import LockService
 from .send.guard import EnqueueGuard
 from .worker.boot import check_backend
@@ -397,9 +398,9 @@ class UniqueMiddleware(Middleware):
             self.logger.error("Enqueueing %s without its lock: it could not be re-entered.", message, exc_info=True)
         except Exception as e:
             # Dramatiq would log this and enqueue a new message unlocked.
-            error = self.service.backend_error("lock", message.options.get("unique_digest", "?"), spec, message, e)
+            error = self.service.backend_error("lock", message.options.get(UNIQUE_DIGEST, "?"), spec, message, e)
             if fresh:
-                message.options.pop("unique_digest", None)
+                message.options.pop(UNIQUE_DIGEST, None)
                 raise error from e
 
     # Processing -----------------------------------------------------
@@ -415,7 +416,7 @@ class UniqueMiddleware(Middleware):
         except MiddlewareError:
             raise
         except Exception as e:
-            raise self.service.backend_error("lock", message.options.get("unique_digest", "?"), spec, message, e) from e
+            raise self.service.backend_error("lock", message.options.get(UNIQUE_DIGEST, "?"), spec, message, e) from e
 
     def after_process_message(
         self,
@@ -452,7 +453,7 @@ class UniqueMiddleware(Middleware):
         actor lookups in the consumer).
         """
         spec = self.specs.get(message.actor_name)
-        digest = message.options.get("unique_digest")
+        digest = message.options.get(UNIQUE_DIGEST)
         if spec is None or digest is None or not self.enabled:
             return None
         return attach(message, Delivery(spec, digest))

@@ -64,6 +64,6 @@ def test_a_listing_that_fails_says_so_as_the_operators_listing_does() -> None:
     for listing in (BackendLocks(backend, prefix="p"), LockAdmin(backend, prefix="p")):
         with pytest.raises(LockBackendError) as raised:
             next(iter(listing.locks(phase="queue")))
-        errors.append(str(raised.value).replace("p:*:*:queue", "p:*:queue"))
-    assert errors[0] == errors[1] == f"Lock backend {backend.describe()} failed to scan 'p:*:queue': " \
+        errors.append(str(raised.value))
+    assert errors[0] == errors[1] == f"Lock backend {backend.describe()} failed to scan 'p:*:*:queue': " \
                                      "the lock backend is unreachable"

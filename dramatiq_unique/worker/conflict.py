@@ -20,6 +20,7 @@ from ..backends.base import Copy, CopyVerdict, Reschedules
 from ..clock import JITTER
 from ..errors import CopySkipped, LockConflict, Rescheduled
 from ..model.spec import ActorSpec
+from ..model.wire import UNIQUE_DIGEST, UNIQUE_RESCHEDULES, UNIQUE_VIA, UNIQUE_WAITS
 from ..send.context import LockService
 from ..send.copies import message_id_of, send_order
 from ..send.results import store_failure, store_nothing
@@ -87,12 +88,12 @@ def reschedule(conflict: Conflict) -> NoReturn:
     """Register a hand-off copy as a waiter, then enqueue a delayed copy."""
     service, broker, message, state, key, _ = conflict
     spec = state.spec
-    attempt = message.options.get("unique_reschedules", 0) + 1
-    options = {"unique_reschedules": attempt, "unique_digest": state.digest, "unique_waits": 0}
+    attempt = message.options.get(UNIQUE_RESCHEDULES, 0) + 1
+    options = {UNIQUE_RESCHEDULES: attempt, UNIQUE_DIGEST: state.digest, UNIQUE_WAITS: 0}
     # Register before enqueueing: a delayed copy that arrived first
     # would find no record, and the hand-off would run it again.
     try:
-        handed = message.copy(options={**options, "unique_via": "handoff"})
+        handed = message.copy(options={**options, UNIQUE_VIA: "handoff"})
         waiting = Copy(key, message.message_id, attempt, "handoff")
         order, ttl = send_order(message), service.settings.lock_ttl
         rescheduling = Reschedules.require(service.locks, feature="on_conflict='reschedule'")
@@ -102,7 +103,7 @@ def reschedule(conflict: Conflict) -> NoReturn:
         stand_in(message, state, attempt)
         raise service.backend_error("register a message waiting for", key, spec, message, e) from e
     try:
-        delayed = message.copy(options={**options, "unique_via": "delay"})
+        delayed = message.copy(options={**options, UNIQUE_VIA: "delay"})
         # (a backend written against the older wait, which returned None, has no line to tell)
         factor = _line_factor(ahead if isinstance(ahead, int) else 0)
         broker.enqueue(delayed, delay=int(reschedule_delay(service, spec) * factor * JITTER.uniform(0.8, 1.2)))
@@ -124,13 +125,13 @@ def wait_longer(conflict: Conflict, free_in: Optional[int]) -> NoReturn:
     Should the enqueue fail, it is rescheduled as a new attempt.
     """
     service, broker, message, state, key, _ = conflict
-    waits = message.options.get("unique_waits", 0) + 1
+    waits = message.options.get(UNIQUE_WAITS, 0) + 1
     base = reschedule_delay(service, state.spec)
     delay = base * min(2**waits, MAX_BACKOFF) * JITTER.uniform(0.8, 1.2)
     if free_in is not None and free_in >= 0:
         delay = min(delay, free_in + base * JITTER.uniform(0.05, 0.25))
     try:
-        broker.enqueue(message.copy(options={"unique_waits": waits}), delay=int(delay))
+        broker.enqueue(message.copy(options={UNIQUE_WAITS: waits}), delay=int(delay))
     except Exception:
         # It may have been applied.  A retry of this very copy would have one retry more than
         # the run that the key is handed to, and run after it: reschedule anew instead, as a
@@ -160,8 +161,8 @@ def stand_in(message: "MessageProxy", state: Delivery, attempt: int) -> None:
     this copy of the attempt is unclaimed: its dead-letter claims it, so
     that no other copy runs.
     """
-    message.options["unique_reschedules"] = attempt
-    message.options["unique_via"] = "retry"
+    message.options[UNIQUE_RESCHEDULES] = attempt
+    message.options[UNIQUE_VIA] = "retry"
     state.claimed = False
 
 

@@ -19,6 +19,7 @@ from ..clock import JITTER, now_ms
 from ..compat import age_limit_module
 from ..forks import pid
 from ..model.spec import ActorSpec
+from ..model.wire import UNIQUE_DIGEST, join_owner
 from ..send.context import LockService
 from ..send.copies import copy_of, send_order
 from .conflict import Conflict, on_conflict, reserve, skip_copy, wait_longer
@@ -61,9 +62,9 @@ class RunLockTaker:
         ``message`` and ``raw``, the message it proxies.
         """
         options = raw.options
-        stamped = options.get("unique_digest")
+        stamped = options.get(UNIQUE_DIGEST)
         digest = stamped or spec.digest(raw.args, raw.kwargs)
-        options["unique_digest"] = digest  # so a retry re-enters, even if the sender had no middleware
+        options[UNIQUE_DIGEST] = digest  # so a retry re-enters, even if the sender had no middleware
         # An unstamped message took no enqueue lock (sent while disabled, or without the middleware).
         state = attach(message, Delivery(spec, digest, queue_released=not stamped))
         skip_if_superseded(self.service, broker, message, state)
@@ -118,7 +119,7 @@ class RunLockTaker:
             return found[actor_name]
 
     def _owner(self, message: Message) -> str:
-        return f"{message.message_id}/{self._token_prefix}.{pid():x}.{next(self._tokens):x}"
+        return join_owner(message.message_id, f"{self._token_prefix}.{pid():x}.{next(self._tokens):x}")
 
     def _take_run_lock(self, broker: "Broker", message: "MessageProxy", raw: Message, state: Delivery) -> None:
         service, spec, threads = self.service, state.spec, self.unlocker.threads
