@@ -207,13 +207,13 @@ LOG_LINES: tuple[LogLine, ...] = (
     ),
     LogLine(
         "DEBUG",
-        "dramatiq_unique.worker.unreleased.ReleaseRetries",
+        "dramatiq_unique.worker.failed.FailedReleases",
         "Sending the release of %r again failed too: %r",
         "a release that failed is still failing; it is sent again with backoff (at most every second)",
     ),
     LogLine(
         "WARNING",
-        "dramatiq_unique.worker.unreleased.ReleaseRetries",
+        "dramatiq_unique.worker.failed.FailedReleases",
         "Gave up releasing %r: it has expired by itself.",
         "a failed release was retried until its lock's lease or lock_ttl ran out: the key is free",
     ),
@@ -347,13 +347,13 @@ LOG_LINES: tuple[LogLine, ...] = (
     ),
     LogLine(
         "WARNING",
-        "dramatiq_unique.ops.reap.PeriodicReaper",
+        "dramatiq_unique.worker.reap.PeriodicReaper",
         "Reaped enqueue lock %r of message %s: its message is in no queue.",
         "the periodic reaper released a lock whose message vanished from the broker",
     ),
     LogLine(
         "WARNING",
-        "dramatiq_unique.ops.reap.PeriodicReaper",
+        "dramatiq_unique.worker.reap.PeriodicReaper",
         "Reaper pass failed: %r.",
         "a periodic reaper pass failed; the next one runs after the interval",
     ),

@@ -15,7 +15,6 @@ Hook placement follows how Dramatiq 2.x fires its hooks:
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from dramatiq.logging import get_logger
@@ -32,26 +31,24 @@ from dramatiq.middleware import (
 
 from . import settings as config
 from .backends import for_broker, from_url
-from .backends.base import BatchedReleases, LockBackend, NewestWins, Reschedules
+from .backends.base import LockBackend, NewestWins, Reschedules
 from .background import stop_calls_by
 from .clock import now_ms
 from .compat import Prometheus, proxied_message
-from .errors import ConfigurationError, LockBackendError
+from .errors import ConfigurationError
 from .events import EventHub, Listener
 from .model.spec import ACTOR_OPTIONS, ActorSpec, actor_spec
-from .ops.admin import LockAdmin
-from .ops.reap import PeriodicReaper, RedisQueues
+from .model.wire import UNIQUE_DIGEST
 from .send.context import LockService
 from .send.guard import EnqueueGuard
 from .worker.boot import check_backend
 from .worker.coroutines import track
 from .worker.delivery import Delivery, attach, delivery
-from .worker.leases import LeaseKeeper
-from .worker.owed import OwedRelease, OwedReleases
+from .worker.owed import OwedReleases
 from .worker.quiet import install as quiet_our_skips
-from .worker.releaser import Releaser
-from .worker.run import ProcessGuard, RunHelpers
-from .worker.unreleased import RUN_SUFFIX, ReleaseRetries
+from .worker.reports import LockTroubles
+from .worker.take import RunLockTaker
+from .worker.unlock import Unlocker
 
 if TYPE_CHECKING:
     from dramatiq import Actor, Broker, Worker
@@ -62,9 +59,6 @@ if TYPE_CHECKING:
 #: of a message that we skip never reaches them (AgeLimit would
 #: dead-letter both copies of an expired message).
 _RUN_AFTER = (AgeLimit, TimeLimit, ShutdownNotifications, Callbacks, Pipelines, Retries)
-
-#: Guards the lazy creation of a middleware's releaser.
-_RELEASER_LOCK = threading.Lock()
 
 #: The part of ``shutdown_timeout`` kept, at its end, to write to the
 #: broker the releases that could not be sent (at most
@@ -184,22 +178,16 @@ class UniqueMiddleware(Middleware):
         self.service = LockService(settings=self.settings, logger=self.logger, events=self.events, specs=self.specs)
         #: Async actors with a run lock, whose coroutines are tracked.
         self.async_actors: set[str] = set()
-        self._leases: Optional[LeaseKeeper] = None
-        self._releaser: Optional[Releaser] = None
-        self._release_retries: Optional[ReleaseRetries] = None
+        #: Releases the locks of each delivery; owns the worker's threads.
+        self.unlocker = Unlocker(self.service, troubles=LockTroubles(self.service))
+        self.threads = self.unlocker.threads
+        #: Takes the run lock of each delivery.
+        self.taker = RunLockTaker(self.service, self.unlocker, async_actors=self.async_actors)
         self.backend = backend if backend is not None else self._backend_from_url()
         self._guard = EnqueueGuard(self.service, middleware=self)
-        run = RunHelpers(
-            leases=lambda: self.leases,
-            releaser=lambda: self.releaser,
-            release_retries=lambda: self.release_retries,
-            async_actors=self.async_actors,
-        )
-        self._process = ProcessGuard(self.service, run=run)
         self._retries = True
-        self._reaper: Optional["PeriodicReaper"] = None
         #: Releases a stopping worker could not send, for the next one.
-        self.owed = OwedReleases(lambda: self.backend)
+        self.owed = OwedReleases(self.service)
         self._stop_by: Optional[float] = None
 
     @property
@@ -267,15 +255,7 @@ class UniqueMiddleware(Middleware):
             if backend is not None:
                 self._check_capabilities(spec, backend)
         # Leases renew on the backend that holds them: start afresh.
-        if self._leases is not None:
-            self._leases.stop()
-            self._leases = None
-        if self._releaser is not None:
-            self._releaser.stop()
-            self._releaser = None
-        if self._release_retries is not None:
-            self._release_retries.stop()
-            self._release_retries = None
+        self.threads.restart()
         self.service.backend = backend
 
     @property
@@ -296,18 +276,6 @@ class UniqueMiddleware(Middleware):
     def record_lock_args(self, record: bool) -> None:
         self.service.record_lock_args = record
 
-    @property
-    def leases(self) -> LeaseKeeper:
-        if self._leases is None:
-            assert self.backend is not None
-            self._leases = LeaseKeeper(
-                self.backend,
-                lease=self.settings.lease,
-                on_lost=self._process.lease_lost,
-                on_error=self._process.renewal_failed,
-            )
-        return self._leases
-
     def flush_confirmations(self, timeout: float = 5.0) -> bool:
         """Wait at most ``timeout`` seconds until every provisional
         enqueue lock this process took is confirmed (a process also does
@@ -318,41 +286,11 @@ class UniqueMiddleware(Middleware):
         """
         return self._guard.flush(timeout)
 
-    @property
-    def releaser(self) -> Optional[Releaser]:
-        """Releases run locks off the worker thread, when the backend
-        batches releases; None when it does not.
-        """
-        backend = self.backend
-        if self._releaser is None and isinstance(backend, BatchedReleases) and backend.batches_releases:
-            with _RELEASER_LOCK:  # worker threads ask at once: make one
-                if self._releaser is None:
-                    self._releaser = Releaser(backend, on_stalled=self._process.releases_stalled)
-        return self._releaser
-
-    @property
-    def release_retries(self) -> ReleaseRetries:
-        """Sends the releases that failed again, off the worker thread."""
-        if self._release_retries is None:
-            with _RELEASER_LOCK:
-                if self._release_retries is None:
-                    assert self.backend is not None
-                    self._release_retries = ReleaseRetries(self.backend, record_ttl=self.settings.lock_ttl)
-        return self._release_retries
-
     def key(self, spec: ActorSpec, digest: str, phase: str) -> str:
         """The backend key of one lock: prefix, actor in clear text, and
         the digest inside a Cluster hash tag.
         """
         return self.service.key(spec, digest, phase)
-
-    def emit(self, name: str, spec: ActorSpec, key: str, message: Any, holder: Optional[str] = None) -> None:
-        """Count a lock event and pass it to the listeners."""
-        self.service.emit(name, spec, key, message, holder)
-
-    def backend_error(self, action: str, key: str, spec: ActorSpec, message: Any, error: Exception) -> LockBackendError:
-        """Log, count and wrap a backend failure."""
-        return self.service.backend_error(action, key, spec, message, error)
 
     # Declaration and boot ---------------------------------------------
 
@@ -381,8 +319,7 @@ class UniqueMiddleware(Middleware):
                     self.backend, prefix=settings.prefix, on_backend_error=settings.on_backend_error, logger=self.logger
                 )
             self._declare_owed(broker, worker)
-        if self._reaper is None:
-            self._reaper = self._start_reaper(broker)
+        self.threads.start_reaper(broker)
 
     def _declare_owed(self, broker: "Broker", worker: Optional["Worker"]) -> None:
         """Declare the actor that makes the releases a stopping worker
@@ -395,25 +332,6 @@ class UniqueMiddleware(Middleware):
             if not consumed or queue in consumed:
                 self.owed.declare(broker, queue)
                 return
-
-    def _start_reaper(self, broker: "Broker") -> Optional[PeriodicReaper]:
-        """Start the periodic reaper in this worker process, when
-        ``reap_interval`` asks for one and the broker is a Redis one.
-        """
-        interval = self.settings.reap_interval
-        if not interval or self.backend is None:
-            return None
-        client, namespace = getattr(broker, "client", None), getattr(broker, "namespace", None)
-        if client is None or not isinstance(namespace, str):
-            self.logger.warning(
-                "reap_interval is set, but a %s cannot look messages up by id: no periodic reaper.",
-                type(broker).__name__,
-            )
-            return None
-        admin = LockAdmin(self.backend, prefix=self.settings.prefix)
-        reaper = PeriodicReaper(admin, RedisQueues(client), interval=interval)
-        reaper.start()
-        return reaper
 
     def _move_before_interrupters(self, broker: "Broker", worker: "Worker") -> None:
         # Called while emit_before iterates over the stack: the new order
@@ -433,7 +351,7 @@ class UniqueMiddleware(Middleware):
             broker.middleware = stack
 
     def after_consumer_thread_boot(self, broker: "Broker", thread: Any) -> None:
-        self._process.handoffs.consumer_booted(thread)
+        self.threads.handoffs.consumer_booted(thread)
 
     def _shutdown_reserve(self) -> float:
         return min(self.settings.shutdown_timeout * _SHUTDOWN_RESERVE, _SHUTDOWN_RESERVE_MOST)
@@ -456,37 +374,12 @@ class UniqueMiddleware(Middleware):
             return max(calls_by - now_ms(), 0.0)
 
         try:
-            self._process.handoffs.stop()
-            owed: list[OwedRelease] = []
-            if self._releaser is not None:
-                owed += self._owed_runs(self._releaser.stop(left()))
-            if self._release_retries is not None:
-                # After the releaser, whose failures it takes.
-                owed += [self._owed(failed.key, failed.owner, failed.until, failed.options)
-                         for failed in self._release_retries.stop(left())]
-            if self._leases is not None:
-                self._leases.stop(timeout=left())
-            if self._reaper is not None:
-                self._reaper.stop(timeout=left())
-                self._reaper = None
+            owed = self.threads.stop(left)
             self.flush_confirmations(left() / 1000)
             self.owed.write(owed, timeout=max(stop_by - now_ms(), self._shutdown_reserve()))
         finally:
             self._stop_by = None
             stop_calls_by(None)
-
-    def _owed(self, key: str, owner: str, until: float, options: dict[str, Any]) -> OwedRelease:
-        """A release to hand on, from its lock's monotonic expiry.  A run
-        lock's release is made even after its lease ran out: it also
-        ends the run of a rescheduled message in its record, which lives
-        ``lock_ttl``, so that a duplicate of that run is skipped.
-        """
-        if key.endswith(RUN_SUFFIX):
-            until = max(until, now_ms() + self.settings.lock_ttl)
-        return OwedRelease.within(key, owner, until - now_ms(), options)
-
-    def _owed_runs(self, pending: list[Any]) -> list[OwedRelease]:
-        return [self._owed(p.key, p.owner, now_ms(), p.options) for p in pending]
 
     # Enqueue --------------------------------------------------------
 
@@ -505,9 +398,9 @@ class UniqueMiddleware(Middleware):
             self.logger.error("Enqueueing %s without its lock: it could not be re-entered.", message, exc_info=True)
         except Exception as e:
             # Dramatiq would log this and enqueue a new message unlocked.
-            error = self.backend_error("lock", message.options.get("unique_digest", "?"), spec, message, e)
+            error = self.service.backend_error("lock", message.options.get(UNIQUE_DIGEST, "?"), spec, message, e)
             if fresh:
-                message.options.pop("unique_digest", None)
+                message.options.pop(UNIQUE_DIGEST, None)
                 raise error from e
 
     # Processing -----------------------------------------------------
@@ -519,11 +412,11 @@ class UniqueMiddleware(Middleware):
         if spec is None or not self.enabled:
             return
         try:
-            self._process.start(broker, message, raw, spec)
+            self.taker.take(broker, message, raw, spec)
         except MiddlewareError:
             raise
         except Exception as e:
-            raise self.backend_error("lock", message.options.get("unique_digest", "?"), spec, message, e) from e
+            raise self.service.backend_error("lock", message.options.get(UNIQUE_DIGEST, "?"), spec, message, e) from e
 
     def after_process_message(
         self,
@@ -537,30 +430,30 @@ class UniqueMiddleware(Middleware):
         if state is None:
             return
         # Retries, after us in the stack, has decided: a run that raised never finishes its message.
-        self._process.end_run(broker, message, state, succeeded=exception is None)
+        self.unlocker.end_run(broker, message, state, succeeded=exception is None)
         if exception is None or message.failed or not self._retries:
-            self._process.release_queue_lock(message, state)
+            self.unlocker.release_queue_lock(message, state)
 
     def after_skip_message(self, broker: "Broker", message: "MessageProxy") -> None:
         state = delivery(message) or self._late_state(message)
         if state is None:
             return
-        self._process.end_run(broker, message, state, succeeded=not message.failed)
+        self.unlocker.end_run(broker, message, state, succeeded=not message.failed)
         if not state.keeps_queue_lock:
-            self._process.release_queue_lock(message, state)
+            self.unlocker.release_queue_lock(message, state)
 
     def after_nack(self, broker: "Broker", message: "MessageProxy") -> None:
         state = delivery(message) or self._late_state(message)
         if state is not None:
-            self._process.retire(message, state)
-            self._process.release_queue_lock(message, state)
+            self.taker.retire(message, state)
+            self.unlocker.release_queue_lock(message, state)
 
     def _late_state(self, message: "MessageProxy") -> Optional[Delivery]:
         """State for a message whose before-hook never ran (AgeLimit,
         actor lookups in the consumer).
         """
         spec = self.specs.get(message.actor_name)
-        digest = message.options.get("unique_digest")
+        digest = message.options.get(UNIQUE_DIGEST)
         if spec is None or digest is None or not self.enabled:
             return None
         return attach(message, Delivery(spec, digest))

@@ -128,7 +128,7 @@ def wait_for_releases(target: Union[UniqueMiddleware, "Broker"], timeout: int = 
       TimeoutError: when releases are still pending after ``timeout``.
     """
     for middleware in _middlewares(target):
-        releaser = middleware.releaser
+        releaser = middleware.threads.releaser
         if releaser is not None and not releaser.drain(timeout):
             raise TimeoutError(f"{releaser.pending()} run lock release(s) still pending after {timeout} ms.")
 

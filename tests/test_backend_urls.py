@@ -287,7 +287,7 @@ def test_a_backend_with_the_core_only_locks_what_needs_no_capability(stub_broker
         worker.stop()
     # Then each ran once, the releases went on the worker thread, and every lock is gone
     assert sorted(runs) == [-7, 42]
-    assert unique.releaser is None and native_extend(backend) is None
+    assert unique.threads.releaser is None and native_extend(backend) is None
     assert list(backend.scan("*")) == []
 
 

@@ -227,7 +227,7 @@ def test_under_gevent_background_releases_free_every_key_of_a_burst(gevent_worke
                                                                     redis_url, figure):  # noqa: F811
     # Given two dramatiq-gevent processes whose run locks are released in the background (the releaser)
     h: Harness = make_harness("redis", FAULTS_LEASE=str(LONG_LEASE_MS), FAULTS_RESCHEDULE_DELAY="100")
-    assert h.app.unique.releaser is not None, "the Redis backend batches releases: they go through the releaser"
+    assert h.app.unique.threads.releaser is not None, "the Redis backend batches releases: they go through the releaser"
     h.workers(processes=2, threads=4)
     admin = LockAdmin(RedisBackend(url=redis_url), prefix=h.namespace)
     # When a burst of while_executing jobs on a few keys is sent at once
@@ -320,7 +320,7 @@ def test_under_gevent_a_release_that_failed_is_retried_until_the_network_is_back
     held_while_cut = _held(admin, "once", "queue")
     proxy.heal()
     healed = time.monotonic()
-    # Then ReleaseRetries, a greenlet there, frees the key soon after the network is back
+    # Then FailedReleases, a greenlet there, frees the key soon after the network is back
     wait_for(lambda: _held(admin, "once", "queue") == 0, timeout=10, what="the key to be freed")
     freed_after = time.monotonic() - healed
     # And a new send of the key is accepted and runs

@@ -21,9 +21,11 @@ from dramatiq_unique.clock import now_ms
 from dramatiq_unique.backends.redis.calls import ScriptCalls, _pack, _pack_in_python
 from dramatiq_unique.backends.redis.calls import GroupCommit
 from dramatiq_unique.backends.redis import RedisBackend
+from dramatiq_unique.worker.delivery import HandOff
 from dramatiq_unique.worker.releaser import PendingRelease, Releaser
 
 from .conftest import wait_for
+from .test_releaser import Outcomes, pending
 from .faults.proxy import Proxy, through
 
 ECHO = {"echo": "return ARGV[1]"}
@@ -264,19 +266,15 @@ def counting(redis_client: redis.Redis) -> CountingBackend:
     return backend
 
 
-def pending(key: str, owner: str, outcomes: list[Any]) -> PendingRelease:
-    return PendingRelease(key, owner, "actor", outcomes.append)
-
-
 def test_a_pending_release_rides_in_front_of_the_next_start_and_frees_its_key_first(counting, redis_client):
     # Given a job that ended holding key k, its release pending
     counting.acquire("t:{k}:run", "a/0", ttl=60_000)
-    releaser = Releaser(counting, on_stalled=lambda batch: None, linger=10_000)
-    outcomes: list[Any] = []
-    releaser.submit(pending("t:{k}:run", "a/0", outcomes))
+    outcomes = Outcomes()
+    releaser = Releaser(counting, on_stalled=lambda batch: None, linger=10_000, reports=outcomes)
+    releaser.submit(pending("t:{k}:run", "a/0"))
     counting.trips.clear()
     # When another worker thread starts the next job of the same key
-    started = releaser.start("t:{k}:run", "b/0", **start_options("t:{k}:run", "b"))
+    started = releaser.take_run_lock("t:{k}:run", "b/0", **start_options("t:{k}:run", "b"))
     # Then one round trip released k and took it for the new job, and the release was reported
     assert counting.trips == ["release+start"]
     assert started.acquisition.acquired
@@ -290,10 +288,10 @@ def test_a_pending_release_rides_in_front_of_the_next_start_and_frees_its_key_fi
 def test_a_release_that_no_start_carries_is_sent_by_the_releaser_thread(counting, redis_client):
     # Given a release submitted while no job starts
     counting.acquire("t:{k}:run", "a/0", ttl=60_000)
-    releaser = Releaser(counting, on_stalled=lambda batch: None, linger=50)
-    outcomes: list[Any] = []
+    outcomes = Outcomes()
+    releaser = Releaser(counting, on_stalled=lambda batch: None, linger=50, reports=outcomes)
     counting.trips.clear()
-    releaser.submit(pending("t:{k}:run", "a/0", outcomes))
+    releaser.submit(pending("t:{k}:run", "a/0"))
     # Then the releaser thread sends it on its own, once
     wait_for(lambda: len(outcomes) == 1, what="the release")
     assert counting.trips == ["release"] and not redis_client.exists("t:{k}:run")
@@ -304,15 +302,15 @@ def test_releases_carried_by_a_failing_start_are_reported_failed_not_lost(counti
     # Given two pending releases
     for key in ("t:{a}:run", "t:{b}:run"):
         counting.acquire(key, "x/0", ttl=60_000)
-    releaser = Releaser(counting, on_stalled=lambda batch: None, linger=10_000)
-    outcomes: list[Any] = []
+    outcomes = Outcomes()
+    releaser = Releaser(counting, on_stalled=lambda batch: None, linger=10_000, reports=outcomes)
     for key in ("t:{a}:run", "t:{b}:run"):
-        releaser.submit(pending(key, "x/0", outcomes))
+        releaser.submit(pending(key, "x/0"))
     counting.trips.clear()
     # When the start that carries them fails
     counting.fail_next = redis.ConnectionError("lost")
     with pytest.raises(redis.ConnectionError):
-        releaser.start("t:{k}:run", "b/0", **start_options("t:{k}:run", "b"))
+        releaser.take_run_lock("t:{k}:run", "b/0", **start_options("t:{k}:run", "b"))
     # Then each release reports that failure (the keys expire with their leases), none was sent twice
     assert [type(o) for o in outcomes] == [redis.ConnectionError] * 2
     assert releaser.pending() == 0 and counting.trips == ["release+start"]
@@ -328,10 +326,10 @@ def test_releases_carried_by_a_start_that_an_interrupt_breaks_are_sent_again_and
         counting.acquire(key, "x/0", ttl=60_000)
     waiter = Copy("t:{b}:run", "w", 1, "handoff")
     counting.wait(waiter, b"handed over", order=1, ttl=60_000)
-    releaser = Releaser(counting, on_stalled=lambda batch: None, linger=10_000)
-    outcomes: list[Any] = []
+    outcomes = Outcomes()
+    releaser = Releaser(counting, on_stalled=lambda batch: None, linger=10_000, reports=outcomes)
     for key in ("t:{a}:run", "t:{b}:run"):
-        releaser.submit(pending(key, "x/0", outcomes))
+        releaser.submit(pending(key, "x/0"))
     counting.trips.clear()
     # When the start that carries them is broken by its worker thread's interrupt after Redis applied it
     original = counting.release_and_start
@@ -342,7 +340,7 @@ def test_releases_carried_by_a_start_that_an_interrupt_breaks_are_sent_again_and
 
     counting.release_and_start = applied_then_interrupted  # type: ignore[method-assign]
     with pytest.raises(Interrupt):
-        releaser.start("t:{k}:run", "b/0", **start_options("t:{k}:run", "b"))
+        releaser.take_run_lock("t:{k}:run", "b/0", **start_options("t:{k}:run", "b"))
     # Then the releaser thread sends both again at once, though releases linger 10 s here
     wait_for(lambda: releaser.pending() == 0, timeout=5, what="the releases sent again")
     assert counting.trips == ["release+start", "release"]
@@ -357,9 +355,9 @@ def test_releases_carried_by_a_start_that_an_interrupt_breaks_are_sent_again_and
 
 def test_a_drain_sends_lingering_releases_at_once(counting, redis_client):
     counting.acquire("t:{k}:run", "a/0", ttl=60_000)
-    releaser = Releaser(counting, on_stalled=lambda batch: None, linger=60_000)
-    outcomes: list[Any] = []
-    releaser.submit(pending("t:{k}:run", "a/0", outcomes))
+    outcomes = Outcomes()
+    releaser = Releaser(counting, on_stalled=lambda batch: None, linger=60_000, reports=outcomes)
+    releaser.submit(pending("t:{k}:run", "a/0"))
     assert releaser.drain(5_000)
     assert len(outcomes) == 1 and not redis_client.exists("t:{k}:run")
     releaser.stop()
@@ -370,13 +368,13 @@ def test_a_releaser_that_does_not_linger_sends_each_release_at_once_without_spin
     keys = [f"t:{{{i}}}:run" for i in range(30)]
     for key in keys:
         counting.acquire(key, "a/0", ttl=60_000)
-    releaser = Releaser(counting, on_stalled=lambda batch: None, linger=0)
-    outcomes: list[Any] = []
+    outcomes = Outcomes()
+    releaser = Releaser(counting, on_stalled=lambda batch: None, linger=0, reports=outcomes)
     counting.trips.clear()
     # When a job ends every 10 ms for 0.3 s (the load, not a condition)
     cpu = time.process_time()
     for key in keys:
-        releaser.submit(pending(key, "a/0", outcomes))
+        releaser.submit(pending(key, "a/0"))
         time.sleep(0.01)
     # Then each release went out on its own, and the releaser burned no CPU in between
     assert releaser.drain(5_000) and len(outcomes) == 30
@@ -391,22 +389,22 @@ def test_a_carried_release_is_reported_before_the_start_returns_and_its_hand_off
     # Given a held key with a waiter, and the holder's release pending
     counting.acquire("t:{k}:run", "a/0", ttl=60_000)
     counting.wait(Copy("t:{k}:run", "w", 1, "handoff"), b"body of w", order=1, ttl=60_000)
-    releaser = Releaser(counting, on_stalled=lambda batch: None, linger=10_000)
     story: list[tuple[str, str]] = []
     handed = threading.Event()
 
-    def done(outcome: Any) -> Callable[[], None]:
-        story.append(("released", threading.current_thread().name))
+    class Story:
+        def released(self, pending: PendingRelease, outcome: Any) -> HandOff:
+            story.append(("released", threading.current_thread().name))
+            return HandOff(None, pending.key, outcome.promoted)  # type: ignore[arg-type]
 
-        def hand_over() -> None:
-            story.append((f"handed {outcome.promoted.decode()}", threading.current_thread().name))
+        def hand_over(self, handoff: HandOff) -> None:
+            story.append((f"handed {handoff.encoded.decode()}", threading.current_thread().name))
             handed.set()
 
-        return hand_over
-
-    releaser.submit(PendingRelease("t:{k}:run", "a/0", "actor", done))
+    releaser = Releaser(counting, on_stalled=lambda batch: None, linger=10_000, reports=Story())
+    releaser.submit(PendingRelease("t:{k}:run", "a/0", "actor"))
     # When another job's start carries it
-    releaser.start("t:{o}:run", "b/0", **start_options("t:{o}:run", "b"))
+    releaser.take_run_lock("t:{o}:run", "b/0", **start_options("t:{o}:run", "b"))
     story.append(("started", threading.current_thread().name))
     # Then the release was reported first, on this thread, and the hand-off ran on the releaser thread
     assert handed.wait(5)

@@ -58,11 +58,11 @@ from hypothesis.stateful import (
 
 from dramatiq_unique import LockBackendError, StubBackend, UniqueMiddleware
 from dramatiq_unique.backends.base import BatchedReleases, LockBackend, NewestWins, Reschedules, release_then_start
-from dramatiq_unique.send.copies import message_id_of
+from dramatiq_unique.model.wire import message_id_of
 from dramatiq_unique.events import LockEvent
 from dramatiq_unique.worker.owed import OWED_ACTOR
 from dramatiq_unique.worker.releaser import Releaser
-from dramatiq_unique.worker.unreleased import ReleaseRetries
+from dramatiq_unique.worker.failed import FailedReleases
 
 MAX_RETRIES = 1
 #: The model's shutdown bound, in ms: what a stopping worker cannot send
@@ -215,7 +215,7 @@ class SteppedReleaser(Releaser):
         self._send(batch, follow_ups)
 
 
-class SteppedRetries(ReleaseRetries):
+class SteppedRetries(FailedReleases):
     """The retries of failed releases, with their thread's work done by
     a rule of the model.
     """
@@ -349,10 +349,13 @@ class HandoffModel(RuleBasedStateMachine):
         self.unique = UniqueMiddleware(backend=self.locks, reschedule_delay=1000, shutdown_timeout=SHUTDOWN_TIMEOUT)
         self.releaser: Optional[SteppedReleaser] = None
         if self.batching:
-            self.releaser = SteppedReleaser(self.locks, on_stalled=self.unique._process.releases_stalled)
-            self.unique._releaser = self.releaser
-        self.retries = SteppedRetries(self.locks)
-        self.unique._release_retries = self.retries
+            threads = self.unique.threads
+            self.releaser = SteppedReleaser(
+                self.locks, reports=self.unique.unlocker, on_stalled=threads.troubles.releases_stalled
+            )
+            threads._releaser = self.releaser
+        self.retries = SteppedRetries(self.locks, reports=self.unique.unlocker)
+        self.unique.threads._failed = self.retries
         self.broker.add_middleware(self.unique)
         self.actors = {
             name: dramatiq.actor(
@@ -519,7 +522,7 @@ class HandoffModel(RuleBasedStateMachine):
         flight = self.flights.pop(index % len(self.flights))
         state = flight.proxy._unique_delivery
         if state.lease is not None:
-            self.unique.leases.drop(state.lease)
+            self.unique.threads.leases.drop(state.lease)
         self.dead_owners.add(state.run_owner)
         self.crashes[flight.proxy.message_id] += 1
         self.pool.append((flight.proxy.queue_name, flight.encoded))

@@ -235,7 +235,7 @@ def test_the_layering_check_finds_an_upward_import() -> None:
         f"{PACKAGE}.errors": {f"{PACKAGE}.model.locks"},
         f"{PACKAGE}.send.guard": {f"{PACKAGE}.middleware"},
         f"{PACKAGE}.ops.admin": {f"{PACKAGE}.worker.delivery", f"{PACKAGE}.middleware"},
-        f"{PACKAGE}.worker.run": {f"{PACKAGE}.send.context", f"{PACKAGE}.background"},
+        f"{PACKAGE}.worker.take": {f"{PACKAGE}.send.context", f"{PACKAGE}.background"},
     }
     assert layering_violations(edges) == [
         f"{PACKAGE}.backends.stub (backends) imports {PACKAGE}.send.guard (send)",

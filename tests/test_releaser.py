@@ -18,6 +18,7 @@ from dramatiq.middleware.time_limit import TimeLimitExceeded
 
 from dramatiq_unique.backends.base import Release
 from dramatiq_unique.backends.redis import RedisBackend
+from dramatiq_unique.worker.delivery import HandOff
 from dramatiq_unique.worker.releaser import PendingRelease, Releaser
 
 from .conftest import make_worker, unique, wait_for
@@ -37,8 +38,18 @@ class SlowBackend(RedisBackend):
         return super().release_many(locks)
 
 
-def pending(key: str, owner: str, outcomes: list[Any]) -> PendingRelease:
-    return PendingRelease(key, owner, "actor", outcomes.append)
+def pending(key: str, owner: str) -> PendingRelease:
+    return PendingRelease(key, owner, "actor")
+
+
+class Outcomes(list):  # type: ignore[type-arg]
+    """Where a releaser reports: the outcomes, in the order reported."""
+
+    def released(self, pending: PendingRelease, outcome: Any) -> None:
+        self.append(outcome)
+
+    def hand_over(self, handoff: HandOff) -> None:
+        raise AssertionError(f"no key is handed over here: {handoff}")
 
 
 def test_every_release_is_sent_once_and_reported_once(redis_client):
@@ -48,10 +59,10 @@ def test_every_release_is_sent_once_and_reported_once(redis_client):
     locks = [(f"t:{{{i}}}:run", f"m{i}/0") for i in range(400)]
     for key, owner in locks:
         backend.acquire(key, owner, ttl=60_000)
-    releaser = Releaser(backend, on_stalled=lambda batch: None)
-    outcomes: list[Any] = []
+    outcomes = Outcomes()
+    releaser = Releaser(backend, on_stalled=lambda batch: None, reports=outcomes)
     # When 8 threads submit their releases at once
-    threads = [threading.Thread(target=lambda part=locks[i::8]: [releaser.submit(pending(*lock, outcomes))
+    threads = [threading.Thread(target=lambda part=locks[i::8]: [releaser.submit(pending(*lock))
                                                                     for lock in part]) for i in range(8)]
     for thread in threads:
         thread.start()
@@ -72,18 +83,18 @@ def test_a_stalled_backend_is_reported_without_stalling_the_submitters(redis_cli
     backend.acquire("t:{b}:run", "b/0", ttl=60_000)
     backend.acquire("t:{c}:run", "c/0", ttl=60_000)
     stalled: list[list[PendingRelease]] = []
-    releaser = Releaser(backend, on_stalled=stalled.append, stall_after=50)
-    outcomes: list[Any] = []
-    releaser.submit(pending("t:{a}:run", "a/0", outcomes))
+    outcomes = Outcomes()
+    releaser = Releaser(backend, on_stalled=stalled.append, stall_after=50, reports=outcomes)
+    releaser.submit(pending("t:{a}:run", "a/0"))
     wait_for(lambda: releaser.pending() == 1 and not releaser._pending, what="the first batch in flight")
     # When a worker submits another release after the stall threshold
     time.sleep(0.1)
     started = time.monotonic()
-    releaser.submit(pending("t:{b}:run", "b/0", outcomes))
+    releaser.submit(pending("t:{b}:run", "b/0"))
     # Then it returns at once, and the stuck batch is reported, once
     assert time.monotonic() - started < 0.05
     assert [[p.key for p in batch] for batch in stalled] == [["t:{a}:run"]]
-    releaser.submit(pending("t:{c}:run", "c/0", outcomes))
+    releaser.submit(pending("t:{c}:run", "c/0"))
     assert len(stalled) == 1
     # And a stop that cannot drain gives up after its timeout, and returns what is left, stuck batch first
     started = time.monotonic()
@@ -110,7 +121,8 @@ def test_a_worker_shutdown_drains_the_pending_releases(redis_client, stub_broker
     worker = make_worker(stub_broker, threads=2)
     job.send(1)
     assert ran.wait(10)
-    wait_for(lambda: backend.sent == [] and middleware.releaser is not None and middleware.releaser.pending() == 1,
+    threads = middleware.threads
+    wait_for(lambda: backend.sent == [] and threads.releaser is not None and threads.releaser.pending() == 1,
              what="the release to be pending")
     # When the worker shuts down while the backend answers slowly
     threading.Timer(0.2, backend.gate.set).start()
@@ -130,7 +142,7 @@ def test_after_a_hand_off_the_redis_consumer_polls_quickly_for_a_while(redis_url
     broker.emit_after("process_boot")
     middleware = unique(prefix="t-handoff")
     broker.add_middleware(middleware)
-    middleware._process.handoffs.hold = 1_500
+    middleware.threads.handoffs.hold = 1_500
     ran: list[tuple[int, float, float]] = []
 
     @dramatiq.actor(broker=broker, lock="while_executing", lock_args=["key"])
@@ -166,15 +178,15 @@ def test_a_forked_child_leaves_the_parents_releases_to_the_parent_and_sends_its_
     backend = RedisBackend(client=redis_client)
     for key in ("t:{parent}:run", "t:{child}:run"):
         assert backend.acquire(key, key, ttl=60_000).acquired
-    releaser = Releaser(backend, on_stalled=lambda batch: None, linger=60_000)
-    outcomes: list[Any] = []
-    releaser.submit(pending("t:{parent}:run", "t:{parent}:run", outcomes))
+    outcomes = Outcomes()
+    releaser = Releaser(backend, on_stalled=lambda batch: None, linger=60_000, reports=outcomes)
+    releaser.submit(pending("t:{parent}:run", "t:{parent}:run"))
     read, write = os.pipe()
     # When the process forks, and the child submits a release of its own and drains
     child = os.fork()
     if child == 0:  # pragma: no cover - the child reports through the pipe
         left_at_fork = releaser.pending()
-        releaser.submit(pending("t:{child}:run", "t:{child}:run", outcomes))
+        releaser.submit(pending("t:{child}:run", "t:{child}:run"))
         drained = releaser.drain(5_000)
         held = [redis_client.exists(key) for key in ("t:{child}:run", "t:{parent}:run")]
         state = f"{left_at_fork}:{drained}:{held[0]}:{held[1]}"

@@ -248,7 +248,7 @@ PACKAGE = Path(dramatiq_unique.__file__).parent
 
 #: Modules that another change is rewriting: they switch to the names of
 #: :mod:`dramatiq_unique.model.wire` when it lands.  Empty this set then.
-PENDING = {"middleware.py", "worker/run.py", "worker/superseded.py"}
+PENDING: set[str] = set()
 
 
 def option_literals(tree: ast.AST) -> list[int]:

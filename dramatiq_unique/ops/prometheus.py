@@ -106,4 +106,4 @@ class LockMetrics:
         events.labels(actor_name=event.actor, event=event.name).inc()
         if event.key.endswith(":run"):
             with self._gauge_mutex:
-                leases.labels(actor_name=event.actor).set(self.middleware.leases.count(event.actor))
+                leases.labels(actor_name=event.actor).set(self.middleware.threads.leases.count(event.actor))

@@ -15,7 +15,6 @@ from typing import Any
 
 from ..backends.base import SENDS_PER_MS, Copy
 from ..model.wire import UNIQUE_LOCK_ARGS, UNIQUE_RESCHEDULES, UNIQUE_SEQ, UNIQUE_VIA
-from ..model.wire import message_id_of as message_id_of  # where worker/run.py reads it
 
 
 class _SendOrder:

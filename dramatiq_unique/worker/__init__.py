@@ -1,5 +1,6 @@
-"""The worker side: the run guard around each delivery, and the
-background tasks of a worker process (leases, releases, hand-off
-polls).  A worker also sends (a delayed copy, a hand-off), so it may
-import the send side; the send side never imports it.
+"""The worker side: the run lock around each delivery (``take``,
+``conflict``, ``unlock``), and the background tasks of a worker process
+(leases, releases, hand-off polls, the periodic reaper).  A worker also
+sends (a delayed copy, a hand-off), so it may import the send side; the
+send side never imports it.
 """

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 from ..model.spec import ActorSpec
 from .coroutines import CoroutineWatch
 from .leases import Lease
 
 if TYPE_CHECKING:
+    from dramatiq import Broker
     from dramatiq.broker import MessageProxy
 
 _fence: ContextVar[Optional[int]] = ContextVar("dramatiq_unique_fence", default=None)
@@ -47,6 +48,35 @@ class Delivery:
     #: reschedule, a copy that lost its claim): Dramatiq's WARNING
     #: "Message ... was skipped." says nothing an operator needs.
     quiet_skip: bool = False
+
+
+class LockToRelease(NamedTuple):
+    """What reporting the release of one lock of a delivery needs, on
+    whichever thread its outcome arrives.
+    """
+
+    #: Where a waiter the release hands the key to is enqueued; None for
+    #: an enqueue lock, which hands nothing over.
+    broker: Optional["Broker"]
+    message: Any
+    spec: ActorSpec
+    key: str
+    owner: str
+    lease: Optional[Lease] = None
+    #: The backend confirmed the run lock: a release that finds it gone reports it lost.
+    confirmed: bool = False
+    #: The run succeeded: its release finishes its message.
+    succeeded: bool = False
+
+
+class HandOff(NamedTuple):
+    """A run lock's key that a release handed to its longest waiter: the
+    waiter's encoded copy, to enqueue off the worker thread.
+    """
+
+    broker: "Broker"
+    key: str
+    encoded: bytes
 
 
 def delivery(message: "MessageProxy") -> Optional[Delivery]:

@@ -2,7 +2,7 @@
 
 A worker that stops while its lock backend is out of reach still owes
 the releases it could not send: the failed releases that
-:class:`~.unreleased.ReleaseRetries` was sending again, and the run
+:class:`~.failed.FailedReleases` was sending again, and the run
 lock releases still waiting in the :class:`~.releaser.Releaser`.  Left
 in its memory they would die with it, and an ``until_executed`` key
 would stay held for its ``lock_ttl`` (24 h by default).  So the
@@ -29,7 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import dramatiq
 from dramatiq import Message
@@ -40,7 +40,7 @@ from ..clock import JITTER, now_ms
 if TYPE_CHECKING:
     from dramatiq import Broker
 
-    from ..backends.base import LockBackend
+    from ..send.context import LockService
 
 #: The internal actor that makes owed releases.
 OWED_ACTOR = "dramatiq_unique_owed_releases"
@@ -95,20 +95,21 @@ class OwedReleases:
     """Writes what a stopping process owes, and makes what another owed.
 
     Parameters:
-      backend(callable): Returns the lock backend of this process.
+      service(LockService): The middleware's lock service, whose
+        backend makes the owed releases.
       first_retry(int): Milliseconds before the first retry.
       most_between(int): The longest wait between retries, in ms.
     """
 
     def __init__(
         self,
-        backend: Callable[[], Optional["LockBackend"]],
+        service: "LockService",
         *,
         first_retry: int = DEFAULT_FIRST_RETRY,
         most_between: int = DEFAULT_MOST_BETWEEN,
     ) -> None:
         self.logger = get_logger(__name__, type(self))
-        self.backend = backend
+        self.service = service
         self.first_retry = first_retry
         self.most_between = most_between
         self.actor: Optional[dramatiq.Actor[Any, Any]] = None
@@ -188,8 +189,8 @@ class OwedReleases:
         """The actor: make each owed release, and enqueue again, later,
         those the backend refused.
         """
-        backend = self.backend()
-        assert backend is not None and self.actor is not None
+        backend = self.service.locks
+        assert self.actor is not None
         now = time.time() * 1000
         left, made = [], 0
         for release in map(OwedRelease.decode, releases):

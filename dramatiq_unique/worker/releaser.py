@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
 from dramatiq.logging import get_logger
 
@@ -49,6 +49,7 @@ from ..backends.base import DEFAULT_RESERVE, BatchedReleases, Copy, Release, Rel
 from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread
 from ..clock import now_ms
 from ..forks import pid
+from .delivery import HandOff, LockToRelease
 
 #: The most releases sent in one round trip.
 DEFAULT_BATCH = 256
@@ -75,22 +76,19 @@ Outcome = Union[Release, Exception]
 
 @dataclass(eq=False)
 class PendingRelease:
-    """One run lock to release, and what to do with the outcome.
+    """One run lock to release.
 
     Attributes:
       key(str): The lock key.
       owner(str): The owner token of the execution that held it.
       actor(str): The actor, for events.
-      done(callable): Called on the thread that sent it with the
-        :class:`Release`, or the exception the release raised; it may
-        return work to do next (a hand-off), which the releaser thread
-        does, so that no worker thread waits for it.
+      lock(LockToRelease): What reporting its outcome needs.
     """
 
     key: str
     owner: str
     actor: str
-    done: Callable[[Outcome], Optional[Callable[[], None]]]
+    lock: Optional[LockToRelease] = None
     submitted_at: float = field(default_factory=now_ms)
     resent: bool = False  # sent again after a call that may have applied it was broken
     #: The run succeeded: its release finishes its message (see LockBackend.release).
@@ -110,8 +108,21 @@ class PendingRelease:
         return {"succeeded": self.succeeded, "reserve": self.reserve}
 
 
-#: A release and what its report left to do on the releaser thread.
-FollowUp = tuple[PendingRelease, Callable[[], None]]
+#: A release and the hand-off its report left to do on the releaser thread.
+FollowUp = tuple[PendingRelease, HandOff]
+
+
+class ReleaseReports(Protocol):
+    """Where a :class:`Releaser` reports outcomes.  ``released`` runs
+    on the thread that sent the release, with the :class:`Release` or
+    the exception the release raised, and may return a hand-off, which
+    ``hand_over`` does on the releaser thread, so that no worker thread
+    waits for it.
+    """
+
+    def released(self, pending: PendingRelease, outcome: Outcome) -> Optional[HandOff]: ...
+
+    def hand_over(self, handoff: HandOff) -> None: ...
 
 
 class Releaser:
@@ -120,6 +131,7 @@ class Releaser:
     Parameters:
       backend(BatchedReleases): Where the locks live: a backend that
         batches releases.
+      reports(ReleaseReports): Where outcomes are reported.
       on_stalled(callable): Called, on a worker thread, with the
         releases of a batch that has waited longer than
         ``stall_after`` for the backend.
@@ -134,6 +146,7 @@ class Releaser:
         self,
         backend: BatchedReleases,
         *,
+        reports: ReleaseReports,
         on_stalled: Callable[[list[PendingRelease]], None],
         batch: int = DEFAULT_BATCH,
         stall_after: int = DEFAULT_STALL_AFTER,
@@ -142,6 +155,7 @@ class Releaser:
     ) -> None:
         self.logger = get_logger(__name__, type(self))
         self.backend = backend
+        self.reports = reports
         self.on_stalled = on_stalled
         self.batch = batch
         self.stall_after = stall_after
@@ -188,7 +202,7 @@ class Releaser:
         if stalled:
             self.on_stalled(stalled)
 
-    def start(
+    def take_run_lock(
         self,
         key: str,
         owner: str,
@@ -201,8 +215,8 @@ class Releaser:
         order: Optional[int] = None,
         reserve: int = DEFAULT_RESERVE,
     ) -> Start:
-        """:meth:`LockBackend.start`, with the releases pending now sent
-        in front of it, in the same round trip.  (Keywords spelled out:
+        """Take a run lock (:meth:`LockBackend.start`), with the releases
+        pending now sent in front of it, in the same round trip.  (Keywords spelled out:
         passing ``**options`` on builds a dict per call, per job.)
 
         Raises:
@@ -260,7 +274,7 @@ class Releaser:
         follow_ups = self._reports(riders, outcomes)
         try:
             while follow_ups:
-                self._follow(*follow_ups[0])
+                self._hand_over(*follow_ups[0])
                 del follow_ups[0]
         finally:
             # An interrupted hand-off is done again there: one enqueued twice is skipped as a copy that lost.
@@ -301,9 +315,9 @@ class Releaser:
         """Report each release; return what the reports left to do."""
         follow_ups: list[FollowUp] = []
         for pending, outcome in zip(riders, outcomes):
-            follow_up = self._report(pending, outcome)
-            if follow_up is not None:
-                follow_ups.append((pending, follow_up))
+            handoff = self._report(pending, outcome)
+            if handoff is not None:
+                follow_ups.append((pending, handoff))
         return follow_ups
 
     def _settled(self, carried: int, follow_ups: list[FollowUp]) -> None:
@@ -397,13 +411,13 @@ class Releaser:
         """Do the hand-offs left to do, then send ``batch`` in one round
         trip and report each outcome.
         """
-        for pending, follow_up in follow_ups:
-            self._follow(pending, follow_up)
+        for pending, handoff in follow_ups:
+            self._hand_over(pending, handoff)
         outcomes = self._release(batch)
         for pending, outcome in zip(batch, outcomes):
             then = self._report(pending, outcome)
             if then is not None:
-                self._follow(pending, then)
+                self._hand_over(pending, then)
         with self._wakeup:
             self._sending = []
             self._riding -= len(follow_ups)
@@ -451,17 +465,17 @@ class Releaser:
                                 len(batch), now_ms() - self._sending_since)
         return outcomes
 
-    def _report(self, pending: PendingRelease, outcome: Outcome) -> Optional[Callable[[], None]]:
+    def _report(self, pending: PendingRelease, outcome: Outcome) -> Optional[HandOff]:
         if pending.resent and isinstance(outcome, Release) and not outcome.held and outcome.promoted is None:
             return None  # the broken call released it: nothing was lost
         try:
-            return pending.done(outcome)
+            return self.reports.released(pending, outcome)
         except Exception:
             self.logger.exception("Could not report the release of %r.", pending.key)
             return None
 
-    def _follow(self, pending: PendingRelease, follow_up: Callable[[], None]) -> None:
+    def _hand_over(self, pending: PendingRelease, handoff: HandOff) -> None:
         try:
-            follow_up()
+            self.reports.hand_over(handoff)
         except Exception:
             self.logger.exception("Could not report the release of %r.", pending.key)

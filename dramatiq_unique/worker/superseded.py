@@ -14,6 +14,7 @@ from dramatiq.middleware import SkipMessage
 
 from ..backends.base import CurrentStatus, NewestWins, Reschedules
 from ..errors import Superseded
+from ..model.wire import UNIQUE_RESCHEDULES
 from ..send.context import LockService
 from ..send.copies import copy_of
 from ..send.results import store_failure
@@ -69,7 +70,7 @@ def _withdraw_waiter(service: LockService, message: "MessageProxy", state: Deliv
     which takes its waiter off the run lock, so that the key is never
     handed to it.
     """
-    if not message.options.get("unique_reschedules") or not state.spec.lock.run_lock:
+    if not message.options.get(UNIQUE_RESCHEDULES) or not state.spec.lock.run_lock:
         return
     key = service.key(state.spec, state.digest, "run")
     try:

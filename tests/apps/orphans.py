@@ -99,7 +99,7 @@ ACTORS = {"run": job_run, "gone": job_gone, "kept": job_kept}
 
 
 def _record_passes() -> None:
-    from dramatiq_unique.ops import reap
+    from dramatiq_unique.worker import reap
 
     original = reap.Reaper.run
 

@@ -6,7 +6,7 @@ import os
 import time
 
 from dramatiq_unique import StubBackend
-from dramatiq_unique.worker.unreleased import FailedRelease, ReleaseRetries
+from dramatiq_unique.worker.failed import FailedRelease, FailedReleases
 from tests.conftest import wait_for
 
 
@@ -21,6 +21,21 @@ class FlakyBackend(StubBackend):
         return super().release(key, owner, **options)
 
 
+class Landed(list):  # type: ignore[type-arg]
+    """Where the retries report: the key of each release that landed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outcomes: list[object] = []
+
+    def landed(self, failed: FailedRelease, outcome: object) -> None:
+        self.append(failed.key)
+        self.outcomes.append(outcome)
+
+    def hand_over(self, handoff: object) -> None:
+        raise AssertionError(f"no key is handed over here: {handoff}")
+
+
 def now_ms() -> float:
     return time.monotonic() * 1000
 
@@ -28,9 +43,9 @@ def now_ms() -> float:
 def test_a_failed_release_lands_once_the_backend_is_back() -> None:
     backend = FlakyBackend()
     assert backend.acquire("k", "m", ttl=60_000).acquired
-    landed = []
-    retries = ReleaseRetries(backend, first_retry=10, most_between=50)
-    retries.submit(FailedRelease("k", "m", now_ms() + 60_000, lambda outcome: landed.append(outcome)))
+    landed = Landed()
+    retries = FailedReleases(backend, reports=landed, first_retry=10, most_between=50)
+    retries.submit(FailedRelease("k", "m", now_ms() + 60_000))
     # While the backend is down the release keeps failing, and keeps waiting
     wait_for(lambda: retries.pending() == 1 and backend.inspect("k") is not None, timeout=5, what="a retry")
     time.sleep(0.1)
@@ -39,23 +54,23 @@ def test_a_failed_release_lands_once_the_backend_is_back() -> None:
     backend.down = False
     wait_for(lambda: landed, timeout=5, what="the release to land")
     assert backend.inspect("k") is None
-    assert [outcome.held for outcome in landed] == [True]
+    assert [outcome.held for outcome in landed.outcomes] == [True]  # type: ignore[attr-defined]
     assert retries.pending() == 0
     retries.stop(timeout=100)
 
 
 def test_a_release_whose_lock_expired_meanwhile_is_dropped_and_the_thread_ends() -> None:
     backend = FlakyBackend()
-    retries = ReleaseRetries(backend, first_retry=10, most_between=20)
-    retries.submit(FailedRelease("k", "m", now_ms() + 50, lambda outcome: None))
+    retries = FailedReleases(backend, reports=Landed(), first_retry=10, most_between=20)
+    retries.submit(FailedRelease("k", "m", now_ms() + 50))
     wait_for(lambda: retries.pending() == 0, timeout=5, what="the expired release to be dropped")
     wait_for(lambda: retries._thread.running_in is None, timeout=5, what="the retry thread to end")
 
 
 def test_shutdown_waits_for_failed_releases_at_most_its_bound() -> None:
     backend = FlakyBackend()
-    retries = ReleaseRetries(backend, first_retry=10, most_between=20)
-    retries.submit(FailedRelease("k", "m", now_ms() + 60_000, lambda outcome: None))
+    retries = FailedReleases(backend, reports=Landed(), first_retry=10, most_between=20)
+    retries.submit(FailedRelease("k", "m", now_ms() + 60_000))
     began = time.monotonic()
     retries.stop(timeout=300)
     assert 0.25 <= time.monotonic() - began < 2.0
@@ -67,16 +82,16 @@ def test_a_forked_child_leaves_the_parents_failed_releases_to_the_parent() -> No
     backend = FlakyBackend()
     assert backend.acquire("parent", "m", ttl=60_000).acquired
     assert backend.acquire("child", "m", ttl=60_000).acquired
-    landed: list[str] = []
-    retries = ReleaseRetries(backend, first_retry=10, most_between=20)
-    retries.submit(FailedRelease("parent", "m", now_ms() + 60_000, lambda outcome: landed.append("parent")))
+    landed = Landed()
+    retries = FailedReleases(backend, reports=landed, first_retry=10, most_between=20)
+    retries.submit(FailedRelease("parent", "m", now_ms() + 60_000))
     read, write = os.pipe()
     # When the process forks, and the child's backend comes back and it submits a failed release of its own
     child = os.fork()
     if child == 0:  # pragma: no cover - the child reports through the pipe
         left_at_fork = retries.pending()
         backend.down = False
-        retries.submit(FailedRelease("child", "m", now_ms() + 60_000, lambda outcome: landed.append("child")))
+        retries.submit(FailedRelease("child", "m", now_ms() + 60_000))
         deadline = time.monotonic() + 5
         while not landed and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -98,10 +113,10 @@ def test_a_run_locks_release_is_sent_on_past_its_lease_to_end_the_run_in_its_rec
     # Given a failed release of a run lock and one of an enqueue lock, both of locks that expire in 50 ms
     backend = FlakyBackend()
     assert backend.acquire("t:{a}:run", "a/1", ttl=60_000).acquired
-    landed: list[object] = []
-    retries = ReleaseRetries(backend, first_retry=10, most_between=20, record_ttl=60_000)
-    retries.submit(FailedRelease("t:{a}:run", "a/1", now_ms() + 50, landed.append))
-    retries.submit(FailedRelease("t:{a}:queue", "a", now_ms() + 50, landed.append))
+    landed = Landed()
+    retries = FailedReleases(backend, reports=landed, first_retry=10, most_between=20, record_ttl=60_000)
+    retries.submit(FailedRelease("t:{a}:run", "a/1", now_ms() + 50))
+    retries.submit(FailedRelease("t:{a}:queue", "a", now_ms() + 50))
     # When both locks' own expiry has passed while the backend is down
     wait_for(lambda: retries.pending() == 1, timeout=5, what="the enqueue lock's release to be dropped")
     time.sleep(0.1)

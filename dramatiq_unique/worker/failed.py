@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Protocol, Union
 
 from dramatiq.logging import get_logger
 
@@ -37,6 +37,7 @@ from ..backends.base import LockBackend, Release
 from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread
 from ..clock import JITTER, now_ms
 from ..forks import pid
+from .delivery import HandOff, LockToRelease
 
 #: Milliseconds before the first retry of a failed release; each retry
 #: waits twice as long as the one before, up to ``DEFAULT_MOST_BETWEEN``.
@@ -65,9 +66,7 @@ class FailedRelease:
       owner(str): The owner the release checks.
       until(float): Monotonic milliseconds when the lock expires by
         itself: no retry after that.
-      landed(callable): Called on the retry thread with the
-        :class:`Release` once a retry is applied; it may return work to
-        do next (a hand-off), done there too.
+      lock(LockToRelease): What reporting its outcome needs.
       succeeded(bool): The run succeeded: the release finishes its
         message (see ``LockBackend.release``).
     """
@@ -75,7 +74,7 @@ class FailedRelease:
     key: str
     owner: str
     until: float
-    landed: Callable[[Release], Optional[Callable[[], None]]]
+    lock: Optional[LockToRelease] = None
     due: float = 0.0
     wait: float = DEFAULT_FIRST_RETRY
     succeeded: bool = False
@@ -88,11 +87,23 @@ class FailedRelease:
         return {"succeeded": self.succeeded}
 
 
-class ReleaseRetries:
+class LandedReports(Protocol):
+    """Where :class:`FailedReleases` reports, on its thread: ``landed``
+    once a retry is applied, which may return a hand-off, which
+    ``hand_over`` does there too.
+    """
+
+    def landed(self, failed: FailedRelease, outcome: Release) -> Optional[HandOff]: ...
+
+    def hand_over(self, handoff: HandOff) -> None: ...
+
+
+class FailedReleases:
     """Sends failed releases of one process again, in the background.
 
     Parameters:
       backend(LockBackend): Where the locks live.
+      reports(LandedReports): Where the releases that landed are reported.
       first_retry(int): Milliseconds before the first retry.
       most_between(int): The longest wait between retries, in ms.
       drain_timeout(int): How long ``stop`` waits, in ms.
@@ -105,6 +116,7 @@ class ReleaseRetries:
         self,
         backend: LockBackend,
         *,
+        reports: LandedReports,
         first_retry: int = DEFAULT_FIRST_RETRY,
         most_between: int = DEFAULT_MOST_BETWEEN,
         drain_timeout: int = DEFAULT_DRAIN_TIMEOUT,
@@ -112,6 +124,7 @@ class ReleaseRetries:
     ) -> None:
         self.logger = get_logger(__name__, type(self))
         self.backend = backend
+        self.reports = reports
         self.record_ttl = record_ttl
         self.first_retry = first_retry
         self.most_between = most_between
@@ -260,9 +273,9 @@ class ReleaseRetries:
 
     def _land(self, failed: FailedRelease, outcome: Release) -> None:
         try:
-            then = failed.landed(outcome)
-            if then is not None:
-                then()
+            handoff = self.reports.landed(failed, outcome)
+            if handoff is not None:
+                self.reports.hand_over(handoff)
         except Exception:
             self.logger.exception("Could not report the release of %r.", failed.key)
 

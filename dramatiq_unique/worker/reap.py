@@ -1,0 +1,448 @@
+"""Releasing enqueue locks whose message vanished from the broker: the
+reap, and the periodic reaper of a worker process.
+
+A queue purged or deleted by an operator, or messages a broker dropped,
+leave their enqueue locks behind until ``lock_ttl``.  Each enqueue lock
+records where its message was last published (and where before that,
+so a message moving from the delay queue to its queue, or being
+retried, is at one of the two).  The reaper looks each confirmed lock's
+message up on the Redis broker, in the queue's message hash, its
+dead-letter hash and every worker's set of unacknowledged messages (a
+message being processed), in one transaction per batch; and releases
+with a script that re-checks, on the lock, that its record is unchanged.
+A message that moved meanwhile changed the record, so its lock is left
+alone.
+
+Not checked, and never released: provisional locks (they free
+themselves), ``until_expired`` locks (they outlive their message on
+purpose), locks younger than ``min_age``, and locks without a Redis
+place (RabbitMQ cannot look a message up by id, and locks taken before
+records existed).
+
+The operators' ``dramatiq-unique reap`` runs the same :class:`Reaper`
+through :class:`~dramatiq_unique.ops.admin.LockAdmin`; a worker's
+:class:`PeriodicReaper` lists the locks through :class:`BackendLocks`.
+"""
+
+from __future__ import annotations
+
+import os
+import time as mod_time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Optional, Protocol, Sequence, TypeVar
+
+from dramatiq.logging import get_logger
+
+from ..backends.base import LockBackend
+from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread
+from ..clock import JITTER
+from ..errors import LockBackendError, UniqueError
+from ..model.wire import QUEUE, EnqueueRecord, Place, actor_scope, join_owner, lock_key_glob, parse_lock_key, reaper_key
+from ..send.context import LockService
+
+if TYPE_CHECKING:
+    from dramatiq import Broker
+
+T = TypeVar("T")
+
+#: How many enqueue locks one transaction on the broker checks.
+DEFAULT_BATCH = 100
+
+#: Locks younger than this, in milliseconds, are not checked: a lock
+#: taken without a provisional window is written a moment before its
+#: message is published.
+DEFAULT_MIN_AGE = 10_000
+
+#: How many lock keys one pass of the periodic reaper looks at at most.
+DEFAULT_PASS_KEYS = 10_000
+
+#: Lock types whose enqueue lock outlives its message on purpose.
+KEPT_AFTER_RUN = ("until_expired",)
+
+
+class ListedHolder(Protocol):
+    """One holder of a listed lock, as the reaper reads it (an
+    :class:`~dramatiq_unique.ops.admin.Holder`, a :class:`QueueHolder`).
+    """
+
+    @property
+    def owner(self) -> str: ...
+
+    @property
+    def record(self) -> Optional[EnqueueRecord]: ...
+
+
+class ListedLock(Protocol):
+    """One listed lock, as the reaper reads it (an
+    :class:`~dramatiq_unique.ops.admin.Lock`, a :class:`QueueLock`).
+    """
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def actor(self) -> str: ...
+
+    @property
+    def lock(self) -> Optional[str]: ...
+
+    @property
+    def lock_args(self) -> Optional[str]: ...
+
+    @property
+    def holders(self) -> Sequence[ListedHolder]: ...
+
+
+class LockListing(Protocol):
+    """What the reaper reads locks through: the operators'
+    :class:`~dramatiq_unique.ops.admin.LockAdmin`, or a worker's
+    :class:`BackendLocks`.
+    """
+
+    @property
+    def backend(self) -> LockBackend: ...
+
+    @property
+    def prefix(self) -> str: ...
+
+    def locks(self, *, actor: Optional[str] = None, phase: Optional[str] = None) -> Iterator[ListedLock]: ...
+
+    def call(self, doing: str, call: Callable[..., T], *args: Any) -> T: ...
+
+
+def queue_of(record: EnqueueRecord) -> str:
+    """The queue a record names, without a delay queue's ``.DQ``; "" if
+    none (:attr:`EnqueueRecord.queue`).
+    """
+    return record.queue
+
+
+def _text(value: Any) -> str:
+    """A reply of the broker's client as text: redis-py answers bytes
+    unless told to decode.
+    """
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class RedisQueues:
+    """Looks messages up in a Redis broker's keys (see Dramatiq's
+    ``dispatch.lua``: a hash of messages per queue, keyed by
+    ``redis_message_id``, which keeps a message until it is acked; a
+    dead-letter hash per queue; a set of unacked ids per worker and
+    queue).
+
+    Parameters:
+      client(redis.Redis): A client of the broker's Redis.
+    """
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def find(self, records: list[EnqueueRecord]) -> list[bool]:
+        """Per record, whether its message is at either of its places,
+        checked in one transaction.
+        """
+        places = [[p for p in map(Place.parse, (r.where, r.before)) if p is not None] for r in records]
+        namespaces = {place.namespace for found in places for place in found}
+        workers = {ns: [_text(w) for w in self.client.zrange(f"{ns}:__heartbeats__", 0, -1)] for ns in namespaces}
+        pipe = self.client.pipeline(transaction=True)
+        counts = []
+        for found in places:
+            before = len(pipe)
+            for place in found:
+                self._look_up(pipe, place, workers[place.namespace])
+            counts.append(len(pipe) - before)
+        answers = iter(pipe.execute() if len(pipe) else [])
+        return [any([bool(next(answers)) for _ in range(count)]) for count in counts]
+
+    @staticmethod
+    def _look_up(pipe: Any, place: Place, workers: list[str]) -> None:
+        ns, queue, rid = place.namespace, place.queue, place.redis_id
+        pipe.hexists(f"{ns}:{queue}.msgs", rid)
+        pipe.hexists(f"{ns}:{place.canonical_queue}.XQ.msgs", rid)
+        # A queue purged while its message runs: only the worker's ack set has it.
+        for worker in workers:
+            pipe.sismember(f"{ns}:__acks__.{worker}.{queue}", rid)
+
+
+@dataclass(frozen=True)
+class Suspect:
+    """An enqueue lock holder whose message was found nowhere.
+
+    Attributes:
+      key(str): The lock key.
+      actor(str): The actor part of the key.
+      message_id(str): The holder: the message that took the lock.
+      lock_args(str): JSON of the lock args, when they were recorded.
+      queue(str): The queue the message was last published to.
+      age(int): Milliseconds since the lock was taken.
+      record(EnqueueRecord): What was checked.
+      released(bool): Whether this pass released it.
+    """
+
+    key: str
+    actor: str
+    message_id: str
+    lock_args: Optional[str]
+    queue: str
+    age: int
+    record: EnqueueRecord
+    released: bool = False
+
+
+@dataclass
+class ReapReport:
+    """What one reap found.
+
+    Attributes:
+      checked(int): Enqueue-lock holders looked up on the broker.
+      skipped(int): Holders not looked up: provisional, too young, or
+        of a lock type kept after its run.
+      unknown(int): Holders with no Redis place to look them up at
+        (RabbitMQ, the stub broker, locks from before records existed).
+      suspects(list[Suspect]): Holders whose message was found nowhere.
+      complete(bool): False when the pass stopped at its key budget.
+    """
+
+    checked: int = 0
+    skipped: int = 0
+    unknown: int = 0
+    suspects: list[Suspect] = field(default_factory=list)
+    complete: bool = True
+
+
+class Reaper:
+    """Finds, and optionally releases, enqueue locks whose message is
+    gone.
+
+    Parameters:
+      admin(LockListing): The locks: a ``LockAdmin``, or :class:`BackendLocks`.
+      queues(RedisQueues): The broker to look messages up in.
+      min_age(int): Leave locks younger than this alone, in ms.
+      batch(int): Holders per broker transaction.
+    """
+
+    def __init__(
+        self, admin: LockListing, queues: RedisQueues, *, min_age: int = DEFAULT_MIN_AGE, batch: int = DEFAULT_BATCH
+    ) -> None:
+        self.admin = admin
+        self.queues = queues
+        self.min_age = min_age
+        self.batch = batch
+
+    def run(
+        self,
+        *,
+        release: bool = False,
+        actor: Optional[str] = None,
+        max_keys: Optional[int] = None,
+        budget: Optional[float] = None,
+    ) -> ReapReport:
+        """Look every confirmed enqueue lock's message up; release the
+        locks of the missing ones when ``release``.
+
+        Parameters:
+          max_keys(int): Stop after this many lock keys.
+          budget(float): Stop after this many seconds.
+        """
+        report = ReapReport()
+        pending: list[tuple[ListedLock, str, EnqueueRecord]] = []
+        stop_at = None if budget is None else mod_time.monotonic() + budget
+        for n, lock in enumerate(self.admin.locks(actor=actor, phase=QUEUE)):
+            if (max_keys is not None and n >= max_keys) or (stop_at is not None and mod_time.monotonic() > stop_at):
+                report.complete = False
+                break
+            pending.extend(self._candidates(lock, report))
+            if len(pending) >= self.batch:
+                self._check(pending, report, release)
+                pending = []
+        if pending:
+            self._check(pending, report, release)
+        return report
+
+    def _candidates(self, lock: ListedLock, report: ReapReport) -> Iterator[tuple[ListedLock, str, EnqueueRecord]]:
+        now = int(mod_time.time() * 1000)
+        for holder in lock.holders:
+            record = holder.record
+            if record is None or not any(Place.parse(w) for w in (record.where, record.before)):
+                report.unknown += 1
+            elif lock.lock in KEPT_AFTER_RUN or record.provisional_until or now - record.taken_at < self.min_age:
+                report.skipped += 1
+            else:
+                report.checked += 1
+                yield lock, holder.owner, record
+
+    def _check(self, pending: list[tuple[ListedLock, str, EnqueueRecord]], report: ReapReport, release: bool) -> None:
+        found = self.admin.call("look messages up on the broker", self.queues.find, [r for _, _, r in pending])
+        now = int(mod_time.time() * 1000)
+        for (lock, owner, record), present in zip(pending, found):
+            if present:
+                continue
+            released = release and self.admin.call(
+                f"reap {lock.key!r}", self.admin.backend.reap, lock.key, owner, record
+            )
+            age = now - record.taken_at
+            report.suspects.append(
+                Suspect(lock.key, lock.actor, owner, lock.lock_args, record.queue, age, record, released)
+            )
+
+
+class QueueHolder(NamedTuple):
+    """One holder of an enqueue lock, as :class:`BackendLocks` lists it."""
+
+    owner: str
+    record: Optional[EnqueueRecord]
+
+
+class QueueLock(NamedTuple):
+    """One enqueue lock, as :class:`BackendLocks` lists it."""
+
+    key: str
+    actor: str
+    lock: Optional[str]
+    lock_args: Optional[str]
+    holders: tuple[QueueHolder, ...]
+
+
+class BackendLocks:
+    """The enqueue locks under one prefix, read straight from the
+    backend: what a worker's periodic reaper checks.  Failures are
+    :class:`LockBackendError`, worded as the operators' listing words
+    them.
+
+    Parameters:
+      backend(LockBackend): Where the locks live.
+      prefix(str): The middleware's prefix.
+    """
+
+    def __init__(self, backend: LockBackend, *, prefix: str) -> None:
+        self.backend = backend
+        self.prefix = prefix
+
+    def locks(self, *, actor: Optional[str] = None, phase: Optional[str] = None) -> Iterator[QueueLock]:
+        """Iterate over the live enqueue locks (``phase`` is ``queue``,
+        or None), in ``SCAN`` order; of one actor when ``actor`` is given.
+        """
+        if phase not in (None, QUEUE):
+            return
+        scope = actor_scope(actor) if actor is not None else None
+        glob = lock_key_glob(prefix=self.prefix, scope=scope, phase=QUEUE)
+        keys = self.call(f"scan {glob!r}", self.backend.scan, glob)
+        while True:
+            key = self.call(f"scan {glob!r}", next, keys, None)
+            if key is None:
+                return
+            parts = parse_lock_key(key, prefix=self.prefix)
+            if parts is None or parts.phase != QUEUE or scope not in (None, parts.scope):
+                continue
+            info = self.call(f"inspect {key!r}", self.backend.inspect, key)
+            if info is not None:
+                soonest = sorted(info.holders, key=lambda owner: (info.holders[owner], owner))
+                holders = tuple(QueueHolder(owner, info.records.get(owner)) for owner in soonest)
+                yield QueueLock(key, parts.scope, info.lock, info.lock_args, holders)
+
+    def call(self, doing: str, call: Callable[..., T], *args: Any) -> T:
+        """Run one backend call (see :func:`call_backend`)."""
+        return call_backend(self.backend, doing, call, *args)
+
+
+def call_backend(backend: LockBackend, doing: str, call: Callable[..., T], *args: Any) -> T:
+    """Run one call of ``backend``, turning its failures into
+    :class:`LockBackendError` with a one-line message, as the operators'
+    listing words them.
+    """
+    try:
+        return call(*args)
+    except UniqueError:
+        raise
+    except Exception as e:
+        where = backend.describe()
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise LockBackendError(f"Lock backend {where} failed to {doing}: {reason}", backend=where) from e
+
+
+class PeriodicReaper:
+    """Reaps every ``interval`` ms in one worker at a time, on a daemon
+    thread of each worker process.
+
+    Each pass first takes the lock ``<prefix>:!reaper`` (a lock like any
+    other: owner-checked and expiring after ``lease`` ms), so two
+    workers never run a pass at once; a pass stops after ``max_keys``
+    lock keys or half its lease, whichever comes first.
+    """
+
+    def __init__(
+        self,
+        admin: LockListing,
+        queues: RedisQueues,
+        *,
+        interval: int,
+        lease: int = 60_000,
+        max_keys: int = DEFAULT_PASS_KEYS,
+        min_age: int = DEFAULT_MIN_AGE,
+    ) -> None:
+        self.logger = get_logger(__name__, type(self))
+        self.reaper = Reaper(admin, queues, min_age=min_age)
+        self.backend: LockBackend = admin.backend
+        self.key = reaper_key(admin.prefix)
+        self.owner = join_owner("reaper", f"{os.getpid():x}.{JITTER.getrandbits(32):08x}")
+        self.interval = interval
+        self.lease = lease
+        self.max_keys = max_keys
+        # A greenlet under gevent (native=False): a pass uses the broker's
+        # client, whose patched sockets belong to the hub's thread.
+        self._thread = BackgroundThread(name="dramatiq-unique-reaper", loop=self._run)
+
+    def start(self) -> None:
+        self._thread.ensure_started()
+
+    def stop(self, *, timeout: float = DEFAULT_STOP_TIMEOUT) -> None:
+        """Stop the reaper's thread, waiting at most ``timeout`` ms."""
+        self._thread.stop(timeout=timeout)
+
+    def _run(self, thread: BackgroundThread) -> None:
+        while not thread.wait(self.interval * JITTER.uniform(0.8, 1.2)) and not thread.stopping:
+            try:
+                self.run_once()
+            except Exception as e:
+                self.logger.warning("Reaper pass failed: %r.", e)
+
+    def run_once(self) -> Optional[ReapReport]:
+        """Run one pass if no other worker is running one.
+
+        Returns:
+          ReapReport: or None when another worker held the pass.
+        """
+        got = self.backend.acquire(self.key, self.owner, ttl=self.lease, lock="reaper")
+        if not got.acquired:
+            return None
+        try:
+            report = self.reaper.run(release=True, max_keys=self.max_keys, budget=self.lease / 2000)
+        finally:
+            self.backend.release(self.key, self.owner, hand_over=False)
+        for suspect in report.suspects:
+            if suspect.released:
+                self.logger.warning(
+                    "Reaped enqueue lock %r of message %s: its message is in no queue.", suspect.key, suspect.message_id
+                )
+        return report
+
+
+def start_reaper(service: LockService, broker: "Broker") -> Optional[PeriodicReaper]:
+    """Start the periodic reaper in this worker process, when
+    ``reap_interval`` asks for one and the broker is a Redis one.
+    """
+    interval = service.settings.reap_interval
+    if not interval or service.backend is None:
+        return None
+    client, namespace = getattr(broker, "client", None), getattr(broker, "namespace", None)
+    if client is None or not isinstance(namespace, str):
+        service.logger.warning(
+            "reap_interval is set, but a %s cannot look messages up by id: no periodic reaper.",
+            type(broker).__name__,
+        )
+        return None
+    listing = BackendLocks(service.backend, prefix=service.settings.prefix)
+    reaper = PeriodicReaper(listing, RedisQueues(client), interval=interval)
+    reaper.start()
+    return reaper
