@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import re
 from importlib import resources
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 from urllib.parse import urlsplit, urlunsplit
 
 try:
@@ -58,12 +58,30 @@ from .native import native_extend
 _LUA = resources.files(__package__).joinpath("lua")
 
 
-def _source(name: str) -> str:
+def _source(name: str, *, given: Optional[Mapping[str, str]] = None) -> str:
     """A script's text, with each ``--@include NAME`` line replaced by
-    the library ``NAME.lua``.
+    the library ``NAME.lua`` (its own includes expanded), or by
+    ``given[NAME]`` (a text from elsewhere, not expanded).  Each
+    library comes once, where it is first included: a later include of
+    it is dropped.
     """
-    lines = _LUA.joinpath(f"{name}.lua").read_text().splitlines(keepends=True)
-    return "".join(_source(line.split()[1]) if line.startswith("--@include ") else line for line in lines)
+    included: set[str] = set()
+
+    def expand(text: str) -> str:
+        lines = []
+        for line in text.splitlines(keepends=True):
+            if not line.startswith("--@include "):
+                lines.append(line)
+                continue
+            library = line.split()[1]
+            if given is not None and library in given:
+                lines.append(given[library].rstrip("\n") + "\n")
+            elif library not in included:
+                included.add(library)
+                lines.append(expand(_LUA.joinpath(f"{library}.lua").read_text()))
+        return "".join(lines)
+
+    return expand(_LUA.joinpath(f"{name}.lua").read_text())
 
 
 _SCRIPTS = {
@@ -76,34 +94,11 @@ _SCRIPTS = {
 }
 
 
-def _as_function(name: str) -> str:
-    """A script's source as a local Lua function of (KEYS, ARGV), for
-    a script that composes it.
-    """
-    return f"local function {name}(KEYS, ARGV)\n{_SCRIPTS[name]}\nend\n"
-
-
-# The common outcomes as one integer, which costs the client less to
-# read than an array: a fresh, confirmed acquisition as its fence, a
-# fresh run lock as its fence * 2 + the queue flag, a release that
-# hands nothing over as its held flag.
-_SCRIPTS["acquire"] = _as_function("acquire") + (
-    "local got = acquire(KEYS, ARGV)\nif got[1] == 1 and got[4] == 0 then return got[3] end\nreturn got\n"
-)
-_SCRIPTS["start"] = _as_function("start") + (
-    "local got = start(KEYS, ARGV)\nif got[1] == 1 then return got[3] * 2 + got[4] end\nreturn got\n"
-)
-_SCRIPTS["release"] = _as_function("release") + (
-    "local done = release(KEYS, ARGV)\nif not done[2] then return done[1] end\nreturn done\n"
-)
-
-
 def send_script(dispatch: str) -> str:
-    """send.lua behind acquire.lua and the Redis broker's ``dispatch``
-    source, each as a local function of (KEYS, ARGV).
+    """send.lua around the Redis broker's ``dispatch`` source, which it
+    includes as a local function of (KEYS, ARGV).
     """
-    acquire = f"local function acquire(KEYS, ARGV)\n{_source('acquire')}\nend\n"
-    return f"local function dispatch(KEYS, ARGV)\n{dispatch}\nend\n" + acquire + _source("send")
+    return _source("send", given={"dispatch": dispatch})
 
 
 class RedisDispatchFailed(DispatchFailed, redis.ResponseError):

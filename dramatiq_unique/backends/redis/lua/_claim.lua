@@ -1,3 +1,4 @@
+--@include _now
 -- Library, included by the scripts that deliver, re-enqueue or retire
 -- a copy of a rescheduled message: may this copy run?
 --
@@ -31,12 +32,16 @@
 -- (DUPLICATE_WINDOW in dramatiq_unique/backends/base.py).
 local DUPLICATE_WINDOW = 600000
 
+-- expect(record, attempt, via): count copy via of attempt as made and
+-- still to come.  Returns nothing.
 local function expect(record, attempt, via)
   if redis.call("HSETNX", record, "o:" .. attempt .. ":" .. via, 1) == 1 then
     redis.call("HINCRBY", record, "out", 1)
   end
 end
 
+-- arrived(record, attempt, via): count copy via of attempt as arrived.
+-- Returns nothing.
 local function arrived(record, attempt, via)
   if redis.call("HDEL", record, "o:" .. attempt .. ":" .. via) == 1 then
     redis.call("HINCRBY", record, "out", -1)
@@ -95,11 +100,11 @@ local function claim(record, wait, bodies, id, attempt, via, write, retries)
   return verdict
 end
 
--- Reserve a free slot of the lock hash key for message id, for ms
--- (see _take.lua): the key lives at least as long.
+-- reserve(key, id, ms): reserve a free slot of the lock hash key for
+-- message id, for ms (see _take.lua): the key lives at least as long.
+-- Returns nothing.
 local function reserve(key, id, ms)
-  local time = redis.call("TIME")
-  local deadline = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000) + ms
+  local deadline = now_ms() + ms
   redis.call("HSET", key, "!r:" .. id, string.format("%.0f", deadline))
   if redis.call("PTTL", key) < ms then redis.call("PEXPIREAT", key, string.format("%.0f", deadline)) end
 end

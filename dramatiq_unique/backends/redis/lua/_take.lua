@@ -1,11 +1,12 @@
+--@include _now
+--@include _holders
+--@include _record
 -- Library: take one of limit slots of a lock hash for an owner.
 --
 -- The lock hash: field <owner> = deadline (server ms), "!fence" = last
 -- fencing token, "!lock" = lock type, "!args" = lock args JSON (only
--- when recorded), "!m:<owner>" = the enqueue record of an owner:
--- "<taken ms>|<provisional until ms, 0 when confirmed>|<where>\n<where
--- before>" (the reaper looks for the message at both places, so a
--- message moving between queues is never missed).
+-- when recorded), "!m:<owner>" = the enqueue record of an owner (see
+-- _record.lua).
 --
 -- take(key, owner, ttl, limit, lock, args, provisional, where) returns
 -- {status, holder, fence, confirm}: status 1 acquired, 2 re-entered, 0
@@ -27,69 +28,54 @@
 -- take consumes it.  ahead (optional): a function called when a slot
 -- is free for the owner and none is reserved for it; when it returns
 -- true (an older waiter is in line), nothing is taken and status is 5.
+
+-- A re-entered slot: a confirmed one is re-entered by a retry, a
+-- delay-queue move or a reschedule, whose original stays in the broker
+-- until the copy is published: it takes its full ttl at once.  A slot
+-- still waiting for its first confirmation (a RabbitMQ publish retry)
+-- stays provisional.  Returns take()'s reply.
+local function reenter(key, owner, now, deadline, pending, mine, latest, fence, old, where)
+  local taken, was_pending, was_where, was_before = read_record(old)
+  taken, was_where = taken or now, was_where or ""
+  if (was_pending or 0) == 0 then pending = 0 end
+  if pending > 0 then deadline = pending end
+  if mine > deadline then deadline = mine end
+  if pending > 0 then pending = deadline end
+  redis.call("HSET", key, owner, string.format("%.0f", deadline))
+  if where ~= nil then
+    local before = was_where
+    if was_where == where then before = was_before end
+    redis.call("HSET", key, "!m:" .. owner, record_text(taken, pending, where, before))
+  end
+  redis.call("PEXPIREAT", key, string.format("%.0f", math.max(latest, deadline)))
+  return {2, owner, fence, pending > 0 and 1 or 0}
+end
+
 local function take(key, owner, ttl, limit, lock, args, provisional, where, ahead)
-  local time = redis.call("TIME")
-  local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+  local now, micros = now_ms()
   ttl, provisional = tonumber(ttl), tonumber(provisional or "0")
   local deadline, pending = now + ttl, 0
   if provisional > 0 and provisional < ttl then pending = now + provisional end
-  local record = where ~= nil
-  local fields = redis.call("HGETALL", key)
-  local live, other, mine, latest, fence = 0, false, false, 0, 0
-  local message = string.match(owner, "^([^/]*)")
-  local reserved = false
-  for i = 1, #fields, 2 do
-    local name, value = fields[i], tonumber(fields[i + 1])
-    if name == "!fence" then
-      fence = value
-    elseif string.sub(name, 1, 3) == "!r:" then
-      if value <= now then
-        redis.call("HDEL", key, name)
-      elseif string.sub(name, 4) == message then
-        reserved = true
-      else
-        live, other = live + 1, string.sub(name, 4)
-        if value > latest then latest = value end
-      end
-    elseif string.sub(name, 1, 1) ~= "!" then
-      if value <= now then
-        redis.call("HDEL", key, name, "!m:" .. name)
-      elseif name == owner then
-        mine = value
-      else
-        live, other = live + 1, name
-        if value > latest then latest = value end
-      end
+  local message, record = string.match(owner, "^([^/]*)"), "!m:" .. owner
+  local live, other, mine, latest, reserved, fence, old = 0, false, false, 0, false, 0, nil
+  holders(key, now, function(name, value, kind)
+    if kind == "meta" then
+      if name == "!fence" then fence = tonumber(value) elseif name == record then old = value end
+    elseif kind == "lapsed" then
+      drop_lapsed(key, name)
+    elseif kind == "stale" then
+      redis.call("HDEL", key, name)
+    elseif kind == "reserved" and name == message then
+      reserved = true
+    elseif kind == "live" and name == owner then
+      mine = value
+    else
+      live, other = live + 1, name
+      if value > latest then latest = value end
     end
-  end
-  local function write_record(taken, until_ms, before)
-    local text = string.format("%.0f|%.0f|%s\n%s", taken, until_ms, where, before)
-    redis.call("HSET", key, "!m:" .. owner, text)
-  end
+  end)
   if mine then
-    local old = redis.call("HGET", key, "!m:" .. owner)
-    local taken, was_pending, was_where = now, 0, ""
-    if old then
-      local t, p, w = string.match(old, "^(%d+)|(%d+)|([^\n]*)")
-      taken, was_pending, was_where = tonumber(t) or now, tonumber(p) or 0, w or ""
-    end
-    -- A confirmed slot is re-entered by a retry, a delay-queue move or a
-    -- reschedule, whose original stays in the broker until the copy is
-    -- published: it takes its full ttl at once.  A slot still waiting
-    -- for its first confirmation (a RabbitMQ publish retry) stays
-    -- provisional.
-    if was_pending == 0 then pending = 0 end
-    if pending > 0 then deadline = pending end
-    if mine > deadline then deadline = mine end
-    if pending > 0 then pending = deadline end
-    redis.call("HSET", key, owner, string.format("%.0f", deadline))
-    if record then
-      local before = was_where
-      if was_where == where then before = string.match(old or "", "\n(.*)$") or "" end
-      write_record(taken, pending, before)
-    end
-    redis.call("PEXPIREAT", key, string.format("%.0f", math.max(latest, deadline)))
-    return {2, owner, fence, pending > 0 and 1 or 0}
+    return reenter(key, owner, now, deadline, pending, mine, latest, fence, old, where)
   end
   if live >= tonumber(limit) then
     return {0, other, fence, 0}
@@ -100,12 +86,11 @@ local function take(key, owner, ttl, limit, lock, args, provisional, where, ahea
     return {5, false, fence, 0}
   end
   if pending > 0 then deadline = pending end
-  fence = math.max(fence + 1, tonumber(time[1]) * 1000000 + tonumber(time[2]))
+  fence = math.max(fence + 1, micros)
   -- One HSET: the slot, the fence, the lock type and the owner's record
   -- (its taken time, and where its message goes when recorded).
-  local stamp = string.format("%.0f|%.0f|%s\n", now, pending, where or "")
   redis.call("HSET", key, owner, string.format("%.0f", deadline), "!fence", string.format("%.0f", fence), "!lock", lock,
-    "!m:" .. owner, stamp)
+    record, record_text(now, pending, where or "", ""))
   if args ~= "" then redis.call("HSET", key, "!args", args) end
   if deadline > latest then latest = deadline end
   redis.call("PEXPIREAT", key, string.format("%.0f", latest))

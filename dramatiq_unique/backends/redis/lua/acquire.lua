@@ -14,7 +14,9 @@
 -- ARGV[9..12], with KEYS[2..4]: message id, attempt, via, retries of
 --          this copy
 --
--- Returns {status, holder, fence, confirm} as take() does, or
+-- Returns the fence alone for a fresh, confirmed slot (the common
+-- reply, one integer, which costs the client less to read than an
+-- array); else {status, holder, fence, confirm} as take() does, or
 -- {3, verdict, 0, 0} when this copy of its message may not run (see
 -- _claim.lua): it then takes nothing.
 if KEYS[2] then
@@ -23,4 +25,6 @@ if KEYS[2] then
 end
 local where = nil
 if ARGV[7] == "1" then where = ARGV[8] end
-return take(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], where)
+local got = take(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], where)
+if got[1] == 1 and got[4] == 0 then return got[3] end
+return got

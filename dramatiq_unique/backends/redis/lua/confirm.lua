@@ -1,7 +1,9 @@
+--@include _now
+--@include _record
 -- confirm: move a provisional enqueue slot to its full lifetime, now
 -- that its message was published.
 --
--- KEYS[1]  the lock hash (see acquire.lua)
+-- KEYS[1]  the lock hash (see _take.lua)
 -- ARGV[1]  owner      ARGV[2] ttl ms
 --
 -- Returns 1 when the owner still held a live slot: it now lasts at
@@ -11,19 +13,15 @@
 local key, owner = KEYS[1], ARGV[1]
 local deadline = redis.call("HGET", key, owner)
 if not deadline then return 0 end
-local time = redis.call("TIME")
-local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local now = now_ms()
 if tonumber(deadline) <= now then
   redis.call("HDEL", key, owner, "!m:" .. owner)
   return 0
 end
 local renewed = math.max(tonumber(deadline), now + tonumber(ARGV[2]))
 redis.call("HSET", key, owner, string.format("%.0f", renewed))
-local record = redis.call("HGET", key, "!m:" .. owner)
-if record then
-  local taken, rest = string.match(record, "^(%d+)|%d+|(.*)$")
-  if taken then redis.call("HSET", key, "!m:" .. owner, taken .. "|0|" .. rest) end
-end
+local record = confirmed_record(redis.call("HGET", key, "!m:" .. owner))
+if record then redis.call("HSET", key, "!m:" .. owner, record) end
 if redis.call("PTTL", key) < renewed - now then
   redis.call("PEXPIREAT", key, string.format("%.0f", renewed))
 end

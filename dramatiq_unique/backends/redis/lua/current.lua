@@ -30,12 +30,10 @@ local by = redis.call("HGET", KEYS[2], owner)
 if by then
   if ARGV[2] == "start" and redis.call("HEXISTS", key, owner) == 1 then
     redis.call("HDEL", key, owner, "!m:" .. owner)
-    local time = redis.call("TIME")
-    local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-    local fields, live = redis.call("HGETALL", key), 0
-    for i = 1, #fields, 2 do
-      if string.sub(fields[i], 1, 1) ~= "!" and tonumber(fields[i + 1]) > now then live = live + 1 end
-    end
+    local live = 0
+    holders(key, now_ms(), function(_, _, kind)
+      if kind == "live" then live = live + 1 end  -- holders only: an enqueue lock has no reservations
+    end)
     if live == 0 then redis.call("DEL", key) end
   end
   return {-2, by}
@@ -54,8 +52,6 @@ local got = take(key, owner, ARGV[3], 1, ARGV[4], "", 0, where)
 if got[1] == 1 then
   -- a lapsed message takes its free key back as its current message
   redis.call("HDEL", key, "!started", "!superseded", "!previous", "!args")
-  local time = redis.call("TIME")
-  local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-  redis.call("HSET", key, "!current", owner, "!burst", string.format("%.0f", now))
+  redis.call("HSET", key, "!current", owner, "!burst", string.format("%.0f", now_ms()))
 end
 return {got[1], got[2]}

@@ -1,6 +1,7 @@
+--@include _now
 -- extend: renew one owner's lease on a lock.
 --
--- KEYS[1]  the lock hash (see acquire.lua)
+-- KEYS[1]  the lock hash (see _take.lua)
 -- ARGV[1]  owner      ARGV[2] ttl ms
 --
 -- Returns 1 when the owner still held a live slot and it now lasts
@@ -9,8 +10,7 @@
 local key, owner = KEYS[1], ARGV[1]
 local deadline = redis.call("HGET", key, owner)
 if not deadline then return 0 end
-local time = redis.call("TIME")
-local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local now = now_ms()
 if tonumber(deadline) <= now then
   redis.call("HDEL", key, owner, "!m:" .. owner)
   return 0

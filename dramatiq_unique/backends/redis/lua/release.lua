@@ -14,9 +14,11 @@
 -- ARGV[5]  how long the slot stays reserved for the promoted waiter, ms
 --          (default 10000)
 --
--- Returns {held, message}: held 1 when the owner held a live slot, 0
--- when it was absent or had lapsed; message is the encoded message of
--- the promoted waiter, or false.  Nothing is handed over by an owner
+-- Returns held alone when no waiter was promoted (the common reply, one
+-- integer, which costs the client less to read than an array), else
+-- {held, message}: held 1 when the owner held a live slot, 0 when it
+-- was absent or had lapsed; message is the encoded message of the
+-- promoted waiter.  Nothing is handed over by an owner
 -- that held nothing.  The promoted waiter's slot is reserved for its
 -- message (field "!r:<message id>", see _take.lua) until a copy of it
 -- takes it or the reservation runs out: every other copy waits.
@@ -32,10 +34,10 @@ if KEYS[4] and redis.call("HGET", KEYS[4], "runner") == ARGV[1] then
     redis.call("HDEL", KEYS[4], "runner", "ran")
   end
 end
-if ARGV[2] ~= "1" or not present then return {held, false} end
+if ARGV[2] ~= "1" or not present then return held end
 while true do
   local first = redis.call("ZPOPMIN", KEYS[2])
-  if #first == 0 then return {held, false} end
+  if #first == 0 then return held end
   local message = redis.call("HGET", KEYS[3], first[1])
   redis.call("HDEL", KEYS[3], first[1])
   if message then

@@ -1,3 +1,4 @@
+--@include _take
 -- replace: make a new send the current holder of an enqueue lock,
 -- superseding the message that held it (on_conflict="replace", debounce).
 --
@@ -23,36 +24,26 @@
 --
 -- Returns {status, other, fence, delay}: status 1 acquired a free key,
 -- 2 re-entered, 3 replaced `other`, 0 refused (`other` has started);
--- delay is how long from now the message is due under debounce.
+-- delay is how long from now the message is due under debounce.  The
+-- slot itself is taken by take() (see _take.lua), with no limit: the
+-- superseded holders that have started keep theirs.
 local key, owner = KEYS[1], ARGV[1]
-local time = redis.call("TIME")
-local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-local deadline = now + tonumber(ARGV[2])
-local fields = redis.call("HGETALL", key)
-local meta, live, any = {}, {}, false
-for i = 1, #fields, 2 do
-  local name, value = fields[i], fields[i + 1]
-  if string.sub(name, 1, 1) == "!" then
+local function take_slot()
+  return take(key, owner, ARGV[2], math.huge, ARGV[3], ARGV[4], 0, ARGV[9])
+end
+local now = now_ms()
+local live, any, meta = {}, false, {}
+holders(key, now, function(name, value, kind)
+  if kind == "live" then
+    live[name], any = value, name
+  elseif kind == "lapsed" then
+    drop_lapsed(key, name)
+  elseif kind == "meta" then
     meta[name] = value
-  elseif tonumber(value) <= now then
-    redis.call("HDEL", key, name, "!m:" .. name)
-  else
-    live[name], any = tonumber(value), name
   end
-end
-local fence = tonumber(meta["!fence"] or "0")
-if live[owner] then
-  if live[owner] > deadline then deadline = live[owner] end
-  -- A publish retry of the same send: the record names its new place.
-  local old = meta["!m:" .. owner] or ""
-  local taken, was_where = string.match(old, "^(%d+)|%d+|([^\n]*)")
-  local before = was_where or ""
-  if was_where == ARGV[9] then before = string.match(old, "\n(.*)$") or "" end
-  local record = string.format("%s|0|%s\n%s", taken or string.format("%.0f", now), ARGV[9], before)
-  redis.call("HSET", key, owner, string.format("%.0f", deadline), "!m:" .. owner, record)
-  if redis.call("PTTL", key) < deadline - now then redis.call("PEXPIREAT", key, string.format("%.0f", deadline)) end
-  return {2, owner, fence, 0}
-end
+end)
+-- A publish retry of the same send re-enters its slot: the record names its new place.
+if live[owner] then return take_slot() end
 -- Without a live current message, the slots left are those of started
 -- holders that were superseded already: the key is free to replace
 -- into.  (A key taken without replace has no "!current": its holder is
@@ -62,10 +53,9 @@ if current == nil then current = any elseif not live[current] then current = fal
 local status, burst = 1, now
 if current then
   local started = meta["!started"] == current
-  if started and ARGV[5] == "1" then return {0, current, fence, 0} end
+  if started and ARGV[5] == "1" then return {0, current, tonumber(meta["!fence"] or "0"), 0} end
   if not started then
     redis.call("HDEL", key, current, "!m:" .. current)
-    live[current] = nil
     burst = tonumber(meta["!burst"] or now)
   end
   redis.call("HSET", KEYS[2], current, owner)
@@ -83,15 +73,7 @@ if debounce > 0 then
   if cap > 0 and due > burst + cap then due = math.max(now, burst + cap) end
   delay = due - now
 end
-fence = math.max(fence + 1, tonumber(time[1]) * 1000000 + tonumber(time[2]))
 redis.call("HDEL", key, "!started")
-redis.call("HSET", key, owner, string.format("%.0f", deadline), "!fence", string.format("%.0f", fence),
-  "!lock", ARGV[3], "!current", owner, "!burst", string.format("%.0f", burst),
-  "!m:" .. owner, string.format("%.0f|0|%s\n", now, ARGV[9]))
-if ARGV[4] ~= "" then redis.call("HSET", key, "!args", ARGV[4]) end
-local latest = deadline
-for _, value in pairs(live) do
-  if value > latest then latest = value end
-end
-redis.call("PEXPIREAT", key, string.format("%.0f", latest))
-return {status, current or false, fence, delay}
+local got = take_slot()
+redis.call("HSET", key, "!current", owner, "!burst", string.format("%.0f", burst))
+return {status, current or false, got[3], delay}

@@ -1,13 +1,13 @@
---@include _drop
 -- send: take a new message's enqueue lock and, only when it is taken,
 -- enqueue the message with the Redis broker's own script, in one round
 -- trip (see dramatiq_unique/send/fastpath.py).
 --
--- Loaded behind acquire.lua and the broker's dispatch.lua, each wrapped
--- as a local function of (KEYS, ARGV): the lock follows acquire.lua's
--- rules and the message is enqueued by Dramatiq's own code, unchanged.
--- Only for a standalone Redis: the lock and the queues are in different
--- Cluster slots.
+-- "--@include dispatch" is the broker's dispatch.lua, given by the
+-- caller, wrapped as a local function of (KEYS, ARGV) ahead of this
+-- file's libraries, so that no name of theirs is in its scope: the lock
+-- is taken as acquire.lua takes it, and the message is enqueued by
+-- Dramatiq's own code, unchanged.  Only for a standalone Redis: the lock and the
+-- queues are in different Cluster slots.
 --
 -- KEYS[1]  the enqueue lock hash (see _take.lua)
 -- KEYS[2]  the broker's namespace (dispatch.lua's KEYS[1])
@@ -23,13 +23,20 @@
 --          id, encoded message
 --
 -- Returns the fence alone when the lock was taken and the message
--- enqueued (the common reply, the cheapest to read), else acquire.lua's
+-- enqueued (the common reply, the cheapest to read), else take()'s
 -- {status, holder, fence, confirm}: nothing was enqueued when status is
 -- 0.  Returns {4, error, 0, 0} when dispatch.lua failed: a lock this
 -- call took is dropped again, so a message that is not enqueued leaves
 -- no lock behind.
+local function dispatch(KEYS, ARGV)
+--@include dispatch
+end
+--@include _take
+--@include _drop
 local owner = ARGV[1]
-local got = acquire({KEYS[1]}, {ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8]})
+local where = nil
+if ARGV[7] == "1" then where = ARGV[8] end
+local got = take(KEYS[1], owner, ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], where)
 if got[1] == 0 then return got end
 local args = {}
 for i = 9, #ARGV do args[i - 8] = ARGV[i] end

@@ -15,7 +15,9 @@
 -- ARGV[10] how long a slot handed to a waiter stays reserved, ms
 -- ARGV[11] optional: the lock args JSON to record (record_lock_args)
 --
--- Returns {status, holder, fence, queue, extra}:
+-- Returns fence * 2 + queue for a fresh slot (status 1: the common
+-- reply, one integer, which costs the client less to read than an
+-- array); else {status, holder, fence, queue, extra}:
 -- * status as take() returns it (1 acquired, 2 re-entered, 0 held by
 --   others; queue 1 when the enqueue lock was held and is now
 --   released);
@@ -72,6 +74,7 @@ if recorded then claim(record, wait, bodies, id, attempt, via, true, retries) en
 if got[1] == 1 and recorded then
   redis.call("HSET", record, "runner", ARGV[1], "ran", ARGV[6] .. "|" .. ARGV[7] .. "|" .. ARGV[8])
 end
-if not KEYS[5] then return {got[1], got[2], got[3], 0} end
-local held = drop(KEYS[5], ARGV[5])
-return {got[1], got[2], got[3], held}
+local queue = 0
+if KEYS[5] then queue = drop(KEYS[5], ARGV[5]) end
+if got[1] == 1 then return got[3] * 2 + queue end
+return {got[1], got[2], got[3], queue}
