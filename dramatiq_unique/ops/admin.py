@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeVar
 
 from ..backends.base import EnqueueRecord, LockBackend, LockInfo, Waiter
-from ..errors import LockBackendError, UniqueError
+from ..errors import UniqueError
 from ..model.wire import (
     PHASES,
     QUEUE,
@@ -36,6 +36,7 @@ from ..model.wire import (
     parse_lock_key,
 )
 from ..settings import DEFAULT_PREFIX
+from ..worker.reap import call_backend
 
 T = TypeVar("T")
 
@@ -357,14 +358,7 @@ class LockAdmin:
         """Run one backend call, turning its failures into
         :class:`LockBackendError` with a one-line message.
         """
-        try:
-            return call(*args)
-        except UniqueError:
-            raise
-        except Exception as e:
-            where = self.backend.describe()
-            reason = " ".join(str(e).split()) or type(e).__name__
-            raise LockBackendError(f"Lock backend {where} failed to {doing}: {reason}", backend=where) from e
+        return call_backend(self.backend, doing, call, *args)
 
 
 def _from_info(info: LockInfo, parts: LockKey, waiting: tuple[Waiter, ...] = ()) -> Lock:
