@@ -47,6 +47,15 @@ def _synced(url: str) -> bool:
     return info.get("master_link_status") == "up"
 
 
+def _online(url: str) -> bool:
+    """Whether the primary's replica acknowledges a write (WAIT): a
+    replica that just synced may say "up" before it does.
+    """
+    client = redis.Redis.from_url(url)
+    client.set("failover:warm-up", 1)
+    return bool(client.execute_command("WAIT", 1, 100) >= 1)
+
+
 @pytest.fixture
 def pair() -> Iterator[Pair]:
     primary_port, replica_port = free_port(), free_port()
@@ -55,7 +64,7 @@ def pair() -> Iterator[Pair]:
     replica = start_redis_server(replica_port, "--replicaof", "127.0.0.1", str(primary_port))
     pair = Pair(primary, replica, f"redis://127.0.0.1:{primary_port}/0", f"redis://127.0.0.1:{replica_port}/0")
     deadline = time.monotonic() + 10
-    while not _synced(pair.replica_url):
+    while not (_synced(pair.replica_url) and _online(pair.primary_url)):
         assert time.monotonic() < deadline, "the replica never synced"
         time.sleep(0.05)
     yield pair

@@ -202,29 +202,40 @@ def test_a_forked_child_leaves_the_parents_releases_to_the_parent_and_sends_its_
     releaser.stop()
 
 
+class HandsOverNow(Outcomes):
+    """Reports outcomes, and hands over the key of ``t:{now}:run``,
+    recording the thread that does it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.handed_over_on: list[threading.Thread] = []
+
+    def released(self, pending: PendingRelease, outcome: Any) -> Any:
+        self.append(outcome)
+        return HandOff(None, pending.key, b"") if pending.key == "t:{now}:run" else None  # type: ignore[arg-type]
+
+    def hand_over(self, handoff: HandOff) -> None:
+        self.handed_over_on.append(threading.current_thread())
+
+
 def test_a_release_sent_now_goes_on_the_calling_thread_with_the_pending_ones_and_hands_over_there(redis_client):
     # Given a releaser that lingers a minute, with one release pending
     backend = SlowBackend(redis_client)
     backend.gate.set()
     for key in ("t:{pending}:run", "t:{now}:run"):
         assert backend.acquire(key, key, ttl=60_000).acquired
-    releaser = Releaser(backend, on_stalled=lambda batch: None, linger=60_000)
-    outcomes: list[Any] = []
-    releaser.submit(pending("t:{pending}:run", "t:{pending}:run", outcomes))
-    handed_over_on: list[threading.Thread] = []
-
-    def done(outcome: Any) -> Any:
-        outcomes.append(outcome)
-        return lambda: handed_over_on.append(threading.current_thread())
-
+    reports = HandsOverNow()
+    releaser = Releaser(backend, on_stalled=lambda batch: None, linger=60_000, reports=reports)
+    releaser.submit(pending("t:{pending}:run", "t:{pending}:run"))
     # When a release is sent now (the run of a message that waited for its key)
-    releaser.release_now(PendingRelease("t:{now}:run", "t:{now}:run", "actor", done))
+    releaser.release_now(pending("t:{now}:run", "t:{now}:run"))
     # Then both were sent in one round trip before it returned, the pending one first, and reported
     assert backend.sent == [("t:{pending}:run", "t:{pending}:run"), ("t:{now}:run", "t:{now}:run")]
-    assert [outcome.held for outcome in outcomes] == [True, True]
+    assert [outcome.held for outcome in reports] == [True, True]
     assert not redis_client.exists("t:{pending}:run") and not redis_client.exists("t:{now}:run")
     # And what its report left to do (the hand-off) was done on the calling thread, leaving nothing pending
-    assert handed_over_on == [threading.current_thread()]
+    assert reports.handed_over_on == [threading.current_thread()]
     assert releaser.pending() == 0
     releaser.stop()
 
@@ -251,11 +262,11 @@ def test_a_release_sent_now_that_an_interrupt_breaks_is_sent_again_by_the_releas
     # Given a held lock, and a backend whose first release call an interrupt breaks after it was applied
     backend = InterruptedOnce(redis_client)
     assert backend.acquire("t:{i}:run", "t:{i}:run", ttl=60_000).acquired
-    releaser = Releaser(backend, on_stalled=lambda batch: None, linger=60_000)
-    outcomes: list[Any] = []
+    outcomes = Outcomes()
+    releaser = Releaser(backend, on_stalled=lambda batch: None, linger=60_000, reports=outcomes)
     # When it is released now, and the interrupt breaks the call
     with pytest.raises(TimeLimitExceeded):
-        releaser.release_now(pending("t:{i}:run", "t:{i}:run", outcomes))
+        releaser.release_now(pending("t:{i}:run", "t:{i}:run"))
     # Then the releaser thread sends it again at once, and the release found done is not reported as lost
     assert releaser.drain(5_000)
     assert backend.release_calls == 2 and outcomes == [] and not redis_client.exists("t:{i}:run")
