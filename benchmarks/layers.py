@@ -104,6 +104,21 @@ def gain_table(results: Results) -> str:
                    "the same, the other piece off", "verdict (as shipped)"], rows)
 
 
+def decisions(results: Results) -> str:
+    """What the rounds decide of each piece: kept where it pays at the
+    median in some configuration (a piece that pays in none goes).
+    """
+    lines = []
+    for piece, (shipped, _) in PIECES.items():
+        verdicts = {config.name: pays(results, piece, config.name) for config in CONFIGS}
+        where = [config for config, verdict in verdicts.items() if verdict in (PAYS, PAYS_AT_MEDIAN)]
+        medians = ", ".join(f"{config} {median(gains(results, config, *shipped)):.2f}"
+                            for config, verdict in verdicts.items() if verdict is not None)
+        decided = f"kept: it pays in {', '.join(where)}" if where else "to go: it pays in no configuration"
+        lines.append(f"- The {piece}: {decided} (with it ÷ without it, as shipped: {medians}).")
+    return "\n".join(lines)
+
+
 def section(results: Results, meta: str = "") -> str:
     """The section of ``docs/performance.md``; empty without its rounds."""
     if not results.samples[figure_name("process", DEFAULT.name)].get(PLAIN):
@@ -130,6 +145,8 @@ the lock as shipped costs {KEEP_AT - 1:.0%} or more.
 {rate_table(results)}
 
 {gain_table(results)}
+
+{decisions(results)}
 """
 
 

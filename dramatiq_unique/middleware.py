@@ -39,7 +39,7 @@ from .errors import ConfigurationError
 from .events import EventHub, Listener
 from .model.spec import ACTOR_OPTIONS, ActorSpec, actor_spec
 from .model.wire import UNIQUE_DIGEST
-from .send.context import LockService
+from .send.context import LockContext
 from .send.guard import EnqueueGuard
 from .worker.boot import check_backend
 from .worker.coroutines import track
@@ -175,7 +175,7 @@ class UniqueMiddleware(Middleware):
             self.events.subscribe(listener)
         self.specs: dict[str, ActorSpec] = {}
         #: What the guards use: the backend, keys, events and errors.
-        self.service = LockService(settings=self.settings, logger=self.logger, events=self.events, specs=self.specs)
+        self.service = LockContext(settings=self.settings, logger=self.logger, events=self.events, specs=self.specs)
         #: Async actors with a run lock, whose coroutines are tracked.
         self.async_actors: set[str] = set()
         #: Releases the locks of each delivery; owns the worker's threads.

@@ -111,7 +111,7 @@ def test_filters_by_actor_exactly_and_by_pattern(backend):
     take(backend, key(prefix, "weird[1]*", 3), "c/1")
     take(backend, key(prefix, "weirdX1YZ", 4), "d/1")
     take(backend, key(f"{prefix}-other", "billing.sync", 5), "e/1")
-    backend.wait(Copy(key(prefix, "billing.sync", 1), "m", 1, "handoff"), b"message", order=1, ttl=MINUTE)
+    backend.join_line(Copy(key(prefix, "billing.sync", 1), "m", 1, "handoff"), b"message", order=1, ttl=MINUTE)
     admin = LockAdmin(backend, prefix=prefix)
 
     def listed(**filters):
@@ -180,7 +180,7 @@ def test_release_digest_deletes_its_locks_but_not_their_waiters(redis_backend, r
     run_key, queue_key = key(prefix, "sync", 6, "run"), key(prefix, "sync", 6, "queue")
     take(redis_backend, run_key, "m1/n")
     take(redis_backend, queue_key, "m1")
-    redis_backend.wait(Copy(run_key, "m2", 1, "handoff"), b"message", order=1, ttl=MINUTE)
+    redis_backend.join_line(Copy(run_key, "m2", 1, "handoff"), b"message", order=1, ttl=MINUTE)
     admin = LockAdmin(redis_backend, prefix=prefix)
 
     # When I release the run lock only, then the whole digest

@@ -125,7 +125,7 @@ def test_scan_reads_one_glob_on_every_backend(backend):
 def test_delete_prefix_drops_a_prefix_and_what_it_keeps_beside_its_locks(backend):
     # Given locks under two prefixes, one with a waiter, a message record and a superseded record
     backend.acquire("dp1:a:{1}:run", "holder", ttl=10_000)
-    backend.wait(Copy("dp1:a:{1}:run", "m", 1, "handoff"), b"m", order=1, ttl=10_000)
+    backend.join_line(Copy("dp1:a:{1}:run", "m", 1, "handoff"), b"m", order=1, ttl=10_000)
     backend.replace("dp1:a:{2}:queue", "q1", ttl=10_000, superseded_ttl=10_000)
     backend.replace("dp1:a:{2}:queue", "q2", ttl=10_000, superseded_ttl=10_000)
     backend.acquire("dp10:a:{3}:run", "other", ttl=10_000)
@@ -147,8 +147,8 @@ def waiting(message_id: str, attempt: int = 1) -> Copy:
 
 def test_release_promotes_the_longest_waiter_once(backend):
     backend.acquire(KEY, "holder", ttl=10_000)
-    backend.wait(waiting("late"), b"late", order=2, ttl=10_000)
-    backend.wait(waiting("early"), b"early", order=1, ttl=10_000)
+    backend.join_line(waiting("late"), b"late", order=2, ttl=10_000)
+    backend.join_line(waiting("early"), b"early", order=1, ttl=10_000)
     assert backend.release(KEY, "holder").promoted == b"early"
     # the freed slot is reserved for the promoted message: another owner waits, its own copy takes it
     assert not backend.acquire(KEY, "holder2", ttl=10_000).acquired
@@ -160,7 +160,7 @@ def test_release_promotes_the_longest_waiter_once(backend):
 
 def test_a_release_by_a_non_owner_hands_nothing_over(backend):
     backend.acquire(KEY, "holder", ttl=10_000)
-    backend.wait(waiting("m"), b"m", order=1, ttl=10_000)
+    backend.join_line(waiting("m"), b"m", order=1, ttl=10_000)
     assert backend.release(KEY, "stranger") == Release(False, None)
     assert backend.release(KEY, "holder").promoted == b"m"
 
@@ -172,7 +172,7 @@ def deliver(backend, copy: Copy, owner: str):
 
 def test_the_first_copy_of_a_reschedule_wins_and_its_retries_rerun(backend):
     backend.acquire(KEY, "holder", ttl=10_000)
-    backend.wait(waiting("m"), b"m", order=1, ttl=10_000)
+    backend.join_line(waiting("m"), b"m", order=1, ttl=10_000)
     backend.release(KEY, "holder")
     handoff, delay = Copy(KEY, "m", 1, "handoff"), Copy(KEY, "m", 1, "delay")
     assert deliver(backend, handoff, "m/1").acquired
@@ -193,13 +193,13 @@ def test_the_first_copy_of_a_reschedule_wins_and_its_retries_rerun(backend):
 def test_a_copy_of_a_run_that_ended_is_a_duplicate(backend):
     # Given a rescheduled message whose delayed copy won and ran
     backend.acquire(KEY, "holder", ttl=10_000)
-    backend.wait(waiting("m"), b"m", order=1, ttl=10_000)
+    backend.join_line(waiting("m"), b"m", order=1, ttl=10_000)
     delay = Copy(KEY, "m", 1, "delay")
     backend.release(KEY, "holder", hand_over=False)
     assert deliver(backend, delay, "m/1").acquired
     # When a second publish of that copy is delivered while it runs, and waits behind it
     assert not deliver(backend, delay, "m/2").acquired
-    backend.wait(waiting("m", 2), b"m-again", order=1, ttl=10_000)
+    backend.join_line(waiting("m", 2), b"m-again", order=1, ttl=10_000)
     # Then the end of the run (it succeeded) withdraws that waiter, and every later copy of it is a duplicate
     assert backend.release(KEY, "m/1", succeeded=True).promoted is None
     assert deliver(backend, delay, "m/3").refused == "done"
@@ -216,7 +216,7 @@ def test_a_copy_of_a_run_that_ended_is_a_duplicate(backend):
 def test_a_failed_run_never_finishes_its_message(backend):
     # Given a rescheduled message whose delayed copy won and ran
     backend.acquire(KEY, "holder", ttl=10_000)
-    backend.wait(waiting("m"), b"m", order=1, ttl=10_000)
+    backend.join_line(waiting("m"), b"m", order=1, ttl=10_000)
     backend.release(KEY, "holder", hand_over=False)
     delay = Copy(KEY, "m", 1, "delay")
     assert deliver(backend, delay, "m/1").acquired
@@ -239,8 +239,8 @@ def start_copy(backend, copy: Copy, owner: str, order: int, reserve: int = 10_00
 def test_a_hand_off_reserves_the_key_for_its_message(backend):
     # Given two waiters behind a holder
     backend.acquire(KEY, "holder", ttl=10_000)
-    backend.wait(waiting("a"), b"a", order=1, ttl=10_000)
-    backend.wait(waiting("b"), b"b", order=2, ttl=10_000)
+    backend.join_line(waiting("a"), b"a", order=1, ttl=10_000)
+    backend.join_line(waiting("b"), b"b", order=2, ttl=10_000)
     # When the holder's release hands the key to the oldest
     assert backend.release(KEY, "holder", succeeded=True).promoted == b"a"
     # Then the later waiter's delayed copy stays in line and changes nothing, a new send waits too
@@ -258,8 +258,8 @@ def test_a_hand_off_reserves_the_key_for_its_message(backend):
 def test_a_free_key_goes_to_its_oldest_waiter_first(backend):
     # Given two waiters behind a holder that died (its lease ran out, no release handed the key over)
     backend.acquire(KEY, "holder", ttl=50)
-    backend.wait(waiting("a"), b"a", order=10, ttl=10_000)
-    backend.wait(waiting("b"), b"b", order=20, ttl=10_000)
+    backend.join_line(waiting("a"), b"a", order=10, ttl=10_000)
+    backend.join_line(waiting("b"), b"b", order=20, ttl=10_000)
     time.sleep(0.1)
     # When the later waiter's delayed copy comes first, it hands the key to the oldest and waits
     late = start_copy(backend, Copy(KEY, "b", 1, "delay"), "b/1", order=20)
@@ -274,7 +274,7 @@ def test_a_free_key_goes_to_its_oldest_waiter_first(backend):
 def test_a_reservation_runs_out(backend):
     # Given a key handed to a waiter whose hand-off copy is lost
     backend.acquire(KEY, "holder", ttl=10_000)
-    backend.wait(waiting("a"), b"a", order=1, ttl=10_000)
+    backend.join_line(waiting("a"), b"a", order=1, ttl=10_000)
     assert backend.release(KEY, "holder", reserve=50).promoted == b"a"
     assert not start_copy(backend, Copy(KEY, "n"), "n/1", order=2).acquisition.acquired
     # Then after its reservation the key is free for any copy
@@ -287,7 +287,7 @@ def test_a_message_record_lives_only_while_a_copy_of_it_can_arrive(redis_backend
     record, day = f"{KEY}:m:m", 86_400_000
     # Given a message waiting behind a holder: its record lives as long as its lock could
     backend.acquire(KEY, "holder", ttl=10_000)
-    backend.wait(waiting("m"), b"m", order=1, ttl=day)
+    backend.join_line(waiting("m"), b"m", order=1, ttl=day)
     assert client.pttl(record) > day - 60_000
     # When the holder hands it the key and the hand-off copy runs, the delayed copy is still to come
     assert backend.release(KEY, "holder").promoted == b"m"
@@ -311,7 +311,7 @@ def test_the_duplicate_window_is_one_figure():
 
 def test_a_retired_copy_wins_its_attempt_and_finishes_nothing(backend):
     # Given a rescheduled message whose hand-off copy is dead-lettered (claimed, never started)
-    backend.wait(waiting("m"), b"m", order=1, ttl=10_000)
+    backend.join_line(waiting("m"), b"m", order=1, ttl=10_000)
     handoff = Copy(KEY, "m", 1, "handoff")
     assert backend.claim(handoff) is True
     # Then the claim sent again after a lost reply still says so, and the attempt's other copy never runs
@@ -325,7 +325,7 @@ def test_a_retired_copy_wins_its_attempt_and_finishes_nothing(backend):
 
 def test_a_waiter_that_arrives_by_its_delay_is_not_promoted_later(backend):
     backend.acquire(KEY, "holder", ttl=10_000)
-    backend.wait(waiting("m"), b"m", order=1, ttl=10_000)
+    backend.join_line(waiting("m"), b"m", order=1, ttl=10_000)
     assert backend.claim(Copy(KEY, "m", 1, "delay")) is True
     assert backend.release(KEY, "holder").promoted is None
 
@@ -333,12 +333,12 @@ def test_a_waiter_that_arrives_by_its_delay_is_not_promoted_later(backend):
 def test_a_wait_sent_again_after_its_lost_reply_changes_nothing(backend):
     # Given a waiter registered for attempt 1, whose reply was lost (a reset connection)
     backend.acquire(KEY, "holder", ttl=10_000)
-    backend.wait(waiting("m"), b"m", order=1, ttl=10_000)
+    backend.join_line(waiting("m"), b"m", order=1, ttl=10_000)
     # While the client backs off, the holder hands the key over and the hand-off copy starts
     assert backend.release(KEY, "holder").promoted == b"m"
     assert backend.claim(Copy(KEY, "m", 1, "handoff")) is True
     # When the client sends the same wait again
-    backend.wait(waiting("m"), b"m", order=1, ttl=10_000)
+    backend.join_line(waiting("m"), b"m", order=1, ttl=10_000)
     # Then the hand-off copy stays the attempt's winner: its delayed copy may not run beside it,
     # and the message waits for no second hand-off
     assert backend.claim(Copy(KEY, "m", 1, "delay")) is False
@@ -348,9 +348,9 @@ def test_a_wait_sent_again_after_its_lost_reply_changes_nothing(backend):
 
 def test_a_later_reschedule_makes_the_earlier_copies_stale(backend):
     backend.acquire(KEY, "holder", ttl=10_000)
-    backend.wait(waiting("m", 1), b"m1", order=1, ttl=10_000)
+    backend.join_line(waiting("m", 1), b"m1", order=1, ttl=10_000)
     assert deliver(backend, Copy(KEY, "m", 1, "delay"), "m/1").holder == "holder"
-    backend.wait(waiting("m", 2), b"m2", order=1, ttl=10_000)
+    backend.join_line(waiting("m", 2), b"m2", order=1, ttl=10_000)
     assert deliver(backend, Copy(KEY, "m", 1, "delay"), "m/2").refused == "stale"
     assert deliver(backend, Copy(KEY, "m", 1, "handoff"), "m/3").refused == "stale"
     assert backend.claim(Copy(KEY, "m", 2, "delay")) is True
@@ -359,7 +359,7 @@ def test_a_later_reschedule_makes_the_earlier_copies_stale(backend):
 def test_start_claims_takes_and_releases_the_enqueue_lock_at_once(backend):
     queue_key = "test:actor:{abc}:queue"
     backend.acquire(queue_key, "m", ttl=10_000)
-    backend.wait(waiting("m"), b"m", order=1, ttl=10_000)
+    backend.join_line(waiting("m"), b"m", order=1, ttl=10_000)
     copy = Copy(KEY, "m", 1, "delay")
     started = backend.start(KEY, "m/1", ttl=10_000, limit=1, lock="x", copy=copy, queue_key=queue_key)
     assert started.acquisition.acquired and started.queue_released
@@ -425,7 +425,7 @@ def test_redis_backend_errors_surface(redis_url):
 
 def test_a_release_without_hand_over_leaves_the_waiters_waiting(backend):
     backend.acquire(KEY, "holder", ttl=10_000)
-    backend.wait(waiting("m"), b"m", order=1, ttl=10_000)
+    backend.join_line(waiting("m"), b"m", order=1, ttl=10_000)
     assert backend.release(KEY, "holder", hand_over=False) == Release(True, None)
     # the waiter's delayed copy still arrives first and runs
     assert backend.claim(Copy(KEY, "m", 1, "delay")) is True
@@ -435,7 +435,7 @@ def test_a_release_without_hand_over_leaves_the_waiters_waiting(backend):
 
 def test_waiter_records_expire(backend):
     backend.acquire(KEY, "holder", ttl=10_000)
-    backend.wait(waiting("m"), b"m", order=1, ttl=100)
+    backend.join_line(waiting("m"), b"m", order=1, ttl=100)
     time.sleep(0.15)  # the records' own deadline: nothing to poll
     assert backend.release(KEY, "holder").promoted is None
     # with its record gone, any copy runs: nothing is lost
@@ -448,7 +448,7 @@ def test_waiter_records_expire(backend):
 
 def test_a_stale_copy_is_refused_with_a_verdict_that_reads_as_its_text(backend):
     backend.acquire(KEY, "holder", ttl=10_000)
-    backend.wait(waiting("m", 2), b"m", order=1, ttl=10_000)
+    backend.join_line(waiting("m", 2), b"m", order=1, ttl=10_000)
     assert deliver(backend, Copy(KEY, "m", 2, "delay"), "m/0").holder == "holder"
     got = backend.acquire("test:actor:{abc}:queue", "m", ttl=1_000, copy=Copy(KEY, "m", 1, "delay"))
     assert not got.acquired and got.refused is CopyVerdict.STALE
@@ -496,7 +496,7 @@ def test_current_answers_each_current_status(backend):
     assert backend.current(key, "b", **reenter) == CurrentCheck(CurrentStatus.REENTERED, "b")
     assert backend.current(key, "b") == CurrentCheck(CurrentStatus.CURRENT)
     # a re-enqueued copy that may not run takes nothing, and says why
-    backend.wait(Copy(run_key, "c", 1, "handoff"), b"c", order=1, ttl=10_000)
+    backend.join_line(Copy(run_key, "c", 1, "handoff"), b"c", order=1, ttl=10_000)
     handoff = Copy(run_key, "c", 1, "handoff")
     assert backend.start(run_key, "c/1", ttl=10_000, limit=1, lock="x", copy=handoff).acquisition.acquired
     refused = backend.current(key, "c", copy=Copy(run_key, "c", 1, "delay"), **reenter)

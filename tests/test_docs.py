@@ -321,7 +321,7 @@ def test_the_cluster_page_names_the_keys_of_a_digest_that_exist(redis_client: An
     backend.replace(queue, "m2", ttl=minute, superseded_ttl=minute)  # newest wins: m1 is superseded
     assert backend.start(run, "m2/t", ttl=minute, limit=1, lock="until_and_while_executing",
                          copy=Copy(run, "m2")).acquisition.acquired
-    backend.wait(Copy(run, "m3"), b"the encoded message", order=1, ttl=minute)  # m3 is rescheduled
+    backend.join_line(Copy(run, "m3"), b"the encoded message", order=1, ttl=minute)  # m3 is rescheduled
     made = {key.decode()[len(stem):].replace(":m3", ":<message id>") for key in redis_client.keys("*")}
     text = " ".join((DOCS / "redis-cluster.md").read_text().split())
     bullet = text[text.index("all keys of one digest"):text.index("live in the same slot")]

@@ -325,7 +325,7 @@ def test_releases_carried_by_a_start_that_an_interrupt_breaks_are_sent_again_and
     for key in ("t:{a}:run", "t:{b}:run"):
         counting.acquire(key, "x/0", ttl=60_000)
     waiter = Copy("t:{b}:run", "w", 1, "handoff")
-    counting.wait(waiter, b"handed over", order=1, ttl=60_000)
+    counting.join_line(waiter, b"handed over", order=1, ttl=60_000)
     outcomes = Outcomes()
     releaser = Releaser(counting, on_stalled=lambda batch: None, linger=10_000, reports=outcomes)
     for key in ("t:{a}:run", "t:{b}:run"):
@@ -388,7 +388,7 @@ def test_a_carried_release_is_reported_before_the_start_returns_and_its_hand_off
 ):
     # Given a held key with a waiter, and the holder's release pending
     counting.acquire("t:{k}:run", "a/0", ttl=60_000)
-    counting.wait(Copy("t:{k}:run", "w", 1, "handoff"), b"body of w", order=1, ttl=60_000)
+    counting.join_line(Copy("t:{k}:run", "w", 1, "handoff"), b"body of w", order=1, ttl=60_000)
     story: list[tuple[str, str]] = []
     handed = threading.Event()
 

@@ -45,12 +45,12 @@ def busy_stub() -> StubBackend:
     stub.acquire(QUEUE_KEY, "m1", ttl=60_000, lock="until_executed", lock_args='{"a":1}', provisional=5_000,
                  where="ns\tq\tid")
     stub.acquire(KEY, "holder/1", ttl=60_000, limit=2, lock="while_executing")
-    stub.wait(Copy(KEY, "m2", 1, "handoff"), b"\x00\xffbody", order=7, ttl=60_000)
-    stub.wait(Copy(KEY, "m3", 1, "handoff"), b"other", order=8, ttl=60_000)
+    stub.join_line(Copy(KEY, "m2", 1, "handoff"), b"\x00\xffbody", order=7, ttl=60_000)
+    stub.join_line(Copy(KEY, "m3", 1, "handoff"), b"other", order=8, ttl=60_000)
     stub.start(KEY, "m2/1", ttl=60_000, limit=2, lock="while_executing", copy=Copy(KEY, "m2", 1, "delay", retries=1))
     stub.claim(Copy(KEY, "m3", 1, "delay"))
     # a run that succeeded finishes its message's record
-    stub.wait(Copy(RUN_KEY, "m4", 1, "handoff"), b"m4", order=9, ttl=60_000)
+    stub.join_line(Copy(RUN_KEY, "m4", 1, "handoff"), b"m4", order=9, ttl=60_000)
     stub.start(RUN_KEY, "m4/1", ttl=60_000, limit=1, lock="while_executing", copy=Copy(RUN_KEY, "m4", 1, "delay"))
     stub.release(RUN_KEY, "m4/1", succeeded=True)
     replace_key = "t:newest:{x}:queue"
@@ -300,7 +300,7 @@ def test_take_release_and_hand_off_through_pgbouncer_in_transaction_mode(bounced
         assert conn.execute("SELECT inet_server_port()").fetchone()[0] != conn.info.port
     assert bounced.acquire(KEY, "a", ttl=10_000).acquired
     assert not bounced.acquire(KEY, "b", ttl=10_000).acquired
-    bounced.wait(Copy(KEY, "m", 1, "handoff"), b"m", order=1, ttl=10_000)
+    bounced.join_line(Copy(KEY, "m", 1, "handoff"), b"m", order=1, ttl=10_000)
     assert bounced.extend([(KEY, "a")], 10_000) == [True]
     released = bounced.release(KEY, "a")
     assert released.held and released.promoted == b"m"

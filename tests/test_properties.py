@@ -420,7 +420,7 @@ class BackendModel(RuleBasedStateMachine):
           order=st.integers(0, 3))
     def wait(self, key: str, message_id: str, attempt: int, order: int) -> None:
         copy = self.copy(key, message_id, attempt, "handoff")
-        self.backend.wait(copy, message_id.encode(), order=order, ttl=LONG)
+        self.backend.join_line(copy, message_id.encode(), order=order, ttl=LONG)
         record = self.records[key].get(message_id)
         if record is not None and attempt <= record[0]:
             return  # only the winner of attempt - 1 waits for attempt: this one was sent again, and changes nothing

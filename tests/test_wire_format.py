@@ -221,7 +221,7 @@ def test_the_lua_scripts_read_a_message_id_out_of_an_owner_as_python_does(redis_
     key = wire.lock_key(prefix="wire:é", scope="ns:job", digest=DIGEST, phase=wire.RUN)
     waiter = "mé:ssage"
     backend.acquire(key, wire.join_owner("holder", "t"), ttl=DAY)
-    backend.wait(Copy(key, waiter, 1, "handoff"), b"body", order=1, ttl=DAY)
+    backend.join_line(Copy(key, waiter, 1, "handoff"), b"body", order=1, ttl=DAY)
     assert redis_client.exists(wire.waiters_key(key), wire.bodies_key(key), wire.message_key(key, waiter)) == 3
     assert backend.release(key, wire.join_owner("holder", "t")).promoted == b"body"
     assert not backend.acquire(key, wire.join_owner("other", "t"), ttl=DAY).acquired

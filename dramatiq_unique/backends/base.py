@@ -7,7 +7,7 @@ abstract class deriving from it, which a backend inherits when it can do
 what the capability says; callers check it with ``isinstance``, never by
 a backend's class name or ``hasattr``:
 
-* :class:`Reschedules`: the reschedule protocol (``wait``, ``claim``),
+* :class:`Reschedules`: the reschedule protocol (``join_line``, ``claim``),
   for ``on_conflict="reschedule"``;
 * :class:`NewestWins`: ``replace``, ``current`` and ``unreplace``, for
   ``on_conflict="replace"`` and ``debounce``;
@@ -289,7 +289,7 @@ class Releasing(NamedTuple):
 @dataclass(frozen=True)
 class Waiter:
     """A message waiting for a run lock, to be handed the key when a
-    holder releases it (see :meth:`LockBackend.wait`).
+    holder releases it (see :meth:`Reschedules.join_line`).
 
     Attributes:
       message_id(str): The waiting message.
@@ -466,7 +466,7 @@ class LockBackend(LockReads):
 
         A slot reserved for another message counts as held.  A free
         slot goes to the oldest waiter in line instead, when one was
-        sent before ``copy`` (``order``, see :meth:`Reschedules.wait`; None: after
+        sent before ``copy`` (``order``, see :meth:`Reschedules.join_line`; None: after
         every waiter): it is reserved for it for ``reserve`` ms and its
         message returned in :attr:`Start.promoted`.  A copy whose
         message is still in line when the slot is not its to take
@@ -479,7 +479,7 @@ class LockBackend(LockReads):
         self, key: str, owner: str, *, hand_over: bool = True, succeeded: bool = False, reserve: int = DEFAULT_RESERVE
     ) -> Release:
         """Remove ``owner`` from ``key``, and hand the freed slot to the
-        longest waiter of ``key``, if any (see :meth:`Reschedules.wait`), reserved
+        longest waiter of ``key``, if any (see :meth:`Reschedules.join_line`), reserved
         for that waiter's message until a copy of it takes it or
         ``reserve`` ms have passed.
 
@@ -618,7 +618,7 @@ class Capability(LockBackend):
 
 class Reschedules(Capability):
     """The reschedule protocol, for ``on_conflict="reschedule"``: a
-    message that meets a held run lock waits for it (:meth:`wait`) and
+    message that meets a held run lock waits for it (:meth:`join_line`) and
     is enqueued again twice, delayed and handed over, and the first of
     the two copies to arrive runs (:meth:`claim`, and :meth:`~LockBackend.start`
     with its ``copy``).  See ``docs/reliability.md``, "The hand-off model".
@@ -627,7 +627,7 @@ class Reschedules(Capability):
     capability = "the reschedule protocol"
 
     @abc.abstractmethod
-    def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> int:
+    def join_line(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> int:
         """Register the message of ``copy`` as waiting for ``copy.key``,
         as reschedule ``copy.attempt``, with ``message`` the encoded copy
         to hand the key to.  Waiters are promoted in ``order``, lowest

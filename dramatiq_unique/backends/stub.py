@@ -426,11 +426,11 @@ class StubBackend(Reschedules, NewestWins):
         if record.finished is not None and not record.out:
             record.expires_at = min(record.expires_at, _now_ms() + DUPLICATE_WINDOW)
 
-    def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> int:
+    def join_line(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> int:
         with self._mutex:
             recorded = self._live_record(copy)
             if recorded is not None and recorded.attempt >= copy.attempt:
-                return 0  # sent again after a lost reply: as wait.lua, it changes nothing
+                return 0  # sent again after a lost reply: as join_line.lua, it changes nothing
             expires_at = _now_ms() + ttl
             record = recorded or _Record(copy.attempt, "", expires_at)
             record.attempt, record.winner, record.expires_at = copy.attempt, "", expires_at

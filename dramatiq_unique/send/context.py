@@ -4,7 +4,7 @@ enqueue call.
 The enqueue and process guards, replace and debounce, and the send fast
 path each act for one
 :class:`~dramatiq_unique.middleware.UniqueMiddleware`, but none of them
-holds it.  They use a :class:`LockService`: where the locks live, how a
+holds it.  They use a :class:`LockContext`: where the locks live, how a
 key is made, how an event is told and how a backend failure is
 reported.  The middleware makes the service and the guards; the guards
 import this module and each other downwards only (``guard`` imports
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from .confirm import Pending
 
 
-class LockService:
+class LockContext:
     """The backend of one middleware, and how its guards report.
 
     Parameters:
@@ -174,10 +174,10 @@ class EnqueueLocks:
     """What every path that takes an enqueue lock shares.
 
     Parameters:
-      service(LockService): The middleware's lock service.
+      service(LockContext): The middleware's lock service.
     """
 
-    def __init__(self, service: LockService) -> None:
+    def __init__(self, service: LockContext) -> None:
         self.service = service
         #: The Redis broker's namespace, to record where each message
         #: goes for the reaper; None on other brokers.

@@ -30,7 +30,7 @@ from ..model.spec import ActorSpec
 from ..model.wire import QUEUE, RUN, UNIQUE_DIGEST, UNIQUE_DUPLICATE_OF
 from . import replace
 from .confirm import Confirmer, Pending
-from .context import CURRENT_CALL, EnqueueLocks, GuardedCall, LockService, Refused, is_fresh
+from .context import CURRENT_CALL, EnqueueLocks, GuardedCall, LockContext, Refused, is_fresh
 from .copies import copy_of, send_sequence
 from .fastpath import SendPath
 from .results import store_failure
@@ -43,12 +43,12 @@ class EnqueueGuard:
     """Takes enqueue locks for one middleware and guards its brokers.
 
     Parameters:
-      service(LockService): The middleware's lock service.
+      service(LockContext): The middleware's lock service.
       middleware(Middleware): The middleware itself, as it stands in a
         broker's stack: the send fast path checks what comes after it.
     """
 
-    def __init__(self, service: LockService, *, middleware: Any) -> None:
+    def __init__(self, service: LockContext, *, middleware: Any) -> None:
         self.service = service
         self.locks = EnqueueLocks(service)
         self._confirmer: Optional[Confirmer] = None

@@ -24,10 +24,10 @@ from dramatiq.middleware import MiddlewareError
 from ..backends.base import CurrentStatus, NewestWins, ReplaceStatus
 from ..model.spec import ActorSpec
 from ..model.wire import QUEUE, RUN, UNIQUE_DIGEST, UNIQUE_REPLACED
-from .context import EnqueueLocks, LockService, is_fresh
+from .context import EnqueueLocks, LockContext, is_fresh
 from .copies import copy_of
 
-def debounce_delay(service: LockService, message: Any, delay: Optional[int]) -> Optional[int]:
+def debounce_delay(service: LockContext, message: Any, delay: Optional[int]) -> Optional[int]:
     """The delay to enqueue ``message`` with: for a new send of a
     debounced actor, at least its quiet window, so that the broker puts
     it on the delay queue; ``before_enqueue`` then sets its due time.
@@ -105,7 +105,7 @@ def _reenter(locks: EnqueueLocks, message: Any, spec: ActorSpec, key: str, ttl: 
         locks.lapsed(message, spec, key, other)
 
 
-def restore(service: LockService, message: Any, taken: list[tuple[str, str]]) -> None:
+def restore(service: LockContext, message: Any, taken: list[tuple[str, str]]) -> None:
     """After a failed publish, make the message that this send superseded
     current again, so that it runs; the guard then releases this send's
     own slot.  A backend failure here leaves the superseded message

@@ -21,7 +21,7 @@ from ..clock import JITTER
 from ..errors import CopySkipped, LockConflict, Rescheduled
 from ..model.spec import ActorSpec
 from ..model.wire import UNIQUE_DIGEST, UNIQUE_RESCHEDULES, UNIQUE_VIA, UNIQUE_WAITS
-from ..send.context import LockService
+from ..send.context import LockContext
 from ..model.wire import message_id_of
 from ..send.copies import send_order
 from ..send.results import store_failure, store_nothing
@@ -58,7 +58,7 @@ LINE_STEP = 100
 class Conflict(NamedTuple):
     """A delivery that found its run lock held."""
 
-    service: LockService
+    service: LockContext
     broker: "Broker"
     message: "MessageProxy"
     state: Delivery
@@ -66,12 +66,12 @@ class Conflict(NamedTuple):
     holder: Optional[str]
 
 
-def reschedule_delay(service: LockService, spec: ActorSpec) -> int:
+def reschedule_delay(service: LockContext, spec: ActorSpec) -> int:
     """The delay of a rescheduled copy of ``spec``'s messages, in ms."""
     return spec.reschedule_delay if spec.reschedule_delay is not None else service.settings.reschedule_delay
 
 
-def reserve(service: LockService, spec: ActorSpec) -> int:
+def reserve(service: LockContext, spec: ActorSpec) -> int:
     """How long a slot handed to a waiter of ``spec`` stays reserved for
     it, in milliseconds.
     """
@@ -98,7 +98,7 @@ def reschedule(conflict: Conflict) -> NoReturn:
         waiting = Copy(key, message.message_id, attempt, "handoff")
         order, ttl = send_order(message), service.settings.lock_ttl
         rescheduling = Reschedules.require(service.locks, feature="on_conflict='reschedule'")
-        ahead = rescheduling.wait(waiting, handed.encode(), order=order, ttl=ttl)
+        ahead = rescheduling.join_line(waiting, handed.encode(), order=order, ttl=ttl)
     except Exception as e:
         # It may have been applied: a hand-off copy of the attempt may come.
         stand_in(message, state, attempt)
@@ -209,7 +209,7 @@ ON_CONFLICT: Mapping[str, Callable[[Conflict], NoReturn]] = {
 
 
 def skip_copy(
-    service: LockService,
+    service: LockContext,
     message: "MessageProxy",
     state: Delivery,
     verdict: CopyVerdict,

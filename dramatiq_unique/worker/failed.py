@@ -53,7 +53,7 @@ DEFAULT_DRAIN_TIMEOUT = 5_000
 #: The most releases sent in one round trip.
 BATCH = 256
 
-#: How a run lock's key ends (``LockService.key(..., "run")``).
+#: How a run lock's key ends (``LockContext.key(..., "run")``).
 RUN_SUFFIX = ":run"
 
 

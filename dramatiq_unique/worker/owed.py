@@ -40,7 +40,7 @@ from ..clock import JITTER, now_ms
 if TYPE_CHECKING:
     from dramatiq import Broker
 
-    from ..send.context import LockService
+    from ..send.context import LockContext
 
 #: The internal actor that makes owed releases.
 OWED_ACTOR = "dramatiq_unique_owed_releases"
@@ -95,7 +95,7 @@ class OwedReleases:
     """Writes what a stopping process owes, and makes what another owed.
 
     Parameters:
-      service(LockService): The middleware's lock service, whose
+      service(LockContext): The middleware's lock service, whose
         backend makes the owed releases.
       first_retry(int): Milliseconds before the first retry.
       most_between(int): The longest wait between retries, in ms.
@@ -103,7 +103,7 @@ class OwedReleases:
 
     def __init__(
         self,
-        service: "LockService",
+        service: "LockContext",
         *,
         first_retry: int = DEFAULT_FIRST_RETRY,
         most_between: int = DEFAULT_MOST_BETWEEN,

@@ -38,7 +38,7 @@ from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread
 from ..clock import JITTER
 from ..errors import LockBackendError, UniqueError
 from ..model.wire import QUEUE, EnqueueRecord, Place, actor_scope, join_owner, lock_key_glob, parse_lock_key, reaper_key
-from ..send.context import LockService
+from ..send.context import LockContext
 
 if TYPE_CHECKING:
     from dramatiq import Broker
@@ -428,7 +428,7 @@ class PeriodicReaper:
         return report
 
 
-def start_reaper(service: LockService, broker: "Broker") -> Optional[PeriodicReaper]:
+def start_reaper(service: LockContext, broker: "Broker") -> Optional[PeriodicReaper]:
     """Start the periodic reaper in this worker process, when
     ``reap_interval`` asks for one and the broker is a Redis one.
     """

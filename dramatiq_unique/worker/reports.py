@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from ..clock import now_ms
 from ..events import LockEvent
-from ..send.context import LockService
+from ..send.context import LockContext
 from ..model.wire import message_id_of
 
 if TYPE_CHECKING:
@@ -20,10 +20,10 @@ class LockTroubles:
     """Logs and counts the lock troubles of one middleware.
 
     Parameters:
-      service(LockService): The middleware's lock service.
+      service(LockContext): The middleware's lock service.
     """
 
-    def __init__(self, service: LockService) -> None:
+    def __init__(self, service: LockContext) -> None:
         self.service = service
 
     def lost(self, actor: str, key: str, owner: str) -> None:

@@ -15,7 +15,7 @@ from dramatiq.middleware import SkipMessage
 from ..backends.base import CurrentStatus, NewestWins, Reschedules
 from ..errors import Superseded
 from ..model.wire import UNIQUE_RESCHEDULES
-from ..send.context import LockService
+from ..send.context import LockContext
 from ..send.copies import copy_of
 from ..send.results import store_failure
 from .delivery import Delivery
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 
 def skip_if_superseded(
-    service: LockService, broker: "Broker", message: "MessageProxy", state: Delivery
+    service: LockContext, broker: "Broker", message: "MessageProxy", state: Delivery
 ) -> None:
     """Skip this delivery when a newer send superseded its message; else
     mark the message as started, so that a send from now on leaves it
@@ -65,7 +65,7 @@ def skip_if_superseded(
     raise SkipMessage(f"superseded by message {by}")
 
 
-def _withdraw_waiter(service: LockService, message: "MessageProxy", state: Delivery) -> None:
+def _withdraw_waiter(service: LockContext, message: "MessageProxy", state: Delivery) -> None:
     """A copy of a rescheduled, superseded message claims its attempt,
     which takes its waiter off the run lock, so that the key is never
     handed to it.

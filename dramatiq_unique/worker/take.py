@@ -20,7 +20,7 @@ from ..compat import age_limit_module
 from ..forks import pid
 from ..model.spec import ActorSpec
 from ..model.wire import UNIQUE_DIGEST, join_owner
-from ..send.context import LockService
+from ..send.context import LockContext
 from ..send.copies import copy_of, send_order
 from .conflict import Conflict, on_conflict, reserve, skip_copy, wait_longer
 from .coroutines import watch
@@ -37,7 +37,7 @@ class RunLockTaker:
     """Takes the run lock of each delivery of one middleware.
 
     Parameters:
-      service(LockService): The middleware's lock service.
+      service(LockContext): The middleware's lock service.
       unlocker(Unlocker): Releases the enqueue lock a take frees, and
         owns the worker's threads (the releaser, whose pending releases
         ride in front of a take, and the lease keeper).
@@ -45,7 +45,7 @@ class RunLockTaker:
         coroutines are tracked.
     """
 
-    def __init__(self, service: LockService, unlocker: Unlocker, *, async_actors: set[str]) -> None:
+    def __init__(self, service: LockContext, unlocker: Unlocker, *, async_actors: set[str]) -> None:
         self.service = service
         self.unlocker = unlocker
         self.async_actors = async_actors

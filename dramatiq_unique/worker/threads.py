@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 from ..backends.base import BatchedReleases
 from ..clock import now_ms
-from ..send.context import LockService
+from ..send.context import LockContext
 from .failed import RUN_SUFFIX, FailedReleases, LandedReports
 from .handoff import HandoffPolls
 from .leases import LeaseKeeper
@@ -38,13 +38,13 @@ class WorkerThreads:
     """The background tasks of one middleware in a worker process.
 
     Parameters:
-      service(LockService): The middleware's lock service.
+      service(LockContext): The middleware's lock service.
       reports(Reports): Where releases report their outcomes.
       troubles(LockTroubles): Where lost leases and stalled releases
         are told.
     """
 
-    def __init__(self, service: LockService, *, reports: Reports, troubles: LockTroubles) -> None:
+    def __init__(self, service: LockContext, *, reports: Reports, troubles: LockTroubles) -> None:
         self.service = service
         self.reports = reports
         self.troubles = troubles

@@ -18,7 +18,7 @@ from dramatiq import Message
 from ..backends.base import Release
 from ..clock import now_ms
 from ..model.wire import UNIQUE_RESCHEDULES
-from ..send.context import LockService
+from ..send.context import LockContext
 from .conflict import reserve
 from .delivery import Delivery, HandOff, LockToRelease, set_fence
 from .failed import FailedRelease
@@ -36,11 +36,11 @@ class Unlocker:
     the worker's background threads, which report releases back to it.
 
     Parameters:
-      service(LockService): The middleware's lock service.
+      service(LockContext): The middleware's lock service.
       troubles(LockTroubles): Where lost locks are told.
     """
 
-    def __init__(self, service: LockService, *, troubles: LockTroubles) -> None:
+    def __init__(self, service: LockContext, *, troubles: LockTroubles) -> None:
         self.service = service
         self.troubles = troubles
         self.threads = WorkerThreads(service, reports=self, troubles=troubles)

@@ -28,9 +28,9 @@ STALL_S = 0.3
 class StallingBackend(StubBackend):
     """A stub backend whose ``wait`` stalls its caller."""
 
-    def wait(self, copy, message, *, order, ttl):  # type: ignore[no-untyped-def]
+    def join_line(self, copy, message, *, order, ttl):  # type: ignore[no-untyped-def]
         time.sleep(STALL_S)
-        super().wait(copy, message, order=order, ttl=ttl)
+        super().join_line(copy, message, order=order, ttl=ttl)
 
 
 def run_holder_and_waiter(broker, holder_seconds, **options):  # type: ignore[no-untyped-def]

@@ -474,8 +474,8 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
 
     # The reschedule protocol -------------------------------------------
 
-    def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> int:
-        return self._locked([copy.key], lambda stub: stub.wait(copy, message, order=order, ttl=ttl))
+    def join_line(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> int:
+        return self._locked([copy.key], lambda stub: stub.join_line(copy, message, order=order, ttl=ttl))
 
     def claim(self, copy: Copy) -> bool:
         return self._locked([copy.key], lambda stub: stub.claim(copy))

@@ -87,7 +87,7 @@ def _source(name: str, *, given: Optional[Mapping[str, str]] = None) -> str:
 _SCRIPTS = {
     name: _source(name)
     for name in (
-        *("acquire", "start", "release", "extend", "wait", "claim"),
+        *("acquire", "start", "release", "extend", "join_line", "claim"),
         *("replace", "current", "unreplace"),  # on_conflict="replace" and debounce
         *("confirm", "reap"),  # provisional enqueue locks and the reaper
     )
@@ -629,8 +629,8 @@ class RedisBackend(Reschedules, NewestWins, SendsWithPublish, BatchedReleases, R
             return super().release_many(locks)
         return _releases(self.calls.batch(_release_calls(locks)))
 
-    def wait(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> int:
-        return int(self._call("wait", _records(copy), [copy.message_id, message, order, copy.attempt, ttl]) or 0)
+    def join_line(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> int:
+        return int(self._call("join_line", _records(copy), [copy.message_id, message, order, copy.attempt, ttl]) or 0)
 
     def claim(self, copy: Copy) -> bool:
         return bool(self._call("claim", [*_records(copy), copy.key], _copy_args(copy)))

@@ -5,7 +5,7 @@
 --
 -- KEYS[1]  the lock hash (see _take.lua)
 -- KEYS[2..4], optional: the message record, waiters and bodies of the
---          run lock whose waiter this message may be (see wait.lua)
+--          run lock whose waiter this message may be (see join_line.lua)
 -- ARGV[1]  owner      ARGV[2] ttl ms      ARGV[3] limit
 -- ARGV[4]  lock type  ARGV[5] lock args JSON, or "" to record none
 -- ARGV[6]  provisional ms, or 0 (see _take.lua)

@@ -6,7 +6,7 @@
 -- KEYS[1]  the lock hash (see _take.lua and replace.lua)
 -- KEYS[2]  superseded: hash message id -> id of the message that replaced it
 -- KEYS[3..5], optional (reenter): the message record, waiters and bodies
---          of the run lock whose waiter this copy may be (see wait.lua)
+--          of the run lock whose waiter this copy may be (see join_line.lua)
 -- ARGV[1]  owner (message id)
 -- ARGV[2]  "start": a copy is delivered.  A superseded one gives up the
 --          slot it may still have (a started holder's retry); the

@@ -4,7 +4,7 @@
 -- and hand the freed slot to the longest waiter, reserved for it.
 --
 -- KEYS[1]  the lock hash (see _take.lua)
--- KEYS[2]  waiters: zset message id -> order (see wait.lua)
+-- KEYS[2]  waiters: zset message id -> order (see join_line.lua)
 -- KEYS[3]  bodies: hash message id -> encoded message
 -- KEYS[4]  optional: the message record of the owner's message
 -- ARGV[1]  owner      ARGV[2] "1" to hand the slot to a waiter, "0" not to
