@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 from ..clock import now_ms
 from ..events import LockEvent
-from ..send.context import LockContext
 from ..model.wire import message_id_of
+from ..send.context import LockContext
 
 if TYPE_CHECKING:
     from .leases import Lease
