@@ -447,3 +447,23 @@ if getattr(backend, "batches_releases", False) and hasattr(backend, "native_exte
         f"{PACKAGE}.middleware:9 probes 'batches_releases' with getattr",
         f"{PACKAGE}.middleware:9 probes 'native_extender' with hasattr",
     ]
+
+
+# The middleware keeps Dramatiq's hooks and its set-up ----------------------------
+
+#: What UniqueMiddleware offers besides Dramatiq's hooks: its set-up and
+#: the attributes the docs name (docs/api.md).
+MIDDLEWARE_SET_UP = {
+    "__init__", "actor_options", "attach", "backend", "enabled", "record_lock_args", "flush_confirmations", "key",
+}
+
+
+def test_the_middleware_keeps_only_dramatiqs_hooks_and_its_set_up() -> None:
+    import dramatiq
+
+    from dramatiq_unique import UniqueMiddleware
+
+    hooks = {name for name in vars(dramatiq.Middleware) if not name.startswith("_")}
+    own = {name for name in vars(UniqueMiddleware) if not name.startswith("_") or name == "__init__"}
+    assert own - hooks - MIDDLEWARE_SET_UP == set(), "a method that belongs to the object that owns its work"
+    assert not (set(vars(UniqueMiddleware)) & {"emit", "backend_error", "leases", "releaser", "release_retries"})
