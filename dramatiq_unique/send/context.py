@@ -1,4 +1,4 @@
-"""What the guards work with: the lock service, and the guarded
+"""What the guards work with: the lock context, and the guarded
 enqueue call.
 
 The enqueue and process guards, replace and debounce, and the send fast
@@ -174,7 +174,7 @@ class EnqueueLocks:
     """What every path that takes an enqueue lock shares.
 
     Parameters:
-      service(LockContext): The middleware's lock service.
+      service(LockContext): The middleware's lock context.
     """
 
     def __init__(self, service: LockContext) -> None:

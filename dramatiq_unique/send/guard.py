@@ -43,7 +43,7 @@ class EnqueueGuard:
     """Takes enqueue locks for one middleware and guards its brokers.
 
     Parameters:
-      service(LockContext): The middleware's lock service.
+      service(LockContext): The middleware's lock context.
       middleware(Middleware): The middleware itself, as it stands in a
         broker's stack: the send fast path checks what comes after it.
     """

@@ -95,7 +95,7 @@ class OwedReleases:
     """Writes what a stopping process owes, and makes what another owed.
 
     Parameters:
-      service(LockContext): The middleware's lock service, whose
+      service(LockContext): The middleware's lock context, whose
         backend makes the owed releases.
       first_retry(int): Milliseconds before the first retry.
       most_between(int): The longest wait between retries, in ms.

@@ -20,7 +20,7 @@ class LockTroubles:
     """Logs and counts the lock troubles of one middleware.
 
     Parameters:
-      service(LockContext): The middleware's lock service.
+      service(LockContext): The middleware's lock context.
     """
 
     def __init__(self, service: LockContext) -> None:

@@ -37,7 +37,7 @@ class RunLockTaker:
     """Takes the run lock of each delivery of one middleware.
 
     Parameters:
-      service(LockContext): The middleware's lock service.
+      service(LockContext): The middleware's lock context.
       unlocker(Unlocker): Releases the enqueue lock a take frees, and
         owns the worker's threads (the releaser, whose pending releases
         ride in front of a take, and the lease keeper).

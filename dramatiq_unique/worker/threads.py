@@ -38,7 +38,7 @@ class WorkerThreads:
     """The background tasks of one middleware in a worker process.
 
     Parameters:
-      service(LockContext): The middleware's lock service.
+      service(LockContext): The middleware's lock context.
       reports(Reports): Where releases report their outcomes.
       troubles(LockTroubles): Where lost leases and stalled releases
         are told.
@@ -58,12 +58,16 @@ class WorkerThreads:
     def leases(self) -> LeaseKeeper:
         """Renews the run leases of this process."""
         if self._leases is None:
-            self._leases = LeaseKeeper(
-                self.service.locks,
-                lease=self.service.settings.lease,
-                on_lost=self.troubles.lease_lost,
-                on_error=self.troubles.renewal_failed,
-            )
+            # Worker threads ask at once on their first jobs: one keeper, or
+            # a lease held by a second one would be renewed after its release.
+            with _MAKING:
+                if self._leases is None:
+                    self._leases = LeaseKeeper(
+                        self.service.locks,
+                        lease=self.service.settings.lease,
+                        on_lost=self.troubles.lease_lost,
+                        on_error=self.troubles.renewal_failed,
+                    )
         return self._leases
 
     @property

@@ -36,7 +36,7 @@ class Unlocker:
     the worker's background threads, which report releases back to it.
 
     Parameters:
-      service(LockContext): The middleware's lock service.
+      service(LockContext): The middleware's lock context.
       troubles(LockTroubles): Where lost locks are told.
     """
 
