@@ -7,6 +7,7 @@ upper-case spelling is read too.  Constructor arguments win over them.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Mapping, Optional, TypeVar
 from urllib.parse import urlsplit
@@ -88,7 +89,10 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Settings:
-    """The middleware's resolved configuration."""
+    """The middleware's resolved configuration.  Its repr shows
+    :attr:`url` without the password (:func:`masked`), so that a log
+    line or a traceback that prints the settings leaks no secret.
+    """
 
     url: Optional[str] = None
     prefix: str = DEFAULT_PREFIX
@@ -103,6 +107,11 @@ class Settings:
     min_replicas: int = DEFAULT_MIN_REPLICAS
     min_replicas_timeout: int = DEFAULT_MIN_REPLICAS_TIMEOUT
     shutdown_timeout: int = DEFAULT_SHUTDOWN_TIMEOUT
+
+    def __repr__(self) -> str:
+        shown = {field.name: getattr(self, field.name) for field in fields(self)}
+        shown["url"] = masked(self.url)
+        return f"Settings({', '.join(f'{name}={value!r}' for name, value in shown.items())})"
 
     @property
     def redis_url(self) -> Optional[str]:
@@ -194,7 +203,7 @@ def check_backend_url(what: str, value: Any) -> str:
     url = _text(what, value)
     if not url.startswith(BACKEND_URL_SCHEMES):
         raise ConfigurationError(
-            f"{what}{_shown(url)} is invalid: expected a URL starting with {', '.join(BACKEND_URL_SCHEMES)}."
+            f"{what}{masked(url)!r} is invalid: expected a URL starting with {', '.join(BACKEND_URL_SCHEMES)}."
         )
     postgres = url.startswith(POSTGRES_URL_SCHEMES)
     try:
@@ -202,20 +211,25 @@ def check_backend_url(what: str, value: Any) -> str:
     except ValueError as e:
         like = "postgresql://user@host:5432/dbname" if postgres else "redis://host:6379/0"
         raise ConfigurationError(
-            f"{what}{_shown(url)} is invalid: {str(e).rstrip('.')}; expected a URL like {like}."
+            f"{what}{masked(url)!r} is invalid: {str(e).rstrip('.')}; expected a URL like {like}."
         ) from None
     return url
 
 
-def _shown(url: str) -> str:
-    """``url`` quoted for an error, without its password."""
+def masked(url: Optional[str]) -> Optional[str]:
+    """``url`` with its password, in the user part or in libpq's
+    ``password=`` parameter, shown as ``***``: for errors, reprs and
+    the operators' output.
+    """
+    if url is None:
+        return None
     try:
         password = urlsplit(url).password
     except ValueError:  # a netloc that does not parse, e.g. "[::1"
         password = None
     if password:
         url = url.replace(f":{password}@", ":***@", 1)
-    return repr(url)
+    return re.sub(r"([?&]password=)[^&#]*", r"\1***", url)
 
 
 def _parse_redis_url(url: str) -> None:

@@ -59,7 +59,7 @@ def _admin(args: argparse.Namespace) -> "LockAdmin":
     backend answers.
     """
     from ..backends import from_url
-    from ..settings import from_environment
+    from ..settings import from_environment, masked
     from .admin import LockAdmin
 
     settings = from_environment()
@@ -71,7 +71,7 @@ def _admin(args: argparse.Namespace) -> "LockAdmin":
     except UniqueError:
         raise  # a bad URL or a missing extra: its own words
     except Exception as e:
-        raise CommandError(f"cannot connect to {url}: {' '.join(str(e).split())}") from None
+        raise CommandError(f"cannot connect to {masked(url)}: {' '.join(str(e).split())}") from None
     admin = LockAdmin(backend, prefix=args.prefix or settings.prefix)
     admin.check()
     return admin
@@ -250,13 +250,15 @@ def _reap(args: argparse.Namespace) -> int:
     url = args.broker_redis or _redis_url(_locks_url(args))
     if url is None:
         raise CommandError("no broker Redis to look messages up in: give --broker-redis URL.")
+    from ..settings import masked
+
     try:
         import redis
 
         client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=30)
         client.ping()
     except Exception as e:
-        raise CommandError(f"cannot reach the broker's Redis at {url}: {' '.join(str(e).split())}") from None
+        raise CommandError(f"cannot reach the broker's Redis at {masked(url)}: {' '.join(str(e).split())}") from None
     report = admin.reap(client, release=args.yes, actor=args.actor, min_age=args.min_age, batch=args.batch)
     if args.json:
         _print_json(
