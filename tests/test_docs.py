@@ -18,6 +18,8 @@ runs them at the end, and every test in them must pass.
 
 from __future__ import annotations
 
+import ast
+import importlib
 import importlib.util
 import inspect
 import json
@@ -348,6 +350,125 @@ def test_the_options_every_command_takes_are_theirs() -> None:
 
 
 # What a first-day user reads -----------------------------------------------------
+
+
+#: What a page may import without an extra: the reader's own test
+#: runner, on the testing page.
+ASSUMED = {"pytest"}
+
+#: The install that a page without one of its own relies on: the
+#: first one the index shows.
+DEFAULT_EXTRAS = {"redis"}
+
+
+def extras_told(text: str) -> set[str]:
+    """The extras of dramatiq-unique that a page tells its reader to
+    install: in its ``pip install`` commands (the index's, when it has
+    none) and its "the `X` extra".
+    """
+    installs = re.findall(r"pip install [^\n]*?\[([\w,\s]+)\]", text)
+    told = {extra.strip() for found in installs for extra in found.split(",")} or DEFAULT_EXTRAS
+    return told | set(re.findall(r"`(\w+)`\s+extra\b", text))
+
+
+def installed_by(extras: set[str]) -> set[str]:
+    """The distributions ``pip install 'dramatiq-unique[EXTRAS]'``
+    installs, requirements of requirements included.
+    """
+    from importlib.metadata import PackageNotFoundError, requires
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    found: set[str] = set()
+    todo = [("dramatiq-unique", set(extras))]
+    while todo:
+        name, wanted = todo.pop()
+        found.add(canonicalize_name(name))
+        try:
+            lines = requires(name) or []
+        except PackageNotFoundError:
+            continue
+        for line in lines:
+            req = Requirement(line)
+            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in wanted | {""}):
+                if canonicalize_name(req.name) not in found:
+                    todo.append((req.name, set(req.extras)))
+    return found
+
+
+def _module_imports(tree: ast.Module, module: str, is_package: bool) -> set[str]:
+    """The modules a module always imports when it is imported: at its
+    top level, outside ``if`` (``TYPE_CHECKING``, or only under gevent)
+    and ``try`` (an optional import).  ``from X import name`` counts
+    ``X.name`` too, which may be a module.
+    """
+    found: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = module if is_package else module.rpartition(".")[0]
+            for _ in range(node.level - 1):
+                base = base.rpartition(".")[0]
+            source = ".".join(filter(None, [base if node.level else "", node.module or ""]))
+            found |= {source} | {f"{source}.{alias.name}" for alias in node.names}
+    return found
+
+
+def third_party_imports(code: str) -> set[str]:
+    """The top-level names of the third-party modules that running
+    ``code`` imports, following the imports of dramatiq and
+    dramatiq-unique modules (which need no extra themselves).
+    """
+    ours = ("dramatiq", "dramatiq_unique")
+    found: set[str] = set()
+    seen: set[str] = set()
+    todo = sorted(_module_imports(ast.parse(code), "__main__", False))
+    while todo:
+        module = todo.pop()
+        top = module.partition(".")[0]
+        if module in seen or top in sys.stdlib_module_names or top == "__future__":
+            continue
+        seen.add(module)
+        if top not in ours:
+            found.add(top)
+            continue
+        try:
+            spec = importlib.util.find_spec(module)
+        except ModuleNotFoundError:  # a name in a module that is no package
+            spec = None
+        if spec is not None and spec.origin and spec.origin.endswith(".py"):
+            tree = ast.parse(Path(spec.origin).read_text())
+            todo += _module_imports(tree, module, spec.submodule_search_locations is not None)
+        elif spec is None and "." in module:  # a name in a module: where it is defined
+            parent, _, name = module.rpartition(".")
+            defined = getattr(importlib.import_module(parent), name, None)
+            todo += [getattr(defined, "__module__", None) or parent]
+    return found
+
+
+def test_every_example_imports_only_what_its_page_says_to_install() -> None:
+    # A reader installs what the page says (the postgres page's
+    # example once needed pika, which the postgres extra does not bring).
+    from importlib.metadata import packages_distributions
+
+    from packaging.utils import canonicalize_name
+
+    distributions = packages_distributions()
+    missing = []
+    for page in pages():
+        text = page.read_text()
+        written = set(re.findall(r"^# file: (\w+)\.py", text, re.M))
+        installed = installed_by(extras_told(text))
+        for block in blocks(page):
+            if block.kind != "python":
+                continue
+            for module in sorted(third_party_imports(block.code) - written - ASSUMED):
+                if not {canonicalize_name(d) for d in distributions.get(module, [])} & installed:
+                    missing.append(f"{block.page}:{block.line} imports {module}, not in {sorted(extras_told(text))}")
+    assert not missing, "\n".join(missing)
+
 
 
 def test_installs_are_from_the_checkout_until_the_package_is_published() -> None:
