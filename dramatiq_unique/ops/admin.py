@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 from ..backends.base import EnqueueRecord, LockBackend, LockInfo, Waiter
 from ..errors import UniqueError
@@ -36,12 +36,9 @@ from ..model.wire import (
     parse_lock_key,
 )
 from ..settings import DEFAULT_PREFIX
-from ..worker.reap import call_backend
+from ..worker.reap import DEFAULT_BATCH, DEFAULT_MIN_AGE, Reaper, ReapReport, RedisQueues, call_backend
 
 T = TypeVar("T")
-
-if TYPE_CHECKING:
-    from .reap import ReapReport
 
 
 class UnknownLock(UniqueError, LookupError):
@@ -193,7 +190,7 @@ class LockAdmin:
 
     def check(self) -> None:
         """Make one backend call, to fail early when it is unreachable."""
-        self._call("answer", self.backend.check, check_key(self.prefix))
+        self.call("answer", self.backend.check, check_key(self.prefix))
 
     def locks(
         self, *, actor: Optional[str] = None, pattern: Optional[str] = None, phase: Optional[str] = None
@@ -256,17 +253,10 @@ class LockAdmin:
             raise UnknownLock(f"Digest {digest_of(digest)} has no {phase} lock under prefix {self.prefix!r}.")
         if holder is None:
             return [lock.key for lock in locks if self._delete(lock.key)]
-        return self._release_holder(locks, holder)
-
-    def _release_holder(self, locks: list[Lock], holder: str) -> list[str]:
         slots = [(lock.key, h.owner) for lock in locks for h in lock.holders if holder in (h.owner, h.message_id)]
         if not slots:
             raise UnknownLock(f"Digest {locks[0].digest} has no holder {holder!r}.")
-        held = [
-            self._call(f"release {key!r}", functools.partial(self.backend.release, hand_over=False), key, owner).held
-            for key, owner in slots
-        ]
-        return [f"{key} {owner}" for (key, owner), was_held in zip(slots, held) if was_held]
+        return self._release_slots(slots)
 
     def release_actor(self, actor: str) -> list[str]:
         """Delete every lock of one actor.
@@ -286,14 +276,26 @@ class LockAdmin:
         Returns:
           list[str]: ``"key owner"`` for each released slot.
         """
-        slots = [
+        return self._release_slots(self.queue_holders(queue))
+
+    def queue_holders(self, queue: str) -> list[tuple[str, str]]:
+        """The ``(key, owner)`` of every enqueue-lock holder whose
+        message was last published to ``queue``, as recorded.
+        """
+        return [
             (lock.key, h.owner)
             for lock in self.locks(phase=QUEUE)
             for h in lock.holders
             if h.record is not None and h.record.queue == queue
         ]
+
+    def _release_slots(self, slots: list[tuple[str, str]]) -> list[str]:
+        """Release each ``(key, owner)`` slot, owner-checked; return
+        ``"key owner"`` for each that was still held.
+        """
         release = functools.partial(self.backend.release, hand_over=False)
-        return [f"{key} {owner}" for key, owner in slots if self._call(f"release {key!r}", release, key, owner).held]
+        held = [self.call(f"release {key!r}", release, key, owner).held for key, owner in slots]
+        return [f"{key} {owner}" for (key, owner), was_held in zip(slots, held) if was_held]
 
     def reap(
         self,
@@ -303,10 +305,10 @@ class LockAdmin:
         actor: Optional[str] = None,
         min_age: Optional[int] = None,
         batch: Optional[int] = None,
-    ) -> "ReapReport":
+    ) -> ReapReport:
         """Find the enqueue locks whose message is in no queue, delay
         queue, dead-letter queue or worker of the Redis broker, and
-        release them when ``release`` (see :mod:`dramatiq_unique.ops.reap`).
+        release them when ``release`` (see :mod:`dramatiq_unique.worker.reap`).
 
         Parameters:
           broker_client(redis.Redis): A client of the broker's Redis.
@@ -315,8 +317,6 @@ class LockAdmin:
           min_age(int): Leave locks younger than this alone, in ms.
           batch(int): Locks looked up per broker transaction.
         """
-        from .reap import DEFAULT_BATCH, DEFAULT_MIN_AGE, Reaper, RedisQueues
-
         reaper = Reaper(
             self,
             RedisQueues(broker_client),
@@ -327,38 +327,32 @@ class LockAdmin:
 
     def call(self, doing: str, call: Callable[..., T], *args: Any) -> T:
         """Run one backend call, turning its failures into
-        :class:`LockBackendError`.
+        :class:`LockBackendError` with a one-line message.
         """
-        return self._call(doing, call, *args)
+        return call_backend(self.backend, doing, call, *args)
 
     def _lock(self, key: str) -> Optional[Lock]:
         parts = parse_lock_key(key, prefix=self.prefix)
         if parts is None:
             return None
-        info = self._call(f"inspect {key!r}", self.backend.inspect, key)
+        info = self.call(f"inspect {key!r}", self.backend.inspect, key)
         if info is None:
             return None
         waiting = []
         if parts.phase == RUN:
-            waiting = self._call(f"list the waiters of {key!r}", self.backend.waiters, key)
+            waiting = self.call(f"list the waiters of {key!r}", self.backend.waiters, key)
         return _from_info(info, parts, tuple(waiting))
 
     def _delete(self, key: str) -> bool:
-        return self._call(f"delete {key!r}", self.backend.delete, key)
+        return self.call(f"delete {key!r}", self.backend.delete, key)
 
     def _scan(self, glob: str) -> Iterator[str]:
-        keys = self._call(f"scan {glob!r}", self.backend.scan, glob)
+        keys = self.call(f"scan {glob!r}", self.backend.scan, glob)
         while True:
-            key = self._call(f"scan {glob!r}", next, keys, None)
+            key = self.call(f"scan {glob!r}", next, keys, None)
             if key is None:
                 return
             yield key
-
-    def _call(self, doing: str, call: Callable[..., T], *args: Any) -> T:
-        """Run one backend call, turning its failures into
-        :class:`LockBackendError` with a one-line message.
-        """
-        return call_backend(self.backend, doing, call, *args)
 
 
 def _from_info(info: LockInfo, parts: LockKey, waiting: tuple[Waiter, ...] = ()) -> Lock:

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import os
 import sys
 import time
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from ..dashboard.view import duration
+from ..dashboard.view import duration, remaining
 from ..errors import UniqueError
 from ..model.wire import PHASES, QUEUE, RUN
 
@@ -77,18 +76,16 @@ def _admin(args: argparse.Namespace) -> "LockAdmin":
     return admin
 
 
+# Durations in the dashboard's wording, so that the CLI and the page read alike.
+
+
 def _remaining(deadline: int) -> str:
-    seconds = (deadline - time.time() * 1000) / 1000
-    return _duration(seconds) if seconds > 0 else "expired"
+    return remaining(deadline - time.time() * 1000)
 
 
-def _ago(since: int) -> str:
-    return _duration(max(0.0, (time.time() * 1000 - since) / 1000))
-
-
-def _duration(seconds: float) -> str:
-    # The dashboard's wording, so that the CLI and the page read alike.
-    return duration(seconds * 1000)
+def _ago(since: Optional[int]) -> str:
+    """How long ago ``since`` (Unix ms) was; "?" when not recorded."""
+    return "?" if since is None else duration(time.time() * 1000 - since)
 
 
 def _timestamp(deadline: int) -> str:
@@ -105,11 +102,6 @@ def _print_table(rows: list[list[str]], headers: list[str]) -> None:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
 
 
-def _age(taken_at: Optional[int]) -> str:
-    """How long ago ``taken_at`` (Unix ms) was; "?" when not recorded."""
-    return "?" if taken_at is None else _ago(taken_at)
-
-
 def _state(lock: "Lock") -> str:
     """"provisional" while any holder awaits the confirmation of its
     publish, "confirmed" otherwise; "-" for a run lock.
@@ -122,7 +114,7 @@ def _state(lock: "Lock") -> str:
 def _row(lock: "Lock") -> list[str]:
     soonest = _remaining(lock.holders[0].deadline)
     oldest = min((h.taken_at for h in lock.holders if h.taken_at is not None), default=None)
-    age = _age(oldest)
+    age = _ago(oldest)
     waiting = str(len(lock.waiting)) if lock.phase == RUN else "-"
     row = [lock.actor, lock.digest, lock.phase, lock.lock or "?", str(len(lock.holders)), age, soonest, _state(lock)]
     return [*row, waiting]
@@ -157,7 +149,7 @@ def _print_lock(lock: "Lock") -> None:
     for holder in lock.holders:
         print(f"  message {holder.message_id}  owner {holder.owner}")
         if holder.taken_at is not None:
-            print(f"    taken   {_timestamp(holder.taken_at)} ({_age(holder.taken_at)} ago)")
+            print(f"    taken   {_timestamp(holder.taken_at)} ({_ago(holder.taken_at)} ago)")
         state = "  provisional: lapses then unless its publish is confirmed" if holder.provisional else ""
         print(f"    expires {_timestamp(holder.deadline)} (in {_remaining(holder.deadline)}){state}")
     if lock.phase == RUN:
@@ -193,10 +185,8 @@ def _release(args: argparse.Namespace) -> int:
     if args.digest is None and (args.holder or args.phase):
         raise CommandError("--holder and --phase apply to a DIGEST, not to --actor or --queue.", status=2)
     admin = _admin(args)
-    if args.actor is not None:
-        return _release_actor(admin, args)
-    if args.queue is not None:
-        return _release_queue(admin, args)
+    if args.digest is None:
+        return _release_many(admin, args)
     released = admin.release(args.digest, holder=args.holder, phase=args.phase)
     if not released:
         raise CommandError("nothing was released: the holder's slot had expired or been taken meanwhile.")
@@ -209,37 +199,23 @@ def _release(args: argparse.Namespace) -> int:
     return 0
 
 
-def _release_actor(admin: "LockAdmin", args: argparse.Namespace) -> int:
-    count = sum(1 for _ in admin.locks(actor=args.actor))
-    question = f"Release {count} lock{'s' if count != 1 else ''} of actor {args.actor!r}?"
-    if count and not args.yes and not _confirm(question):
+def _release_many(admin: "LockAdmin", args: argparse.Namespace) -> int:
+    """``release --actor NAME`` or ``release --queue NAME``: ask first,
+    unless ``--yes``.
+    """
+    if args.actor is not None:
+        count, noun, whose = sum(1 for _ in admin.locks(actor=args.actor)), "lock", f"of actor {args.actor!r}"
+    else:
+        count, noun, whose = len(admin.queue_holders(args.queue)), "enqueue lock holder", f"of queue {args.queue!r}"
+    if count and not args.yes and not _confirm(f"Release {count} {noun}{'s' if count != 1 else ''} {whose}?"):
         raise CommandError("aborted: nothing was released.")
-    released = admin.release_actor(args.actor) if count else []
+    released = []
+    if count:
+        released = admin.release_actor(args.actor) if args.actor is not None else admin.release_queue(args.queue)
     if args.json:
         _print_json({"released": released})
     else:
-        print(f"Released {len(released)} lock{'s' if len(released) != 1 else ''} of actor {args.actor!r}.")
-    return 0
-
-
-def _release_queue(admin: "LockAdmin", args: argparse.Namespace) -> int:
-    from .reap import queue_of
-
-    count = sum(
-        1
-        for lock in admin.locks(phase=QUEUE)
-        for h in lock.holders
-        if h.record is not None and queue_of(h.record) == args.queue
-    )
-    question = f"Release {count} enqueue lock holder{'s' if count != 1 else ''} of queue {args.queue!r}?"
-    if count and not args.yes and not _confirm(question):
-        raise CommandError("aborted: nothing was released.")
-    released = admin.release_queue(args.queue) if count else []
-    if args.json:
-        _print_json({"released": released})
-    else:
-        plural = "s" if len(released) != 1 else ""
-        print(f"Released {len(released)} enqueue lock holder{plural} of queue {args.queue!r}.")
+        print(f"Released {len(released)} {noun}{'s' if len(released) != 1 else ''} {whose}.")
     return 0
 
 
@@ -283,7 +259,7 @@ def _reap(args: argparse.Namespace) -> int:
         )
         return 0
     rows = [
-        [s.actor, s.message_id, s.queue, _duration(s.age / 1000), s.lock_args or "(not recorded)"]
+        [s.actor, s.message_id, s.queue, duration(s.age), s.lock_args or "(not recorded)"]
         for s in report.suspects
     ]
     if rows:
@@ -427,44 +403,26 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
-class _Main(Protocol):
-    def __call__(self, argv: Optional[Sequence[str]] = None) -> int: ...
-
-
-def _quiet_on_closed_pipe(main: _Main) -> _Main:
-    """End the command quietly, with :data:`CLOSED_PIPE_STATUS`, when
-    whatever reads its output stops reading (``inspect D --json | head``),
-    instead of with a ``BrokenPipeError`` traceback.
-    """
-
-    @functools.wraps(main)
-    def quietly(argv: Optional[Sequence[str]] = None) -> int:
-        try:
-            try:
-                return main(argv)
-            finally:
-                sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
-        except BrokenPipeError:
-            # What is left in the buffer goes nowhere when the interpreter flushes it at exit.
-            with contextlib.suppress(OSError, ValueError):  # not a file (a StringIO): nothing to do
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return CLOSED_PIPE_STATUS
-
-    return quietly
-
-
-@_quiet_on_closed_pipe
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parser().parse_args(argv)
+    """Run the command.  It ends quietly, with :data:`CLOSED_PIPE_STATUS`,
+    when whatever reads its output stops reading (``inspect D --json |
+    head``), instead of with a ``BrokenPipeError`` traceback.
+    """
     try:
-        return int(args.run(args))
-    except CommandError as e:
-        print(f"dramatiq-unique: {e}", file=sys.stderr)
-        return e.status
-    except UniqueError as e:
-        # Backend failures, unknown digests and bad settings: one line, no traceback.
-        print(f"dramatiq-unique: {e}", file=sys.stderr)
-        return 1
+        try:
+            args = parser().parse_args(argv)
+            return int(args.run(args))
+        except (CommandError, UniqueError) as e:
+            # Backend failures, unknown digests and bad settings: one line, no traceback.
+            print(f"dramatiq-unique: {e}", file=sys.stderr)
+            return e.status if isinstance(e, CommandError) else 1
+        finally:
+            sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
+    except BrokenPipeError:
+        # What is left in the buffer goes nowhere when the interpreter flushes it at exit.
+        with contextlib.suppress(OSError, ValueError):  # not a file (a StringIO): nothing to do
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return CLOSED_PIPE_STATUS
 
 
 if __name__ == "__main__":  # pragma: no cover
