@@ -41,53 +41,34 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-#: Where each public name lives.  They are imported on first use, so
-#: that importing a light module (``dramatiq_unique.testing``, loaded by
-#: pytest as a plugin; ``settings``; the CLI) imports neither Dramatiq
-#: nor redis.
-_EXPORTS = {
-    "Acquisition": ".backends.base",
-    "EnqueueRecord": ".backends.base",
-    "LockBackend": ".backends.base",
-    "LockInfo": ".backends.base",
-    "Release": ".backends.base",
-    "Replacement": ".backends.base",
-    "StubBackend": ".backends",
-    "fence_token": ".worker.delivery",
-    "ConfigurationError": ".errors",
-    "DuplicateMessage": ".errors",
-    "LockBackendError": ".errors",
-    "LockConflict": ".errors",
-    "Rescheduled": ".errors",
-    "Superseded": ".errors",
-    "UniqueError": ".errors",
-    "EVENTS": ".events",
-    "LockEvent": ".events",
-    "LOCK_TYPES": ".model.locks",
-    "STRATEGIES": ".model.locks",
-    "LockType": ".model.locks",
-    "UniqueMiddleware": ".middleware",
-    "digest_for": ".middleware",
-    "DEFAULT_LEASE": ".settings",
-    "DEFAULT_LOCK_TTL": ".settings",
-    "DEFAULT_ON_BACKEND_ERROR": ".settings",
-    "DEFAULT_PREFIX": ".settings",
-    "DEFAULT_PROVISIONAL_WINDOW": ".settings",
-    "DEFAULT_REAP_INTERVAL": ".settings",
-    "DEFAULT_RESCHEDULE_DELAY": ".settings",
-}
+#: The modules the public names live in (as the imports above say),
+#: lightest first.  A name is imported from the first that has it on
+#: first use, so that importing a light module (``dramatiq_unique.testing``,
+#: loaded by pytest as a plugin; ``settings``; the CLI) imports neither
+#: Dramatiq nor redis, and a name imports nothing heavier than its home.
+_HOMES = (
+    ".settings",
+    ".errors",
+    ".events",
+    ".model.locks",
+    ".backends.base",
+    ".backends",
+    ".worker.delivery",
+    ".middleware",
+)
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-    globals()[name] = value
-    return value
+    for home in _HOMES if name in __all__ else ():
+        module = importlib.import_module(home, __name__)
+        if hasattr(module, name):
+            globals()[name] = value = getattr(module, name)
+            return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+    return sorted({*globals(), *__all__})
 
 
 __all__ = [

@@ -145,28 +145,22 @@ def is_duration(value: Any, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and minimum <= value <= MAX_DURATION
 
 
-def _positive_int(what: str, value: Any) -> int:
-    if not is_duration(value, 1):
-        raise ConfigurationError(
-            f"{what}{value!r} is invalid: expected a positive whole number of milliseconds, at most {MAX_DURATION}."
-        )
-    return int(value)
+def _whole_number(expected: str, low: int, high: int) -> Callable[[str, Any], int]:
+    """The check of a whole number from ``low`` to ``high``; ``expected``
+    says what it is, for the error.
+    """
+
+    def check(what: str, value: Any) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            raise ConfigurationError(f"{what}{value!r} is invalid: expected {expected}.")
+        return int(value)
+
+    return check
 
 
-def _non_negative_int(what: str, value: Any) -> int:
-    if not is_duration(value, 0):
-        raise ConfigurationError(
-            f"{what}{value!r} is invalid: expected a whole number of milliseconds, 0 or more, at most {MAX_DURATION}."
-        )
-    return int(value)
-
-
-def _replicas(what: str, value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_REPLICAS:
-        raise ConfigurationError(
-            f"{what}{value!r} is invalid: expected a whole number of replicas, 0 to {MAX_REPLICAS}."
-        )
-    return int(value)
+_positive_int = _whole_number(f"a positive whole number of milliseconds, at most {MAX_DURATION}", 1, MAX_DURATION)
+_non_negative_int = _whole_number(f"a whole number of milliseconds, 0 or more, at most {MAX_DURATION}", 0, MAX_DURATION)
+_replicas = _whole_number(f"a whole number of replicas, 0 to {MAX_REPLICAS}", 0, MAX_REPLICAS)
 
 
 def _text(what: str, value: Any) -> str:
@@ -283,36 +277,25 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "shutdown_timeout": _positive_int,
 }
 
-#: The settings written as milliseconds, and as on/off words.
-_DURATIONS = (
-    "lock_ttl",
-    "lease",
-    "reschedule_delay",
-    "provisional_window",
-    "reap_interval",
-    "min_replicas_timeout",
-    "shutdown_timeout",
-)
-_FLAGS = ("enabled", "record_lock_args")
-
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
 def _parse(variable: str, raw: str, field: str) -> Any:
     what = f"Environment variable {variable}="
-    if field in _DURATIONS or field == "min_replicas":
+    check = _CHECKS[field]
+    if check in (_positive_int, _non_negative_int, _replicas):
         try:
             number = int(raw.strip())
         except ValueError:
-            unit = "replicas" if field == "min_replicas" else "milliseconds"
+            unit = "replicas" if check is _replicas else "milliseconds"
             raise ConfigurationError(f"{what}{raw!r} is invalid: expected a whole number of {unit}.") from None
-        return _CHECKS[field](what, number)
-    if field in _FLAGS:
+        return check(what, number)
+    if check is _flag:
         if raw.strip().lower() not in _TRUE | _FALSE:
             raise ConfigurationError(f"{what}{raw!r} is invalid: expected 1/0 or true/false.")
         return raw.strip().lower() in _TRUE
-    return _CHECKS[field](what, raw.strip())
+    return check(what, raw.strip())
 
 
 _VARIABLE_PREFIX = "dramatiq_unique_"
