@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, fields, replace
-from typing import Any, Callable, Mapping, Optional, TypeVar
+from typing import Any, Callable, Mapping, Optional
 from urllib.parse import urlsplit
 
 from .errors import ConfigurationError
@@ -83,8 +83,6 @@ BACKEND_URL_SCHEMES = REDIS_URL_SCHEMES + POSTGRES_URL_SCHEMES
 
 #: Settings read under a second, older name too: alias -> setting.
 ALIASES = {"redis_url": "url"}
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)

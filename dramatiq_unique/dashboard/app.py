@@ -143,33 +143,29 @@ class Dashboard:
 
     def _route(self, environ: Mapping[str, Any]) -> Response:
         path = environ.get("PATH_INFO", "")
+        query = parse_qs(environ.get("QUERY_STRING", ""))
         if path == "":
             # Mounted at /locks, the page's relative URLs need /locks/.
             location = environ.get("SCRIPT_NAME", "") + "/"
             return Response("301 Moved Permanently", "text/plain", b"", [("Location", location)])
-        if path == "/":
-            _require(environ, "GET")
-            return self._page(parse_qs(environ.get("QUERY_STRING", "")))
-        if path in ASSETS:
-            _require(environ, "GET")
-            return Response("200 OK", ASSETS[path][1], self.assets[path])
-        if path in FAVICON_PATHS:
-            _require(environ, "GET")
-            return Response("200 OK", "image/svg+xml", FAVICON, [("Cache-Control", "max-age=86400")])
-        if path == "/api/locks":
-            _require(environ, "GET")
-            return self._locks(parse_qs(environ.get("QUERY_STRING", "")))
-        if path == "/api/view":
-            _require(environ, "GET")
-            return _json("200 OK", self._view(view.Query.parse(parse_qs(environ.get("QUERY_STRING", "")))))
-        if path.startswith("/api/locks/"):
-            _require(environ, "GET")
-            locks = self.admin.inspect(path[len("/api/locks/") :])
-            return _json("200 OK", {"now": _now_ms(), "locks": [lock.as_dict() for lock in locks]})
         if path == "/api/release":
             _require(environ, "POST")
             return self._release(environ)
-        raise HTTPError("404 Not Found", f"No page at {path!r}.")
+        if path not in ("/", "/api/locks", "/api/view", *ASSETS, *FAVICON_PATHS) and not path.startswith("/api/locks/"):
+            raise HTTPError("404 Not Found", f"No page at {path!r}.")
+        _require(environ, "GET")
+        if path == "/":
+            return self._page(query)
+        if path in ASSETS:
+            return Response("200 OK", ASSETS[path][1], self.assets[path])
+        if path in FAVICON_PATHS:
+            return Response("200 OK", "image/svg+xml", FAVICON, [("Cache-Control", "max-age=86400")])
+        if path == "/api/locks":
+            return self._locks(view.Query.parse(query))
+        if path == "/api/view":
+            return _json("200 OK", self._view(view.Query.parse(query)))
+        locks = self.admin.inspect(path[len("/api/locks/") :])
+        return _json("200 OK", {"now": _now_ms(), "locks": [lock.as_dict() for lock in locks]})
 
     def _listing(self, query: view.Query) -> tuple[list[Mapping[str, Any]], list[dict[str, Any]], bool, int]:
         """(the listed locks, filtered and sorted; every lock the scan
@@ -187,10 +183,14 @@ class Dashboard:
         truncated = len(listed) > self.limit
         return view.sort_locks(listed[: self.limit], query, now), seen, truncated, now
 
-    def _view(self, query: view.Query) -> dict[str, Any]:
-        locks, seen, truncated, now = self._listing(query)
-        parts = view.fragments(locks, seen, query, now=now, prefix=self.admin.prefix, truncated=truncated,
-                               limit=self.limit)
+    def _view(self, query: view.Query, *, failed: bool = False) -> dict[str, Any]:
+        """The page's fragments for ``query``; with ``failed``, of no
+        locks (the listing failed).
+        """
+        locks, seen, truncated, now = self._listing(query) if not failed else ([], [], False, _now_ms())
+        parts = view.fragments(
+            locks, seen, query, now=now, prefix=self.admin.prefix, truncated=truncated, limit=self.limit
+        )
         return {"now": now, "count": len(locks), "truncated": truncated, "html": parts}
 
     def _page(self, query: Mapping[str, list[str]]) -> Response:
@@ -199,25 +199,14 @@ class Dashboard:
             data, error = self._view(parsed), ""
         except LockBackendError as e:
             # The page still loads, says why it is empty, and retries.
-            now = _now_ms()
-            parts = view.fragments([], [], parsed, now=now, prefix=self.admin.prefix, truncated=False,
-                                   limit=self.limit)
-            data, error = {"now": now, "html": parts}, f"Could not list the locks: {e}"
+            data, error = self._view(parsed, failed=True), f"Could not list the locks: {e}"
         page = view.page_html(self.template, data["html"], parsed, data["now"], error=error)
         return Response("200 OK", "text/html; charset=utf-8", page.encode())
 
-    def _locks(self, query: Mapping[str, list[str]]) -> Response:
-        locks, _, truncated, now = self._listing(view.Query.parse(query))
-        return _json(
-            "200 OK",
-            {
-                "prefix": self.admin.prefix,
-                "now": now,
-                "limit": self.limit,
-                "truncated": truncated,
-                "locks": locks,
-            },
-        )
+    def _locks(self, query: view.Query) -> Response:
+        locks, _, truncated, now = self._listing(query)
+        data = {"prefix": self.admin.prefix, "now": now, "limit": self.limit, "truncated": truncated, "locks": locks}
+        return _json("200 OK", data)
 
     def _release(self, environ: Mapping[str, Any]) -> Response:
         _check_same_origin(environ)

@@ -88,37 +88,35 @@ def waiting_of(lock: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return [w for w in lock.get("waiting") or () if isinstance(w, Mapping)]
 
 
+def _earliest(lock: Mapping[str, Any], field: str) -> Optional[int]:
+    """The earliest ``field`` (Unix ms) of the lock's holders; None when none has it."""
+    return min((t for t in (_int(h.get(field)) for h in holders_of(lock)) if t is not None), default=None)
+
+
 def taken_at(lock: Mapping[str, Any]) -> Optional[int]:
     """When the lock was taken, in Unix ms: its own ``taken_at`` if it
     has one, else its oldest holder's; None when nothing recorded it.
     """
     own = _int(lock.get("taken_at"))
-    if own is not None:
-        return own
-    times = [t for t in (_int(h.get("taken_at")) for h in holders_of(lock)) if t is not None]
-    return min(times) if times else None
+    return own if own is not None else _earliest(lock, "taken_at")
 
 
 def soonest_deadline(lock: Mapping[str, Any]) -> Optional[int]:
-    deadlines = [d for d in (_int(h.get("deadline")) for h in holders_of(lock)) if d is not None]
-    return min(deadlines) if deadlines else None
+    return _earliest(lock, "deadline")
 
 
 def place_of(holder: Mapping[str, Any]) -> str:
-    """Where the holder's message was published: its queue for the Redis
-    broker (``namespace<TAB>queue<TAB>id``), else the recorded text."""
+    """The queue the holder's message was published to, if recorded."""
     queue = holder.get("queue")
-    if isinstance(queue, str) and queue:
-        return queue
-    where = holder.get("where")
-    if not isinstance(where, str) or not where:
-        return ""
-    parts = where.split("\t")
-    return parts[1] if len(parts) == 3 else where.replace("\t", " ")
+    return queue if isinstance(queue, str) else ""
 
 
 def lock_type(lock: Mapping[str, Any]) -> str:
     return str(lock.get("lock") or "?")
+
+
+def actor_of(lock: Mapping[str, Any]) -> str:
+    return str(lock.get("actor") or "?")
 
 
 def _searchable(lock: Mapping[str, Any]) -> str:
@@ -285,7 +283,7 @@ def waiting_html(lock: Mapping[str, Any], now: int) -> str:
 
 def row_html(lock: Mapping[str, Any], now: int) -> str:
     key, digest, phase = (str(lock.get(name) or "") for name in ("key", "digest", "phase"))
-    actor, kind = str(lock.get("actor") or "?"), lock_type(lock)
+    actor, kind = actor_of(lock), lock_type(lock)
     holders = holders_of(lock)
     holders_list = "".join(holder_html(lock, holder, now) for holder in holders)
     count = f'<div class="count">{len(holders)} holders</div>' if len(holders) > 1 else ""
@@ -335,16 +333,23 @@ def _card(label: str, value: str, note: str = "", css: str = "") -> str:
     return f'<div class="card {css}"><div class="label">{label}</div><div class="value">{value}</div>{note_html}</div>'
 
 
-def _breakdown(title: str, param: str, counts: Counter[str], holders: Counter[str], query: Query) -> str:
+def _breakdown(title: str, param: str, locks: Sequence[Mapping[str, Any]], name_of: Callable[..., str],
+               query: Query) -> str:
+    """The locks and holders per ``name_of(lock)``; ``param`` is the
+    URL parameter that filters on it."""
+    counts, holders = Counter[str](), Counter[str]()
+    for lock in locks:
+        counts[name_of(lock)] += 1
+        holders[name_of(lock)] += len(holders_of(lock))
     most = max(counts.values(), default=0)
+    selected = query.actor if param == "actor" else query.lock_type
     rows = []
     for name, n in counts.most_common(TOP):
         # (the page's policy forbids inline styles: a class per tenth)
         tenth = round(10 * n / most) if most else 0
-        active = " active" if (query.actor if param == "actor" else query.lock_type) == name else ""
-        change = {"actor" if param == "actor" else "type": name}
+        active = "active" if selected == name else ""
         rows.append(
-            f'<li class="{active.strip()}"><a class="facet clip" href="{_e(query.href(**change))}" '
+            f'<li class="{active}"><a class="facet clip" href="{_e(query.href(**{param: name}))}" '
             f'data-param="{param}" data-value="{_e(name)}" title="Show only {_e(name)}">{_e(name)}</a>'
             f'<span class="bar"><span class="fill w{tenth}"></span></span>'
             f'<span class="n" title="locks">{n}</span>'
@@ -362,34 +367,24 @@ def summary_html(locks: Sequence[Mapping[str, Any]], query: Query, now: int) -> 
     holders = sum(len(holders_of(lock)) for lock in locks)
     waiting = sum(len(waiting_of(lock)) for lock in locks)
     runs = sum(1 for lock in locks if lock.get("phase") == "run")
-    times = [t for t in (taken_at(lock) for lock in locks) if t is not None]
-    unknown = len(locks) - len(times)
+    unknown = sum(1 for lock in locks if taken_at(lock) is None)
     oldest = min((lock for lock in locks if taken_at(lock) is not None), key=lambda lock: taken_at(lock) or 0,
                  default=None)
-    deadlines = [d for d in (soonest_deadline(lock) for lock in locks) if d is not None]
+    soonest = min((d for d in map(soonest_deadline, locks) if d is not None), default=None)
     oldest_note = _e(oldest.get("actor") or "") if oldest is not None else ""
     if unknown:
         oldest_note = " \u00b7 ".join(filter(None, [oldest_note, f"{unknown} not recorded"]))
-    soonest = min(deadlines) if deadlines else None
     cards = [
         _card("Locks", f'<span id="total-locks">{len(locks)}</span>', f"{runs} run \u00b7 {len(locks) - runs} queue"),
         _card("Holders", f'<span id="total-holders">{holders}</span>'),
         _card("Waiting", f'<span id="total-waiting">{waiting}</span>', "messages in run-lock lines"),
-        _card("Oldest", since(min(times), now, "lock-age") if times else "\u2014", oldest_note),
+        _card("Oldest", since(taken_at(oldest), now, "lock-age") if oldest is not None else "\u2014", oldest_note),
         _card("Next expiry", countdown(soonest, now) if soonest is not None else "\u2014"),
     ]
-    per_actor, per_type = Counter[str](), Counter[str]()
-    holders_actor, holders_type = Counter[str](), Counter[str]()
-    for lock in locks:
-        actor, kind = str(lock.get("actor") or "?"), lock_type(lock)
-        per_actor[actor] += 1
-        per_type[kind] += 1
-        holders_actor[actor] += len(holders_of(lock))
-        holders_type[kind] += len(holders_of(lock))
     return (
         f'<div class="cards">{"".join(cards)}</div><div class="panels">'
-        f'{_breakdown("Per actor", "actor", per_actor, holders_actor, query)}'
-        f'{_breakdown("Per lock type", "type", per_type, holders_type, query)}</div>'
+        f'{_breakdown("Per actor", "actor", locks, actor_of, query)}'
+        f'{_breakdown("Per lock type", "type", locks, lock_type, query)}</div>'
     )
 
 
@@ -421,7 +416,7 @@ def fragments(locks: Sequence[Mapping[str, Any]], seen: Sequence[Mapping[str, An
         "thead": thead_html(query),
         "rows": rows_html(locks, now, filtered),
         "status": status_html(len(locks), query, prefix, truncated, limit),
-        "actors": options_html((str(lock.get("actor") or "?") for lock in seen), query.actor, "All actors"),
+        "actors": options_html(map(actor_of, seen), query.actor, "All actors"),
         "types": options_html((lock_type(lock) for lock in seen), query.lock_type, "All lock types"),
         "refreshed": clock(now),
     }

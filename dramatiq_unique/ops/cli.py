@@ -220,14 +220,16 @@ def _release_many(admin: "LockAdmin", args: argparse.Namespace) -> int:
 
 
 def _reap(args: argparse.Namespace) -> int:
+    from ..settings import REDIS_URL_SCHEMES, masked
+
     if args.dry_run and args.yes:
         raise CommandError("--dry-run and --yes contradict each other.", status=2)
     admin = _admin(args)
-    url = args.broker_redis or _redis_url(_locks_url(args))
+    locks_url = _locks_url(args)
+    # The broker's Redis is, by default, the locks' when they are in a Redis.
+    url = args.broker_redis or (locks_url if locks_url and locks_url.startswith(REDIS_URL_SCHEMES) else None)
     if url is None:
         raise CommandError("no broker Redis to look messages up in: give --broker-redis URL.")
-    from ..settings import masked
-
     try:
         import redis
 
@@ -273,15 +275,6 @@ def _reap(args: argparse.Namespace) -> int:
         "be looked up by id: after a purge use 'release --queue NAME' or 'release --actor NAME')."
     )
     return 0
-
-
-def _redis_url(url: Optional[str]) -> Optional[str]:
-    """``url`` when it names a Redis (the broker's, by default the
-    locks'), else None.
-    """
-    from ..settings import REDIS_URL_SCHEMES
-
-    return url if url is not None and url.startswith(REDIS_URL_SCHEMES) else None
 
 
 def _dashboard(args: argparse.Namespace) -> int:
