@@ -199,6 +199,7 @@ def check_backend_url(what: str, value: Any) -> str:
         )
     postgres = url.startswith(POSTGRES_URL_SCHEMES)
     try:
+        _ = urlsplit(url).port  # a port that is no number from 0 to 65535 raises
         _parse_postgres_url(url) if postgres else _parse_redis_url(url)
     except ValueError as e:
         like = "postgresql://user@host:5432/dbname" if postgres else "redis://host:6379/0"
@@ -226,7 +227,6 @@ def masked(url: Optional[str]) -> Optional[str]:
 
 def _parse_redis_url(url: str) -> None:
     """Parse ``url`` as ``RedisBackend`` will, raising ValueError."""
-    _ = urlsplit(url).port  # a port that is no number from 0 to 65535 raises
     try:
         from redis.connection import parse_url
     except ImportError:  # pragma: no cover - RedisBackend then says what to install
@@ -236,7 +236,6 @@ def _parse_redis_url(url: str) -> None:
 
 def _parse_postgres_url(url: str) -> None:
     """Parse ``url`` as libpq will, raising ValueError."""
-    _ = urlsplit(url).port  # a port that is no number from 0 to 65535 raises
     try:
         from psycopg import conninfo
     except ImportError:  # the factory then says what to install
@@ -299,18 +298,9 @@ def _parse(variable: str, raw: str, field: str) -> Any:
 _VARIABLE_PREFIX = "dramatiq_unique_"
 
 
-def _refuse_unknown(environ: Mapping[str, str]) -> None:
-    known = {f"{_VARIABLE_PREFIX}{name}" for name in [*(field.name for field in fields(Settings)), *ALIASES]}
-    for name in environ:
-        if (
-            name.lower().startswith(_VARIABLE_PREFIX)
-            and name.lower() not in known
-            and name in (name.lower(), name.upper())
-        ):
-            raise ConfigurationError(
-                f"Environment variable {name} is not a dramatiq-unique setting. "
-                f"Valid names: {', '.join(sorted(known))}."
-            )
+#: Every variable read, lower-case, and the setting it sets.
+_VARIABLES = {f"{_VARIABLE_PREFIX}{field.name}": field.name for field in fields(Settings)}
+_VARIABLES.update({f"{_VARIABLE_PREFIX}{alias}": name for alias, name in ALIASES.items()})
 
 
 def from_environment(environ: Optional[Mapping[str, str]] = None) -> Settings:
@@ -322,12 +312,16 @@ def from_environment(environ: Optional[Mapping[str, str]] = None) -> Settings:
         ignored without a word).
     """
     environ = os.environ if environ is None else environ
-    _refuse_unknown(environ)
+    for name in environ:
+        lower = name.lower()
+        if lower.startswith(_VARIABLE_PREFIX) and lower not in _VARIABLES and name in (lower, name.upper()):
+            raise ConfigurationError(
+                f"Environment variable {name} is not a dramatiq-unique setting. "
+                f"Valid names: {', '.join(sorted(_VARIABLES))}."
+            )
     found: dict[str, Any] = {}
     read_as: dict[str, str] = {}
-    names = [(field.name, field.name) for field in fields(Settings)] + list(ALIASES.items())
-    for name, field in names:
-        variable = f"{_VARIABLE_PREFIX}{name}"
+    for variable, field in _VARIABLES.items():
         for spelling in (variable, variable.upper()):
             raw = environ.get(spelling)
             if raw is not None and raw != "":

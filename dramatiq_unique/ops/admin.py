@@ -21,13 +21,12 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
-from ..backends.base import EnqueueRecord, LockBackend, LockInfo, Waiter
+from ..backends.base import EnqueueRecord, LockBackend, Waiter
 from ..errors import UniqueError
 from ..model.wire import (
     PHASES,
     QUEUE,
     RUN,
-    LockKey,
     actor_scope,
     check_key,
     digest_in,
@@ -341,7 +340,26 @@ class LockAdmin:
         waiting = []
         if parts.phase == RUN:
             waiting = self.call(f"list the waiters of {key!r}", self.backend.waiters, key)
-        return _from_info(info, parts, tuple(waiting))
+        holders = sorted(
+            (
+                Holder(owner, message_id_of(owner) or owner, deadline, info.records.get(owner))
+                for owner, deadline in info.holders.items()
+            ),
+            key=lambda h: (h.deadline, h.owner),
+        )
+        return Lock(
+            key=info.key,
+            actor=parts.scope,
+            digest=parts.digest,
+            phase=parts.phase,
+            lock=info.lock,
+            holders=tuple(holders),
+            lock_args=info.lock_args,
+            fence=info.fence,
+            waiting=tuple(waiting),
+            current=info.current,
+            superseded=info.superseded,
+        )
 
     def _delete(self, key: str) -> bool:
         return self.call(f"delete {key!r}", self.backend.delete, key)
@@ -353,26 +371,3 @@ class LockAdmin:
             if key is None:
                 return
             yield key
-
-
-def _from_info(info: LockInfo, parts: LockKey, waiting: tuple[Waiter, ...] = ()) -> Lock:
-    holders = sorted(
-        (
-            Holder(owner, message_id_of(owner) or owner, deadline, info.records.get(owner))
-            for owner, deadline in info.holders.items()
-        ),
-        key=lambda h: (h.deadline, h.owner),
-    )
-    return Lock(
-        key=info.key,
-        actor=parts.scope,
-        digest=parts.digest,
-        phase=parts.phase,
-        lock=info.lock,
-        holders=tuple(holders),
-        lock_args=info.lock_args,
-        fence=info.fence,
-        waiting=waiting,
-        current=info.current,
-        superseded=info.superseded,
-    )

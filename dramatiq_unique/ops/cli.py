@@ -313,32 +313,28 @@ class _Refused(argparse.Action):
         parser.error(f"{option} is not an option of this command: {self.reason}")
 
 
-def _connection_options() -> argparse.ArgumentParser:
-    """``--url`` (or ``--redis``) and ``--prefix``: every command that
-    reads locks.
-    """
-    options = argparse.ArgumentParser(add_help=False)
-    options.add_argument(
-        "--url", metavar="URL", help="where the locks are: redis://, postgresql://... (default: $dramatiq_unique_url)"
-    )
-    options.add_argument("--redis", metavar="URL", help="another name for --url, kept from before it")
-    options.add_argument("--prefix", help="the prefix of the lock keys (default: $dramatiq_unique_prefix or ours)")
-    return options
-
-
-def _json_option() -> argparse.ArgumentParser:
-    """``--json``: the commands whose output is data (not the demo's
-    timeline, nor the dashboard, which serves a page).
-    """
-    options = argparse.ArgumentParser(add_help=False)
-    options.add_argument("--json", action="store_true", help="print JSON on stdout instead of text")
-    return options
-
-
-def _add_admin_commands(commands: Any) -> None:
+def parser() -> argparse.ArgumentParser:
     from ..dashboard.server import DEFAULT_HOST, DEFAULT_PORT
 
-    common = [_connection_options(), _json_option()]
+    top = argparse.ArgumentParser(prog="dramatiq-unique", description="Unique jobs and per-key locks for Dramatiq.")
+    commands = top.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="run the serialize-per-resource scenario and print its timeline")
+    demo.add_argument("--redis", metavar="URL", help="use a RedisBroker, and locks, at URL instead of memory")
+    demo.add_argument("--url", metavar="URL", help="keep the locks at URL (redis://, postgresql://...) instead")
+    demo.add_argument("--json", action=_Refused, reason="the demo prints a timeline for people to read, not JSON.")
+    demo.set_defaults(run=_demo)
+    # --url (or --redis) and --prefix: every command that reads locks.
+    connection = argparse.ArgumentParser(add_help=False)
+    connection.add_argument(
+        "--url", metavar="URL", help="where the locks are: redis://, postgresql://... (default: $dramatiq_unique_url)"
+    )
+    connection.add_argument("--redis", metavar="URL", help="another name for --url, kept from before it")
+    connection.add_argument("--prefix", help="the prefix of the lock keys (default: $dramatiq_unique_prefix or ours)")
+    # --json: the commands whose output is data (not the demo's timeline,
+    # nor the dashboard, which serves a page).
+    data = argparse.ArgumentParser(add_help=False)
+    data.add_argument("--json", action="store_true", help="print JSON on stdout instead of text")
+    common = [connection, data]
     locks = commands.add_parser("locks", parents=common, help="list the live locks, using SCAN")
     locks.add_argument("--actor", metavar="NAME", help="only the locks of this actor")
     locks.add_argument("--pattern", metavar="GLOB", help="only the keys matching this Redis glob, e.g. '*:sync_*:*'")
@@ -370,7 +366,7 @@ def _add_admin_commands(commands: Any) -> None:
     reap.set_defaults(run=_reap)
     dashboard = commands.add_parser(
         "dashboard",
-        parents=[_connection_options()],
+        parents=[connection],
         help="serve the lock dashboard (no authentication: binds 127.0.0.1 by default)",
     )
     dashboard.add_argument("--host", default=DEFAULT_HOST, help=f"the address to listen on (default: {DEFAULT_HOST})")
@@ -382,17 +378,6 @@ def _add_admin_commands(commands: Any) -> None:
         "for the locks as JSON run `dramatiq-unique locks --json`, or read the dashboard's /api/locks.",
     )
     dashboard.set_defaults(run=_dashboard)
-
-
-def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="dramatiq-unique", description="Unique jobs and per-key locks for Dramatiq.")
-    commands = top.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="run the serialize-per-resource scenario and print its timeline")
-    demo.add_argument("--redis", metavar="URL", help="use a RedisBroker, and locks, at URL instead of memory")
-    demo.add_argument("--url", metavar="URL", help="keep the locks at URL (redis://, postgresql://...) instead")
-    demo.add_argument("--json", action=_Refused, reason="the demo prints a timeline for people to read, not JSON.")
-    demo.set_defaults(run=_demo)
-    _add_admin_commands(commands)
     return top
 
 
