@@ -82,14 +82,11 @@ class Holder:
         return self.record is not None and self.record.provisional_until > 0
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "owner": self.owner,
-            "message_id": self.message_id,
-            "deadline": self.deadline,
-            "taken_at": self.taken_at,
-            "provisional": self.provisional,
-            "queue": self.queue,
-        }
+        """A JSON-ready dict, ``record`` read as its ``taken_at``,
+        ``provisional`` and ``queue``.
+        """
+        names = ("owner", "message_id", "deadline", "taken_at", "provisional", "queue")
+        return {name: getattr(self, name) for name in names}
 
 
 @dataclass(frozen=True)

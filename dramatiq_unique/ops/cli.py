@@ -239,26 +239,12 @@ def _reap(args: argparse.Namespace) -> int:
         raise CommandError(f"cannot reach the broker's Redis at {masked(url)}: {' '.join(str(e).split())}") from None
     report = admin.reap(client, release=args.yes, actor=args.actor, min_age=args.min_age, batch=args.batch)
     if args.json:
-        _print_json(
-            {
-                "checked": report.checked,
-                "skipped": report.skipped,
-                "unknown": report.unknown,
-                "released": args.yes,
-                "suspects": [
-                    {
-                        "key": s.key,
-                        "actor": s.actor,
-                        "message_id": s.message_id,
-                        "lock_args": s.lock_args,
-                        "queue": s.queue,
-                        "age_ms": s.age,
-                        "released": s.released,
-                    }
-                    for s in report.suspects
-                ],
-            }
-        )
+        named = ("key", "actor", "message_id", "lock_args", "queue")
+        suspects = [
+            {**{n: getattr(s, n) for n in named}, "age_ms": s.age, "released": s.released} for s in report.suspects
+        ]
+        totals = {"checked": report.checked, "skipped": report.skipped, "unknown": report.unknown, "released": args.yes}
+        _print_json({**totals, "suspects": suspects})
         return 0
     rows = [
         [s.actor, s.message_id, s.queue, duration(s.age), s.lock_args or "(not recorded)"]
