@@ -216,12 +216,10 @@ def masked(url: Optional[str]) -> Optional[str]:
     """
     if url is None:
         return None
-    try:
-        password = urlsplit(url).password
-    except ValueError:  # a netloc that does not parse, e.g. "[::1"
-        password = None
-    if password:
-        url = url.replace(f":{password}@", ":***@", 1)
+    # By pattern, not urlsplit: a URL that does not parse (e.g. "[::1")
+    # is shown in an error too.  The last "@" of the netloc ends the
+    # password, as it does for urlsplit.
+    url = re.sub(r"^([^:/?#]+://[^:/?#@]*:)[^/?#]*@", r"\1***@", url)
     return re.sub(r"([?&]password=)[^&#]*", r"\1***", url)
 
 

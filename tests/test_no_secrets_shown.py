@@ -19,7 +19,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 import redis
 
-from dramatiq_unique import UniqueMiddleware
+from dramatiq_unique import ConfigurationError, UniqueMiddleware
 from dramatiq_unique.backends import from_url
 from dramatiq_unique.dashboard import make_app
 from dramatiq_unique.settings import Settings, from_environment, masked
@@ -71,7 +71,10 @@ def test_masked_hides_the_password_of_every_url_form() -> None:
     assert masked(f"postgresql://u@h/db?sslmode=require&password={PASSWORD}") == (
         "postgresql://u@h/db?sslmode=require&password=***"
     )
-    assert masked("redis://host:6379/0") == "redis://host:6379/0"
+    assert masked(f"unix://:{PASSWORD}@/run/redis.sock?db=1") == "unix://:***@/run/redis.sock?db=1"
+    assert masked(f"redis://u:{PASSWORD}@[::1") == "redis://u:***@[::1"  # does not parse: still masked
+    for unchanged in ("redis://host:6379/0", "redis://[::1]:6379/0", "postgresql://u@h:5432/db", "redis://h?db=1"):
+        assert masked(unchanged) == unchanged
     assert masked(None) is None
 
 
@@ -90,6 +93,13 @@ def test_the_settings_and_the_middleware_show_no_password(secret_url: str, caplo
     finally:
         if middleware.backend is not None:
             middleware.backend.close()
+
+
+def test_a_bad_url_is_refused_without_its_password() -> None:
+    for url in (f"redis://u:{PASSWORD}@[::1", f"redis://u:{PASSWORD}@host:99999/0", f"mysql://u:{PASSWORD}@h/db"):
+        with pytest.raises(ConfigurationError) as refused:
+            UniqueMiddleware(url=url)
+        assert PASSWORD not in str(refused.value) and "***" in str(refused.value)
 
 
 def test_the_command_and_the_dashboard_show_no_password(secret_url: str) -> None:
