@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     )
     from .events import EVENTS, LockEvent
     from .middleware import UniqueMiddleware, digest_for
-    from .model.locks import LOCK_TYPES, STRATEGIES, LockType
+    from .model.spec import LOCK_TYPES, STRATEGIES, LockType
     from .settings import (
         DEFAULT_LEASE,
         DEFAULT_LOCK_TTL,
@@ -63,9 +63,9 @@ _EXPORTS = {
     "UniqueError": ".errors",
     "EVENTS": ".events",
     "LockEvent": ".events",
-    "LOCK_TYPES": ".model.locks",
-    "STRATEGIES": ".model.locks",
-    "LockType": ".model.locks",
+    "LOCK_TYPES": ".model.spec",
+    "STRATEGIES": ".model.spec",
+    "LockType": ".model.spec",
     "UniqueMiddleware": ".middleware",
     "digest_for": ".middleware",
     "DEFAULT_LEASE": ".settings",
