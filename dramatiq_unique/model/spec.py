@@ -62,7 +62,7 @@ LOCK_TYPES: Mapping[str, LockType] = {
 
 #: Valid strategies per side, the default first.  The client strategy
 #: ``replace`` makes a new send the holder of the enqueue lock and
-#: supersedes the message that held it (see :mod:`dramatiq_unique.send.replace`).
+#: supersedes the message that held it (see :mod:`dramatiq_unique.send.guard`).
 STRATEGIES: Mapping[str, tuple[str, ...]] = {
     "client": ("log", "raise", "replace"),
     "server": ("reschedule", "log", "raise", "reject"),

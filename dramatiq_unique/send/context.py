@@ -1,21 +1,36 @@
-"""What the guards work with: the lock context, and the guarded
-enqueue call.
+"""What the guards and the worker work with: the lock context, the
+guarded enqueue call, what a send stamps on a message, and what a caller
+waiting on a result learns.
 
 The enqueue and process guards, replace and debounce, and the send fast
 path each act for one
 :class:`~dramatiq_unique.middleware.UniqueMiddleware`, but none of them
 holds it.  They use a :class:`LockContext`: where the locks live, how a
 key is made, how an event is told and how a backend failure is
-reported.  The middleware makes the service and the guards; the guards
+reported.  The middleware makes the context and the guards; the guards
 import this module and each other downwards only (``guard`` imports
-``replace`` and ``fastpath``, never the reverse; the worker side
+``fastpath`` and ``confirm``, never the reverse; the worker side
 imports the send side, never the reverse), and
 ``tests/test_import_graph.py`` fails on any import cycle.
 
 :class:`EnqueueLocks` is what every way of taking an enqueue lock shares
-(the two-step path in :mod:`.guard`, :mod:`.replace`, the fast path
-in :mod:`.fastpath`): the locks the current guarded call took, how a
+(the two-step path and replace in :mod:`.guard`, the fast path in
+:mod:`.fastpath`): the locks the current guarded call took, how a
 duplicate is refused, and how a failed take fails closed.
+
+A new message gets its place among its producer's sends of the same
+millisecond (waiters of one key are handed the key in that order); each
+delivery is one copy of its message (:class:`~..backends.base.Copy`),
+named by the options the sends stamped (their names, and how a lock
+owner names its message, are in :mod:`..model.wire`).  The send side
+stamps these, the worker and the operators read them.
+
+Dramatiq's ``Results`` stores ``None`` for any skipped message that is
+not failed, and an exception only when it is dead-lettered.  A message
+that this package drops, dead-letters or supersedes must instead give
+its caller a ``ResultFailure`` naming why (:func:`store_failure`), and a
+copy that is skipped while another copy runs must store nothing at all
+(:func:`store_nothing`).
 """
 
 from __future__ import annotations
@@ -25,12 +40,26 @@ import threading
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
-from ..compat import ConsumerThread
+from dramatiq.logging import get_logger
+
+from ..backends.base import SENDS_PER_MS, Copy
+from ..compat import ConsumerThread, result_options
 from ..errors import DuplicateMessage, LockBackendError
 from ..events import EventHub, LockEvent
-from ..model.wire import UNIQUE_DIGEST, UNIQUE_LOCK_ARGS, join_place, lock_key, message_id_of
+from ..model.wire import (
+    UNIQUE_DIGEST,
+    UNIQUE_LOCK_ARGS,
+    UNIQUE_RESCHEDULES,
+    UNIQUE_SEQ,
+    UNIQUE_VIA,
+    join_place,
+    lock_key,
+    message_id_of,
+)
 
 if TYPE_CHECKING:
+    from dramatiq import Broker
+
     from ..backends.base import LockBackend
     from ..model.spec import ActorSpec
     from ..settings import Settings
@@ -208,7 +237,7 @@ class EnqueueLocks:
     def stamp_lock_args(self, message: Any, spec: "ActorSpec", fresh: bool) -> None:
         """Stamp on a new send the lock args it records, if any: the
         worker's run lock records them from the message (see
-        :func:`~.copies.copy_of`).
+        :func:`copy_of`).
         """
         recorded = self.lock_args(message, spec, fresh)
         if recorded is not None:
@@ -268,3 +297,86 @@ class EnqueueLocks:
                 self.record(key, message.message_id)
             raise wrapped from error
         service.logger.warning("Enqueueing %s without its lock %r.", message, key)
+
+
+# What a send stamps, and the copy a delivery is ---------------------------
+
+
+class _SendOrder:
+    """The place of each send among this process's sends of the same
+    millisecond: waiters of one key are handed the key in send order,
+    and message ids, the only other tie-breaker, are random.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ms, self._next = -1, 0
+
+    def stamp(self, message: Any) -> None:
+        """Stamp ``unique_seq`` on a new message (never on a re-enqueue:
+        a retry or a move keeps its place).
+        """
+        ms = int(message.message_timestamp)
+        with self._lock:
+            if ms != self._ms:
+                self._ms, self._next = ms, 0
+            seq, self._next = self._next, self._next + 1
+        message.options[UNIQUE_SEQ] = min(seq, SENDS_PER_MS - 1)
+
+
+#: Stamps the send order of this process's new messages.
+send_sequence = _SendOrder()
+
+
+def send_order(message: Any) -> int:
+    """Where a waiting message stands among its key's waiters: the
+    millisecond its message was made, then its place among its
+    producer's messages of that millisecond.
+    """
+    return int(message.message_timestamp) * SENDS_PER_MS + int(message.options.get(UNIQUE_SEQ, 0))
+
+
+def copy_of(message: Any, key: str) -> Copy:
+    """Which copy of its message ``message`` is, for the run lock ``key``."""
+    options = message.options
+    # Built in C (every job makes one): a named tuple's own constructor runs Python.
+    fields = (
+        key,
+        message.message_id,
+        options.get(UNIQUE_RESCHEDULES, 0),
+        options.get(UNIQUE_VIA, ""),
+        options.get(UNIQUE_LOCK_ARGS),  # stamped at send under record_lock_args only
+        options.get("retries", 0),
+    )
+    return tuple.__new__(Copy, fields)
+
+
+# What a caller waiting on a result learns ---------------------------------
+
+logger = get_logger(__name__)
+
+
+def store_nothing(message: Any) -> None:
+    """Keep ``Results`` from storing ``None`` for a skipped copy, which
+    would overwrite or pre-empt the result of the copy that runs.
+    """
+    message.options["store_results"] = False
+
+
+def store_failure(broker: "Broker", message: Any, error: Exception) -> None:
+    """Store ``error`` as the result of ``message`` in every ``Results``
+    middleware of ``broker`` whose actor stores results, then keep
+    Dramatiq from storing anything else for this delivery.
+    """
+    from dramatiq.results import Results
+
+    for middleware in broker.middleware:
+        if not isinstance(middleware, Results):
+            continue
+        stores, ttl = result_options(middleware, broker, message)
+        if stores:
+            try:
+                middleware.backend.store_exception(message, error, ttl)
+            except Exception as e:  # the result store is not ours to fail the delivery over
+                logger.warning("Could not store why %s did not run: %r", message, e)
+    store_nothing(message)
