@@ -234,15 +234,6 @@ class EnqueueLocks:
             return stamped
         return spec.canonical(spec.key_material(message.args, message.kwargs))
 
-    def stamp_lock_args(self, message: Any, spec: "ActorSpec", fresh: bool) -> None:
-        """Stamp on a new send the lock args it records, if any: the
-        worker's run lock records them from the message (see
-        :func:`copy_of`).
-        """
-        recorded = self.lock_args(message, spec, fresh)
-        if recorded is not None:
-            message.options.setdefault(UNIQUE_LOCK_ARGS, recorded)
-
     def record(self, key: str, owner: str) -> None:
         """Remember a lock this guarded call took, to give it back if
         the message is not enqueued after all.

@@ -44,7 +44,7 @@ from ..compat import replace_broker_enqueue
 from ..errors import DuplicateMessage
 from ..events import LockEvent
 from ..model.spec import ActorSpec
-from ..model.wire import QUEUE, RUN, UNIQUE_DIGEST, UNIQUE_DUPLICATE_OF, UNIQUE_REPLACED
+from ..model.wire import QUEUE, RUN, UNIQUE_DIGEST, UNIQUE_DUPLICATE_OF, UNIQUE_LOCK_ARGS, UNIQUE_REPLACED
 from .confirm import Confirmer, Pending
 from .context import (
     CURRENT_CALL,
@@ -164,12 +164,6 @@ class EnqueueGuard:
         """
         return self._confirmer is None or self._confirmer.flush(timeout)
 
-    def is_fresh(self, message: Any) -> bool:
-        """Whether this enqueue is a new send, which may be refused,
-        rather than a re-enqueue, which must never raise.
-        """
-        return is_fresh(message)
-
     def before_enqueue(
         self, message: Any, delay: Optional[int], spec: ActorSpec, *, fresh: bool, broker: Optional["Broker"] = None
     ) -> None:
@@ -185,7 +179,10 @@ class EnqueueGuard:
             if spec.lock.run_lock:
                 send_sequence.stamp(message)
         if spec.lock.run_lock:
-            self.locks.stamp_lock_args(message, spec, fresh)
+            # The worker's run lock records the lock args from the message (see copy_of).
+            recorded = self.locks.lock_args(message, spec, fresh)
+            if recorded is not None:
+                message.options.setdefault(UNIQUE_LOCK_ARGS, recorded)
         if spec.lock.queue_lock and not self.send_path.defer(message, delay, spec, fresh, broker):
             self._take(message, delay, spec, fresh)
 
