@@ -39,7 +39,7 @@ from .errors import ConfigurationError
 from .events import EventHub, Listener
 from .model.spec import ACTOR_OPTIONS, ActorSpec, actor_spec
 from .model.wire import UNIQUE_DIGEST
-from .send.context import LockContext, is_fresh
+from .send.context import EnqueueLocks, LockContext, is_fresh
 from .send.guard import EnqueueGuard
 from .worker.boot import check_backend
 from .worker.coroutines import track
@@ -186,7 +186,8 @@ class UniqueMiddleware(Middleware):
         if backend is None and self.settings.url is not None:
             backend = from_url(self.settings.url, **self._backend_options())
         self.backend = backend
-        self._guard = EnqueueGuard(self.service, middleware=self)
+        self._locks = EnqueueLocks(self.service)
+        self._guard = EnqueueGuard(self._locks, middleware=self)
         self._retries = True
         #: Releases a stopping worker could not send, for the next one.
         self.owed = OwedReleases(self.service)
@@ -278,7 +279,7 @@ class UniqueMiddleware(Middleware):
         Returns:
           bool: True when none is left waiting.
         """
-        return self._guard.flush(timeout)
+        return self._locks.flush(timeout)
 
     def key(self, spec: ActorSpec, digest: str, phase: str) -> str:
         """The backend key of one lock: prefix, actor in clear text, and
@@ -383,7 +384,9 @@ class UniqueMiddleware(Middleware):
             return
         fresh = is_fresh(message)
         try:
-            self._guard.before_enqueue(message, delay, spec, fresh=fresh, broker=broker)
+            self._locks.stamp(message, spec, fresh)
+            if spec.lock.queue_lock:
+                self._guard.take(message, delay, spec, fresh=fresh, broker=broker)
         except MiddlewareError:
             if fresh:
                 raise
