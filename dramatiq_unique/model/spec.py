@@ -272,6 +272,17 @@ def _is_int(value: Any, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
+def _duration(options: Mapping[str, Any], name: str, minimum: int) -> Optional[int]:
+    """The option ``name``: None, or whole milliseconds from ``minimum``
+    (0 or 1) up to :data:`~dramatiq_unique.settings.MAX_DURATION`.
+    """
+    expected = "a positive whole number of milliseconds" if minimum else "a whole number of milliseconds, 0 or more"
+    duration: Optional[int] = _optional(
+        options, name, lambda v: is_duration(v, minimum), f"{expected}, at most {MAX_DURATION}"
+    )
+    return duration
+
+
 def _lock_args(options: Mapping[str, Any], signature: Optional[inspect.Signature]) -> Optional[tuple[str, ...]]:
     names = options.get("lock_args")
     if names is None:
@@ -341,21 +352,11 @@ def _actor_spec(actor: "Actor[Any, Any]") -> Optional[ActorSpec]:
         lock_args=_lock_args(options, signature),
         lock_args_method=_optional(options, "lock_args_method", callable, "a callable"),
         signature=signature,
-        lock_ttl=_optional(
-            options,
-            "lock_ttl",
-            lambda v: is_duration(v, 1),
-            f"a positive whole number of milliseconds, at most {MAX_DURATION}",
-        ),
+        lock_ttl=_duration(options, "lock_ttl", 1),
         lock_limit=_optional(options, "lock_limit", lambda v: _is_int(v, 1), "a whole number, 1 or more") or 1,
         across_queues=bool(_optional(options, UNIQUE_ACROSS_QUEUES, is_bool, "True or False")),
         across_actors=bool(_optional(options, UNIQUE_ACROSS_ACTORS, is_bool, "True or False")),
-        reschedule_delay=_optional(
-            options,
-            "reschedule_delay",
-            lambda v: is_duration(v, 0),
-            f"a whole number of milliseconds, 0 or more, at most {MAX_DURATION}",
-        ),
+        reschedule_delay=_duration(options, "reschedule_delay", 0),
         debounce=debounce,
         debounce_max=debounce_max,
     )
@@ -393,9 +394,7 @@ def _on_conflict(options: Mapping[str, Any], lock: LockType) -> Any:
 
 
 def _debounce(options: Mapping[str, Any]) -> tuple[Optional[int], Optional[int]]:
-    expected = f"a positive whole number of milliseconds, at most {MAX_DURATION}"
-    debounce = _optional(options, "debounce", lambda v: is_duration(v, 1), expected)
-    debounce_max = _optional(options, "debounce_max", lambda v: is_duration(v, 1), expected)
+    debounce, debounce_max = _duration(options, "debounce", 1), _duration(options, "debounce_max", 1)
     if debounce_max is not None and debounce is None:
         raise ConfigurationError("debounce_max only applies with debounce=.")
     if debounce_max is not None and debounce is not None and debounce_max < debounce:
