@@ -300,12 +300,11 @@ class UniqueMiddleware(Middleware):
                 self.async_actors.add(actor.actor_name)
 
     def before_worker_boot(self, broker: "Broker", worker: "Worker") -> None:
-        if self.specs:
-            self.attach(broker)
         self._retries = any(isinstance(m, Retries) for m in broker.middleware)
         # Every actor is declared by now.  With none locked, the broker's
         # stack and Dramatiq's loggers stay exactly as they were.
         if self.specs:
+            self.attach(broker)
             self._move_before_interrupters(broker, worker)
             quiet_our_skips()
             if self.enabled and self.backend is not None:  # says so now if it does not answer
