@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     )
     from .events import EVENTS, LockEvent
     from .middleware import UniqueMiddleware, digest_for
-    from .model.locks import LOCK_TYPES, STRATEGIES, LockType
+    from .model.spec import LOCK_TYPES, STRATEGIES, LockType
     from .settings import (
         DEFAULT_LEASE,
         DEFAULT_LOCK_TTL,
@@ -50,7 +50,7 @@ _HOMES = (
     ".settings",
     ".errors",
     ".events",
-    ".model.locks",
+    ".model.spec",
     ".backends.base",
     ".backends",
     ".worker.delivery",

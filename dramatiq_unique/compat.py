@@ -12,7 +12,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import dramatiq
 from dramatiq.asyncio import async_to_sync
-from dramatiq.middleware import age_limit as age_limit_module
+from dramatiq.middleware import age_limit as age_limit_module  # its current_millis: AgeLimit's clock, which tests patch
 from dramatiq.middleware.prometheus import Prometheus
 
 try:  # Dramatiq 2.x
@@ -31,9 +31,6 @@ WORKER_THREAD_LOGGER = "dramatiq.worker.WorkerThread"
 #: The format of that log record, which :mod:`dramatiq_unique.worker.quiet`
 #: recognises by identity of text, not by a translation of it.
 SKIPPED_MESSAGE_LOG = "Message %s was skipped."
-
-#: ``age_limit_module.current_millis`` is AgeLimit's own clock, looked up
-#: at call time (tests patch it), in 1.x and 2.x alike.
 
 
 # Dramatiq's private state ------------------------------------------------
@@ -220,29 +217,8 @@ def hub_caller() -> Callable[[Callable[[], None]], None]:
     return lambda call: run_threadsafe(call)  # type: ignore[no-any-return]
 
 
-__all__ = [
-    "ConsumerThread",
-    "RedisDispatch",
-    "async_to_sync",
-    "DRAMATIQ_VERSION",
-    "Prometheus",
-    "SKIPPED_MESSAGE_LOG",
-    "WORKER_THREAD_LOGGER",
-    "age_limit_module",
-    "hub_caller",
-    "native_lock",
-    "original",
-    "proxied_message",
-    "redis_consumer_backoff",
-    "redis_dispatch",
-    "replace_actor_fn",
-    "replace_broker_enqueue",
-    "replace_redis_do_enqueue",
-    "result_options",
-    "set_redis_consumer_backoff",
-    "start_native_thread",
-    "threads_are_green",
-]
+#: The names re-exported from Dramatiq; the functions above are this module's own.
+__all__ = ["ConsumerThread", "Prometheus", "age_limit_module", "async_to_sync"]
 
 
 # redis-py ----------------------------------------------------------------

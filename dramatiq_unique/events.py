@@ -109,7 +109,7 @@ LOG_LINES: tuple[LogLine, ...] = (
     ),
     LogLine(
         "WARNING",
-        "dramatiq_unique.send.results",
+        "dramatiq_unique.send.context",
         "Could not store why %s did not run: %r",
         "the Results backend failed to store the conflict that ended a message; its caller times out",
     ),

@@ -39,7 +39,7 @@ from .errors import ConfigurationError
 from .events import EventHub, Listener
 from .model.spec import ACTOR_OPTIONS, ActorSpec, actor_spec
 from .model.wire import UNIQUE_DIGEST
-from .send.context import LockContext
+from .send.context import EnqueueLocks, LockContext, is_fresh
 from .send.guard import EnqueueGuard
 from .worker.boot import check_backend
 from .worker.coroutines import track
@@ -183,8 +183,11 @@ class UniqueMiddleware(Middleware):
         self.threads = self.unlocker.threads
         #: Takes the run lock of each delivery.
         self.taker = RunLockTaker(self.service, self.unlocker, async_actors=self.async_actors)
-        self.backend = backend if backend is not None else self._backend_from_url()
-        self._guard = EnqueueGuard(self.service, middleware=self)
+        if backend is None and self.settings.url is not None:
+            backend = from_url(self.settings.url, **self._backend_options())
+        self.backend = backend
+        self._locks = EnqueueLocks(self.service)
+        self._guard = EnqueueGuard(self._locks, middleware=self)
         self._retries = True
         #: Releases a stopping worker could not send, for the next one.
         self.owed = OwedReleases(self.service)
@@ -205,28 +208,20 @@ class UniqueMiddleware(Middleware):
             return {}
         return {"min_replicas": settings.min_replicas, "min_replicas_timeout": settings.min_replicas_timeout}
 
-    def _backend_from_url(self) -> Optional[LockBackend]:
-        if self.settings.url is None:
-            return None
-        return from_url(self.settings.url, **self._backend_options())
-
     def attach(self, broker: "Broker") -> None:
         """Pick the backend for ``broker`` if none was given, and guard
         its ``enqueue``.  Called by the hooks; idempotent.
         """
         if self.backend is None:
-            self.backend = self._backend_for(broker)
+            backend = for_broker(broker, **self._backend_options())
+            if backend is None:
+                raise ConfigurationError(
+                    f"UniqueMiddleware has no lock backend for a {type(broker).__name__}. Set the "
+                    "dramatiq_unique_url environment variable (a redis:// or postgresql:// URL), or pass url=... "
+                    "or backend=... to UniqueMiddleware."
+                )
+            self.backend = backend
         self._guard.install(broker)
-
-    def _backend_for(self, broker: "Broker") -> LockBackend:
-        backend = for_broker(broker, **self._backend_options())
-        if backend is not None:
-            return backend
-        raise ConfigurationError(
-            f"UniqueMiddleware has no lock backend for a {type(broker).__name__}. Set the "
-            "dramatiq_unique_url environment variable (a redis:// or postgresql:// URL), or pass url=... "
-            "or backend=... to UniqueMiddleware."
-        )
 
     @staticmethod
     def _check_capabilities(spec: ActorSpec, backend: LockBackend) -> None:
@@ -284,7 +279,7 @@ class UniqueMiddleware(Middleware):
         Returns:
           bool: True when none is left waiting.
         """
-        return self._guard.flush(timeout)
+        return self._locks.flush(timeout)
 
     def key(self, spec: ActorSpec, digest: str, phase: str) -> str:
         """The backend key of one lock: prefix, actor in clear text, and
@@ -305,12 +300,11 @@ class UniqueMiddleware(Middleware):
                 self.async_actors.add(actor.actor_name)
 
     def before_worker_boot(self, broker: "Broker", worker: "Worker") -> None:
-        if self.specs:
-            self.attach(broker)
         self._retries = any(isinstance(m, Retries) for m in broker.middleware)
         # Every actor is declared by now.  With none locked, the broker's
         # stack and Dramatiq's loggers stay exactly as they were.
         if self.specs:
+            self.attach(broker)
             self._move_before_interrupters(broker, worker)
             quiet_our_skips()
             if self.enabled and self.backend is not None:  # says so now if it does not answer
@@ -387,9 +381,11 @@ class UniqueMiddleware(Middleware):
         spec = self.specs.get(message.actor_name)
         if spec is None or not self.enabled:
             return
-        fresh = self._guard.is_fresh(message)
+        fresh = is_fresh(message)
         try:
-            self._guard.before_enqueue(message, delay, spec, fresh=fresh, broker=broker)
+            self._locks.stamp(message, spec, fresh)
+            if spec.lock.queue_lock:
+                self._guard.take(message, delay, spec, fresh=fresh, broker=broker)
         except MiddlewareError:
             if fresh:
                 raise

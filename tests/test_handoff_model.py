@@ -299,7 +299,7 @@ def _called_by_the_middleware() -> bool:
     code, not through its guard of ``broker.enqueue`` (Retries, a move).
     """
     frame = sys._getframe(2)
-    while frame is not None and frame.f_globals.get("__name__") == "dramatiq_unique.send.guard":
+    while frame is not None and frame.f_globals.get("__name__") == "dramatiq_unique.send.context":
         frame = frame.f_back
     return frame is not None and str(frame.f_globals.get("__name__", "")).startswith("dramatiq_unique")
 

@@ -232,14 +232,14 @@ def test_the_layering_check_finds_an_upward_import() -> None:
     edges = {
         f"{PACKAGE}.backends.stub": {f"{PACKAGE}.send.guard"},
         f"{PACKAGE}.model.spec": {f"{PACKAGE}.errors", f"{PACKAGE}.backends.base"},
-        f"{PACKAGE}.errors": {f"{PACKAGE}.model.locks"},
+        f"{PACKAGE}.errors": {f"{PACKAGE}.model.spec"},
         f"{PACKAGE}.send.guard": {f"{PACKAGE}.middleware"},
         f"{PACKAGE}.ops.admin": {f"{PACKAGE}.worker.delivery", f"{PACKAGE}.middleware"},
         f"{PACKAGE}.worker.take": {f"{PACKAGE}.send.context", f"{PACKAGE}.background"},
     }
     assert layering_violations(edges) == [
         f"{PACKAGE}.backends.stub (backends) imports {PACKAGE}.send.guard (send)",
-        f"{PACKAGE}.errors (base) imports {PACKAGE}.model.locks",
+        f"{PACKAGE}.errors (base) imports {PACKAGE}.model.spec",
         f"{PACKAGE}.model.spec (model) imports {PACKAGE}.backends.base (backends)",
         f"{PACKAGE}.send.guard (send) imports the front's {PACKAGE}.middleware",
     ]

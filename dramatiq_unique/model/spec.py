@@ -1,5 +1,12 @@
-"""Per-actor lock configuration, validated when the actor is declared,
-and the digest it gives each message.
+"""What a lock is and what an actor's lock options mean: the lock
+types and conflict strategies, as data, the options of each actor,
+validated when it is declared, and the digest each message gets.
+
+Every lock type is one row of :data:`LOCK_TYPES`: whether it takes a
+queue lock when the message is enqueued (owned by the message id),
+whether it takes a run lock around the actor (owned by a token per
+execution, kept alive as a lease), and when the queue lock is released.
+The middleware reads these rows; there is no class per lock type.
 """
 
 from __future__ import annotations
@@ -10,18 +17,117 @@ import json
 import logging
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional, Sequence, Union
 
 from dramatiq.common import q_name
 from dramatiq.logging import get_logger
 
 from ..errors import ConfigurationError
 from ..settings import MAX_DURATION, is_duration
-from .locks import LockType, lock_type, strategies
 from .wire import ANY_ACTOR, DIGEST_LENGTH, UNIQUE_ACROSS_ACTORS, UNIQUE_ACROSS_QUEUES, actor_scope
 
 if TYPE_CHECKING:
     from dramatiq import Actor
+
+#: When a queue lock is released: just before the actor runs, after it
+#: has finished for good, or only when it expires.
+QueueRelease = Literal["run_start", "run_end", "expiry"]
+
+
+@dataclass(frozen=True)
+class LockType:
+    """One row of the lock table."""
+
+    name: str
+    queue_lock: bool
+    run_lock: bool
+    queue_release: Optional[QueueRelease]
+
+    @property
+    def sides(self) -> tuple[str, ...]:
+        """The conflict sides this lock type has."""
+        return tuple(side for side, has in (("client", self.queue_lock), ("server", self.run_lock)) if has)
+
+
+LOCK_TYPES: Mapping[str, LockType] = {
+    lock.name: lock
+    for lock in (
+        LockType("until_executing", queue_lock=True, run_lock=False, queue_release="run_start"),
+        LockType("until_executed", queue_lock=True, run_lock=False, queue_release="run_end"),
+        LockType("until_expired", queue_lock=True, run_lock=False, queue_release="expiry"),
+        LockType("while_executing", queue_lock=False, run_lock=True, queue_release=None),
+        LockType("until_and_while_executing", queue_lock=True, run_lock=True, queue_release="run_start"),
+    )
+}
+
+#: Valid strategies per side, the default first.  The client strategy
+#: ``replace`` makes a new send the holder of the enqueue lock and
+#: supersedes the message that held it (see :mod:`dramatiq_unique.send.guard`).
+STRATEGIES: Mapping[str, tuple[str, ...]] = {
+    "client": ("log", "raise", "replace"),
+    "server": ("reschedule", "log", "raise", "reject"),
+}
+
+OnConflict = Union[str, Mapping[str, str]]
+
+
+def lock_type(name: object) -> LockType:
+    """Look a lock type up by name.
+
+    Raises:
+      ConfigurationError: listing the valid names.
+    """
+    if not isinstance(name, str) or name not in LOCK_TYPES:
+        raise ConfigurationError(f"lock={name!r} is not a lock type. Valid choices: {', '.join(LOCK_TYPES)}.")
+    return LOCK_TYPES[name]
+
+
+def strategies(lock: LockType, on_conflict: Optional[OnConflict]) -> dict[str, str]:
+    """Resolve ``on_conflict`` into one strategy per side of ``lock``.
+
+    A plain name applies to every side the lock type has, so it must be
+    valid on each of them, except ``"replace"``, which only a client
+    side has; a ``{"client": ..., "server": ...}`` mapping
+    names sides explicitly.
+
+    Raises:
+      ConfigurationError: for an unknown name or a side the lock type
+        does not have, listing the valid choices.
+    """
+    chosen = {side: STRATEGIES[side][0] for side in lock.sides}
+    if on_conflict is None:
+        return chosen
+    if on_conflict == "replace" and not lock.queue_lock:
+        raise ConfigurationError(
+            f"on_conflict='replace' needs a lock type with an enqueue lock "
+            f"({', '.join(n for n, t in LOCK_TYPES.items() if t.queue_lock)}), not lock={lock.name!r}."
+        )
+    if on_conflict == "replace":
+        # Only the client side can replace; the server side keeps its default.
+        given = {"client": "replace"}
+    elif isinstance(on_conflict, str):
+        given = {side: on_conflict for side in lock.sides}
+    elif isinstance(on_conflict, Mapping):
+        given = dict(on_conflict)
+    else:
+        raise ConfigurationError(
+            f"on_conflict={on_conflict!r} is invalid: expected a strategy name or {{'client': ..., 'server': ...}}."
+        )
+    for side, name in given.items():
+        if side not in lock.sides:
+            raise ConfigurationError(
+                f"on_conflict side {side!r} does not apply to lock={lock.name!r}. "
+                f"Valid sides: {', '.join(lock.sides)}."
+            )
+        if name not in STRATEGIES[side]:
+            raise ConfigurationError(
+                f"on_conflict={name!r} is not a {side} strategy for lock={lock.name!r}. "
+                f"Valid {side} choices: {', '.join(STRATEGIES[side])}"
+                + (". Give one per side as {'client': ..., 'server': ...}." if len(lock.sides) > 1 else ".")
+            )
+        chosen[side] = name
+    return chosen
+
 
 #: The actor options this package declares.
 ACTOR_OPTIONS = frozenset(
@@ -166,6 +272,17 @@ def _is_int(value: Any, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
+def _duration(options: Mapping[str, Any], name: str, minimum: int) -> Optional[int]:
+    """The option ``name``: None, or whole milliseconds from ``minimum``
+    (0 or 1) up to :data:`~dramatiq_unique.settings.MAX_DURATION`.
+    """
+    expected = "a positive whole number of milliseconds" if minimum else "a whole number of milliseconds, 0 or more"
+    duration: Optional[int] = _optional(
+        options, name, lambda v: is_duration(v, minimum), f"{expected}, at most {MAX_DURATION}"
+    )
+    return duration
+
+
 def _lock_args(options: Mapping[str, Any], signature: Optional[inspect.Signature]) -> Optional[tuple[str, ...]]:
     names = options.get("lock_args")
     if names is None:
@@ -235,21 +352,11 @@ def _actor_spec(actor: "Actor[Any, Any]") -> Optional[ActorSpec]:
         lock_args=_lock_args(options, signature),
         lock_args_method=_optional(options, "lock_args_method", callable, "a callable"),
         signature=signature,
-        lock_ttl=_optional(
-            options,
-            "lock_ttl",
-            lambda v: is_duration(v, 1),
-            f"a positive whole number of milliseconds, at most {MAX_DURATION}",
-        ),
+        lock_ttl=_duration(options, "lock_ttl", 1),
         lock_limit=_optional(options, "lock_limit", lambda v: _is_int(v, 1), "a whole number, 1 or more") or 1,
         across_queues=bool(_optional(options, UNIQUE_ACROSS_QUEUES, is_bool, "True or False")),
         across_actors=bool(_optional(options, UNIQUE_ACROSS_ACTORS, is_bool, "True or False")),
-        reschedule_delay=_optional(
-            options,
-            "reschedule_delay",
-            lambda v: is_duration(v, 0),
-            f"a whole number of milliseconds, 0 or more, at most {MAX_DURATION}",
-        ),
+        reschedule_delay=_duration(options, "reschedule_delay", 0),
         debounce=debounce,
         debounce_max=debounce_max,
     )
@@ -287,9 +394,7 @@ def _on_conflict(options: Mapping[str, Any], lock: LockType) -> Any:
 
 
 def _debounce(options: Mapping[str, Any]) -> tuple[Optional[int], Optional[int]]:
-    expected = f"a positive whole number of milliseconds, at most {MAX_DURATION}"
-    debounce = _optional(options, "debounce", lambda v: is_duration(v, 1), expected)
-    debounce_max = _optional(options, "debounce_max", lambda v: is_duration(v, 1), expected)
+    debounce, debounce_max = _duration(options, "debounce", 1), _duration(options, "debounce_max", 1)
     if debounce_max is not None and debounce is None:
         raise ConfigurationError("debounce_max only applies with debounce=.")
     if debounce_max is not None and debounce is not None and debounce_max < debounce:

@@ -1,40 +1,72 @@
-"""What the guards work with: the lock context, and the guarded
-enqueue call.
+"""What the guards and the worker work with: the lock context, the
+guarded enqueue call, what a send stamps on a message, and what a caller
+waiting on a result learns.  A delivery runs no other send module.
 
 The enqueue and process guards, replace and debounce, and the send fast
 path each act for one
 :class:`~dramatiq_unique.middleware.UniqueMiddleware`, but none of them
 holds it.  They use a :class:`LockContext`: where the locks live, how a
 key is made, how an event is told and how a backend failure is
-reported.  The middleware makes the service and the guards; the guards
+reported.  The middleware makes the context and the guards; the guards
 import this module and each other downwards only (``guard`` imports
-``replace`` and ``fastpath``, never the reverse; the worker side
-imports the send side, never the reverse), and
-``tests/test_import_graph.py`` fails on any import cycle.
+``fastpath``, both import this module, and this module imports
+``confirm``, never the reverse; the worker side imports the send side,
+never the reverse), and ``tests/test_import_graph.py`` fails on any
+import cycle.
 
 :class:`EnqueueLocks` is what every way of taking an enqueue lock shares
-(the two-step path in :mod:`.guard`, :mod:`.replace`, the fast path
-in :mod:`.fastpath`): the locks the current guarded call took, how a
+(the two-step path and replace in :mod:`.guard`, the fast path in
+:mod:`.fastpath`): the guarded enqueue call, the locks it took, how a
 duplicate is refused, and how a failed take fails closed.
+
+A new message gets its place among its producer's sends of the same
+millisecond (waiters of one key are handed the key in that order); each
+delivery is one copy of its message (:class:`~..backends.base.Copy`),
+named by the options the sends stamped (their names, and how a lock
+owner names its message, are in :mod:`..model.wire`).  The send side
+stamps these, the worker and the operators read them.
+
+Dramatiq's ``Results`` stores ``None`` for any skipped message that is
+not failed, and an exception only when it is dead-lettered.  A message
+that this package drops, dead-letters or supersedes must instead give
+its caller a ``ResultFailure`` naming why (:func:`store_failure`), and a
+copy that is skipped while another copy runs must store nothing at all
+(:func:`store_nothing`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
-from ..compat import ConsumerThread
+from dramatiq.logging import get_logger
+
+from ..backends.base import SENDS_PER_MS, Copy, NewestWins
+from ..compat import ConsumerThread, replace_broker_enqueue, result_options
 from ..errors import DuplicateMessage, LockBackendError
 from ..events import EventHub, LockEvent
-from ..model.wire import UNIQUE_DIGEST, UNIQUE_LOCK_ARGS, join_place, lock_key, message_id_of
+from ..model.wire import (
+    UNIQUE_DIGEST,
+    UNIQUE_DUPLICATE_OF,
+    UNIQUE_LOCK_ARGS,
+    UNIQUE_RESCHEDULES,
+    UNIQUE_SEQ,
+    UNIQUE_VIA,
+    join_place,
+    lock_key,
+    message_id_of,
+)
+from .confirm import Confirmer, Pending
 
 if TYPE_CHECKING:
+    from dramatiq import Broker
+
     from ..backends.base import LockBackend
     from ..model.spec import ActorSpec
     from ..settings import Settings
-    from .confirm import Pending
 
 
 class LockContext:
@@ -139,7 +171,7 @@ class GuardedCall:
         #: Locks taken fresh: released if the publish fails.
         self.taken: list[tuple[str, str]] = []
         #: Provisional locks: confirmed once the publish returns.
-        self.provisional: list["Pending"] = []
+        self.provisional: list[Pending] = []
         #: Locks the send fast path takes with the publish, by
         #: ``redis_message_id`` (a hook may enqueue another message).
         self.deferred: Optional[dict[str, Deferred]] = None
@@ -171,7 +203,21 @@ def is_fresh(message: Any) -> bool:
 
 
 class EnqueueLocks:
-    """What every path that takes an enqueue lock shares.
+    """What every path that takes an enqueue lock shares, and the guarded
+    enqueue call they run in.
+
+    Dramatiq 2.x has no supported way for middleware to cancel an
+    enqueue: an exception from ``before_enqueue`` either reaches the
+    caller or is ignored.  So the middleware wraps its broker's
+    ``enqueue`` once (:meth:`guard`).  The wrapper turns a refused
+    duplicate into a returned, unsent message, and gives back what its
+    call took when the publish fails.  That covers ``send``,
+    ``send_with_options``, ``broker.enqueue``, pipelines, groups and
+    callbacks alike.  A new lock taken in the call holds for the
+    provisional window only, and is confirmed to its full lifetime by
+    the process's :class:`~.confirm.Confirmer` once the publish has
+    returned (see :mod:`dramatiq_unique.send.confirm`): a producer that
+    dies in between leaves a key that frees itself.
 
     Parameters:
       service(LockContext): The middleware's lock context.
@@ -182,6 +228,143 @@ class EnqueueLocks:
         #: The Redis broker's namespace, to record where each message
         #: goes for the reaper; None on other brokers.
         self.namespace: Optional[str] = None
+        self._confirmer: Optional[Confirmer] = None
+        self._confirmer_mutex = threading.Lock()
+
+    def guard(self, broker: "Broker") -> None:
+        """Wrap ``broker.enqueue``, once."""
+        if getattr(broker.enqueue, "_unique_guard", None) is self:
+            return
+        namespace = getattr(broker, "namespace", None)
+        self.namespace = namespace if isinstance(namespace, str) else None
+        original: Callable[..., Any] = broker.enqueue
+
+        @functools.wraps(original)
+        def enqueue(message: Any, *, delay: Optional[int] = None) -> Any:
+            delay = self.debounce_delay(message, delay)
+            call = GuardedCall()
+            token = CURRENT_CALL.set(call)
+            try:
+                sent = original(message, delay=delay)
+            except Refused as refused:
+                unsent = message.copy(options={UNIQUE_DUPLICATE_OF: refused.holder})
+                duplicate = DuplicateMessage(str(refused), key=refused.key, holder=refused.holder)
+                store_failure(broker, unsent, duplicate)  # a caller waiting on it learns why at once
+                return unsent
+            except BaseException:
+                self._restore(message, call.taken)
+                self._release_all(call.taken, message.actor_name)
+                raise
+            finally:
+                CURRENT_CALL.reset(token)
+            if call.provisional:
+                self._confirm_all(call.provisional)
+            return sent
+
+        enqueue._unique_guard = self  # type: ignore[attr-defined]
+        replace_broker_enqueue(broker, enqueue)
+
+    def stamp(self, message: Any, spec: "ActorSpec", fresh: bool) -> None:
+        """Stamp the digest on a new message, and on a new message of an
+        actor with a run lock its send order and the lock args it
+        records (the worker's run lock records them from the message,
+        see :func:`copy_of`).  A message that carries the digest already
+        is being re-enqueued (a retry, a delay-queue move, a reschedule,
+        a publish retry), and keeps its stamps.
+        """
+        if UNIQUE_DIGEST not in message.options:
+            message.options[UNIQUE_DIGEST] = spec.digest(message.args, message.kwargs)
+            if spec.lock.run_lock:
+                send_sequence.stamp(message)
+        if spec.lock.run_lock:
+            recorded = self.lock_args(message, spec, fresh)
+            if recorded is not None:
+                message.options.setdefault(UNIQUE_LOCK_ARGS, recorded)
+
+    def debounce_delay(self, message: Any, delay: Optional[int]) -> Optional[int]:
+        """The delay to enqueue ``message`` with: for a new send of a
+        debounced actor, at least its quiet window, so that the broker puts
+        it on the delay queue; ``before_enqueue`` then sets its due time.
+        """
+        service = self.service
+        spec = service.specs.get(message.actor_name)
+        if spec is None or spec.debounce is None or not service.enabled or not is_fresh(message):
+            return delay
+        return max(delay or 0, spec.debounce)
+
+    @property
+    def newest_wins(self) -> NewestWins:
+        """The backend's verbs of ``on_conflict="replace"``."""
+        return NewestWins.require(self.service.locks, feature="on_conflict='replace'")
+
+    def _restore(self, message: Any, taken: list[tuple[str, str]]) -> None:
+        """After a failed publish, make the message that this send superseded
+        current again, so that it runs; the guard then releases this send's
+        own slot.  A backend failure here leaves the superseded message
+        superseded, as the send's error tells its caller.
+        """
+        service = self.service
+        spec = service.specs.get(message.actor_name)
+        if spec is None or spec.client != "replace":
+            return
+        for key, owner in taken:
+            try:
+                previous = self.newest_wins.unreplace(key, owner)
+            except Exception as e:
+                service.backend_error("restore the message superseded by an unsent one in", key, spec, message, e)
+                continue
+            if previous is not None:
+                service.logger.info(
+                    "Message %s is current again in %r: its replacement was not enqueued.", previous, key
+                )
+
+    def _release_all(self, taken: list[tuple[str, str]], actor: str) -> None:
+        service = self.service
+        for key, owner in taken:
+            try:
+                service.locks.release(key, owner)
+                service.logger.info("Released %r: its message was not enqueued.", key)
+                service.events.emit(LockEvent("released", actor, key, owner))
+            except Exception as e:
+                service.logger.error("Could not release %r after a failed enqueue: %r", key, e)
+                service.events.emit(LockEvent("backend_error", actor, key, owner))
+
+    @property
+    def confirmer(self) -> Confirmer:
+        """This process's confirmer for the middleware's backend."""
+        backend = self.service.locks
+        confirmer = self._confirmer
+        if confirmer is not None and confirmer.backend is backend:
+            return confirmer
+        with self._confirmer_mutex:
+            if self._confirmer is None or self._confirmer.backend is not backend:
+                if self._confirmer is not None:
+                    self._confirmer.stop(timeout=0)
+                self._confirmer = Confirmer(backend, on_lapsed=self._lapsed)
+            return self._confirmer
+
+    def _confirm_all(self, provisional: list[Pending]) -> None:
+        # The message is published: nothing here may raise to the caller.
+        try:
+            if len(provisional) > 1:
+                # De-duplicated: a RabbitMQ publish retry re-enters the same lock.
+                provisional = list({(lock.key, lock.owner): lock for lock in provisional}.values())
+            self.confirmer.submit(provisional)
+        except Exception as e:  # e.g. no new threads at interpreter shutdown
+            self.service.logger.error(
+                "Could not queue %d enqueue lock(s) for confirmation: %r; they lapse after the provisional window.",
+                len(provisional),
+                e,
+            )
+
+    def _lapsed(self, lock: Pending) -> None:
+        self.service.events.emit(LockEvent("lock_lost", lock.actor, lock.key, lock.owner))
+
+    def flush(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for this process's
+        provisional locks to be confirmed.
+        """
+        return self._confirmer is None or self._confirmer.flush(timeout)
 
     def where(self, message: Any) -> str:
         """Where ``message`` is being published, as the reaper looks for
@@ -204,15 +387,6 @@ class EnqueueLocks:
         if isinstance(stamped, str):
             return stamped
         return spec.canonical(spec.key_material(message.args, message.kwargs))
-
-    def stamp_lock_args(self, message: Any, spec: "ActorSpec", fresh: bool) -> None:
-        """Stamp on a new send the lock args it records, if any: the
-        worker's run lock records them from the message (see
-        :func:`~.copies.copy_of`).
-        """
-        recorded = self.lock_args(message, spec, fresh)
-        if recorded is not None:
-            message.options.setdefault(UNIQUE_LOCK_ARGS, recorded)
 
     def record(self, key: str, owner: str) -> None:
         """Remember a lock this guarded call took, to give it back if
@@ -268,3 +442,86 @@ class EnqueueLocks:
                 self.record(key, message.message_id)
             raise wrapped from error
         service.logger.warning("Enqueueing %s without its lock %r.", message, key)
+
+
+# What a send stamps, and the copy a delivery is ---------------------------
+
+
+class _SendOrder:
+    """The place of each send among this process's sends of the same
+    millisecond: waiters of one key are handed the key in send order,
+    and message ids, the only other tie-breaker, are random.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ms, self._next = -1, 0
+
+    def stamp(self, message: Any) -> None:
+        """Stamp ``unique_seq`` on a new message (never on a re-enqueue:
+        a retry or a move keeps its place).
+        """
+        ms = int(message.message_timestamp)
+        with self._lock:
+            if ms != self._ms:
+                self._ms, self._next = ms, 0
+            seq, self._next = self._next, self._next + 1
+        message.options[UNIQUE_SEQ] = min(seq, SENDS_PER_MS - 1)
+
+
+#: Stamps the send order of this process's new messages.
+send_sequence = _SendOrder()
+
+
+def send_order(message: Any) -> int:
+    """Where a waiting message stands among its key's waiters: the
+    millisecond its message was made, then its place among its
+    producer's messages of that millisecond.
+    """
+    return int(message.message_timestamp) * SENDS_PER_MS + int(message.options.get(UNIQUE_SEQ, 0))
+
+
+def copy_of(message: Any, key: str) -> Copy:
+    """Which copy of its message ``message`` is, for the run lock ``key``."""
+    options = message.options
+    # Built in C (every job makes one): a named tuple's own constructor runs Python.
+    fields = (
+        key,
+        message.message_id,
+        options.get(UNIQUE_RESCHEDULES, 0),
+        options.get(UNIQUE_VIA, ""),
+        options.get(UNIQUE_LOCK_ARGS),  # stamped at send under record_lock_args only
+        options.get("retries", 0),
+    )
+    return tuple.__new__(Copy, fields)
+
+
+# What a caller waiting on a result learns ---------------------------------
+
+logger = get_logger(__name__)
+
+
+def store_nothing(message: Any) -> None:
+    """Keep ``Results`` from storing ``None`` for a skipped copy, which
+    would overwrite or pre-empt the result of the copy that runs.
+    """
+    message.options["store_results"] = False
+
+
+def store_failure(broker: "Broker", message: Any, error: Exception) -> None:
+    """Store ``error`` as the result of ``message`` in every ``Results``
+    middleware of ``broker`` whose actor stores results, then keep
+    Dramatiq from storing anything else for this delivery.
+    """
+    from dramatiq.results import Results
+
+    for middleware in broker.middleware:
+        if not isinstance(middleware, Results):
+            continue
+        stores, ttl = result_options(middleware, broker, message)
+        if stores:
+            try:
+                middleware.backend.store_exception(message, error, ttl)
+            except Exception as e:  # the result store is not ours to fail the delivery over
+                logger.warning("Could not store why %s did not run: %r", message, e)
+    store_nothing(message)

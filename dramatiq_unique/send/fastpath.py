@@ -34,10 +34,11 @@ duplicate that it never saw before); and a new send, not a re-enqueue
 steps, and never raise).
 
 It calls private methods of the broker (through :mod:`..compat`, which
-checks they are there), so it has to pay for that: in the harness's
-enqueue round (one thread, distinct keys, chunks in turn), an
-``until_executed`` send went at 0.80 x bare Dramatiq's rate with it and
-0.48 x without it, 1.70 x (1.65 to 1.79 over 5 rounds of 3000 sends).
+checks they are there), so it has to pay for that, and does: in the
+harness's enqueue round (one thread, distinct keys, chunks in turn),
+with the fast path on and off interleaved within each round, every lock
+type with an enqueue lock sent at 1.59 to 1.66 x its rate without it
+(medians of 5 rounds of 3000 sends; each round's ratios 1.48 to 1.70).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from dramatiq.common import current_millis
 from dramatiq.middleware import Middleware
 
-from ..backends.base import Acquisition, DispatchFailed, LockBackend, SendsWithPublish
+from ..backends.base import DispatchFailed, LockBackend, SendsWithPublish
 from ..compat import RedisDispatch, redis_dispatch, replace_redis_do_enqueue
 from ..model.spec import ActorSpec
 from ..model.wire import QUEUE, UNIQUE_DIGEST
@@ -215,34 +216,6 @@ class SendPath:
             return None
         return call.deferred.pop(redis_message_id, None)
 
-    def took(self, message: Any, spec: ActorSpec, key: str, got: Acquisition) -> None:
-        """The fast path's lock call answered: refuse a duplicate (its
-        message was not enqueued) or record the lock it took.
-        """
-        if not got.acquired:
-            self.locks.refuse(message, spec, key, got.holder)
-        if not got.reentered:
-            self.locks.locked(message, spec, key)
-
-    def send_failed(self, message: Any, spec: ActorSpec, key: str, error: Exception) -> bool:
-        """The fast path's call failed: fail closed as
-        :meth:`EnqueueLocks.take_failed` does, or go on unlocked.  The
-        call was also the publish, so a timeout, which may have locked
-        and enqueued, raises even when told to go on, as the broker's
-        own enqueue would.  Its lock is kept: one script took it and
-        enqueued, or did neither, so what it holds always matches the
-        queue, and a send again is refused as a duplicate exactly when
-        the first one went out.
-
-        Returns:
-          bool: True when the message is to be enqueued without its lock.
-        """
-        if self.service.settings.on_backend_error != "fail" and maybe_applied(error):
-            self.service.backend_error("take the enqueue lock", key, spec, message, error)
-            raise error
-        self.locks.take_failed(message, spec, key, True, error, give_back=False)
-        return True
-
     def _send(
         self,
         broker: Any,
@@ -283,7 +256,20 @@ class SendPath:
         except DispatchFailed:
             raise  # the broker's own failure, as its enqueue raises it; nothing is locked
         except Exception as e:
-            if self.send_failed(message, spec, key, e):
-                internals.enqueue(queue_name, redis_message_id, data)
+            # Fail closed as EnqueueLocks.take_failed does, or go on unlocked.
+            # The call was also the publish, so a timeout, which may have
+            # locked and enqueued, raises even when told to go on, as the
+            # broker's own enqueue would.  Its lock is kept: one script took
+            # it and enqueued, or did neither, so what it holds always
+            # matches the queue, and a send again is refused as a duplicate
+            # exactly when the first one went out.
+            if self.service.settings.on_backend_error != "fail" and maybe_applied(e):
+                self.service.backend_error("take the enqueue lock", key, spec, message, e)
+                raise
+            self.locks.take_failed(message, spec, key, True, e, give_back=False)  # raises unless told to go on
+            internals.enqueue(queue_name, redis_message_id, data)  # without its lock
             return
-        self.took(message, spec, key, got)
+        if not got.acquired:  # a duplicate: its message was not enqueued
+            self.locks.refuse(message, spec, key, got.holder)
+        if not got.reentered:
+            self.locks.locked(message, spec, key)

@@ -21,9 +21,7 @@ from ..clock import JITTER
 from ..errors import CopySkipped, LockConflict, Rescheduled
 from ..model.spec import ActorSpec
 from ..model.wire import UNIQUE_DIGEST, UNIQUE_RESCHEDULES, UNIQUE_VIA, UNIQUE_WAITS, message_id_of
-from ..send.context import LockContext
-from ..send.copies import send_order
-from ..send.results import store_failure, store_nothing
+from ..send.context import LockContext, send_order, store_failure, store_nothing
 from .delivery import Delivery
 
 if TYPE_CHECKING:

@@ -15,9 +15,7 @@ from dramatiq.middleware import SkipMessage
 from ..backends.base import CurrentStatus, NewestWins, Reschedules
 from ..errors import Superseded
 from ..model.wire import UNIQUE_RESCHEDULES
-from ..send.context import LockContext
-from ..send.copies import copy_of
-from ..send.results import store_failure
+from ..send.context import LockContext, copy_of, store_failure
 from .delivery import Delivery
 
 if TYPE_CHECKING:

@@ -20,8 +20,7 @@ from ..compat import age_limit_module
 from ..forks import pid
 from ..model.spec import ActorSpec
 from ..model.wire import UNIQUE_DIGEST, join_owner
-from ..send.context import LockContext
-from ..send.copies import copy_of, send_order
+from ..send.context import LockContext, copy_of, send_order
 from .conflict import Conflict, on_conflict, reserve, skip_copy, wait_longer
 from .coroutines import watch
 from .delivery import Delivery, HandOff, attach, set_fence
