@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Any, Callable, Optional
 
-from dramatiq_unique.backends.base import Copy
+from dramatiq_unique.backends.records import Copy
 
 from .pg_app import FLOOR_WRITE
 from .pg_server import prepare, rows_of, with_synchronous_commit

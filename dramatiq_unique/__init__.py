@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .backends import StubBackend
-    from .backends.base import Acquisition, EnqueueRecord, LockBackend, LockInfo, Release, Replacement
+    from .backends.base import LockBackend
+    from .backends.records import Acquisition, EnqueueRecord, LockInfo, Release, Replacement
     from .errors import (
         ConfigurationError,
         DuplicateMessage,
@@ -46,12 +47,12 @@ __version__ = "0.1.0"
 #: pytest as a plugin; ``settings``; the CLI) imports neither Dramatiq
 #: nor redis.
 _EXPORTS = {
-    "Acquisition": ".backends.base",
-    "EnqueueRecord": ".backends.base",
+    "Acquisition": ".backends.records",
+    "EnqueueRecord": ".backends.records",
     "LockBackend": ".backends.base",
-    "LockInfo": ".backends.base",
-    "Release": ".backends.base",
-    "Replacement": ".backends.base",
+    "LockInfo": ".backends.records",
+    "Release": ".backends.records",
+    "Replacement": ".backends.records",
     "StubBackend": ".backends",
     "fence_token": ".worker.delivery",
     "ConfigurationError": ".errors",

@@ -19,7 +19,7 @@ import psycopg_pool
 import pytest
 
 from dramatiq_unique import StubBackend
-from dramatiq_unique.backends.base import Copy, CopyVerdict, EnqueueRecord
+from dramatiq_unique.backends.records import Copy, CopyVerdict, EnqueueRecord
 from dramatiq_unique.backends.postgres import PostgresBackend, sql
 from dramatiq_unique.backends.postgres.state import dump, load
 from dramatiq_unique.errors import ConfigurationError, LockBackendError

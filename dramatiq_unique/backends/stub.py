@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 from ..model.wire import split_owner
-from .base import (
+from .base import glob_pattern
+from .capabilities import NewestWins, Reschedules
+from .records import (
     DEFAULT_RESERVE,
     DUPLICATE_WINDOW,
     Acquisition,
@@ -19,14 +21,11 @@ from .base import (
     CurrentStatus,
     EnqueueRecord,
     LockInfo,
-    NewestWins,
     Release,
-    Replacement,
     ReplaceStatus,
-    Reschedules,
+    Replacement,
     Start,
     Waiter,
-    glob_pattern,
 )
 
 

@@ -21,7 +21,8 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeVar
 
-from ..backends.base import EnqueueRecord, LockBackend, LockInfo, Waiter
+from ..backends.base import LockBackend
+from ..backends.records import EnqueueRecord, LockInfo, Waiter
 from ..errors import UniqueError
 from ..model.wire import (
     PHASES,

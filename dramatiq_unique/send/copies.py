@@ -2,7 +2,7 @@
 
 A new message gets its place among its producer's sends of the same
 millisecond (waiters of one key are handed the key in that order); each
-delivery is one copy of its message (:class:`~..backends.base.Copy`),
+delivery is one copy of its message (:class:`~..backends.records.Copy`),
 named by the options the sends stamped (their names, and how a lock
 owner names its message, are in :mod:`..model.wire`).  The send side
 stamps these, the worker and the operators read them.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from ..backends.base import SENDS_PER_MS, Copy
+from ..backends.records import SENDS_PER_MS, Copy
 from ..model.wire import UNIQUE_LOCK_ARGS, UNIQUE_RESCHEDULES, UNIQUE_SEQ, UNIQUE_VIA
 
 

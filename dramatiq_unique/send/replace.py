@@ -21,7 +21,8 @@ from typing import Any, Optional
 from dramatiq.common import current_millis
 from dramatiq.middleware import MiddlewareError
 
-from ..backends.base import CurrentStatus, NewestWins, ReplaceStatus
+from ..backends.capabilities import NewestWins
+from ..backends.records import CurrentStatus, ReplaceStatus
 from ..model.spec import ActorSpec
 from ..model.wire import QUEUE, RUN, UNIQUE_DIGEST, UNIQUE_REPLACED
 from .context import EnqueueLocks, LockContext, is_fresh

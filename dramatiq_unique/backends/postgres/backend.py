@@ -31,23 +31,19 @@ except ModuleNotFoundError as e:  # tested in a subprocess: tests/test_postgres.
 
 from ...errors import ConfigurationError, LockBackendError
 from ...forks import pid
-from ..base import (
+from ..base import glob_pattern
+from ..capabilities import BatchedReleases, NewestWins, RenewsNatively, Reschedules, release_then_start
+from ..records import (
     DEFAULT_RESERVE,
     Acquisition,
-    BatchedReleases,
     Copy,
     CurrentCheck,
     EnqueueRecord,
     LockInfo,
-    NewestWins,
     Release,
-    RenewsNatively,
     Replacement,
-    Reschedules,
     Start,
     Waiter,
-    glob_pattern,
-    release_then_start,
 )
 from ..stub import StubBackend
 from . import sql

@@ -28,29 +28,31 @@ except ModuleNotFoundError as e:  # tested in a subprocess: tests/test_install.p
 from ...errors import ConfigurationError, LockBackendError
 from ...model import wire
 from ...settings import DEFAULT_MIN_REPLICAS, DEFAULT_MIN_REPLICAS_TIMEOUT
-from ..base import (
+from ..capabilities import (
+    BatchedReleases,
+    DispatchFailed,
+    NativeExtender,
+    NewestWins,
+    RenewsNatively,
+    Reschedules,
+    SendsWithPublish,
+    release_then_start,
+)
+from ..records import (
     DEFAULT_RESERVE,
     Acquisition,
-    BatchedReleases,
     Copy,
     CopyVerdict,
     CurrentCheck,
     CurrentStatus,
-    DispatchFailed,
     EnqueueRecord,
     LockInfo,
-    NativeExtender,
-    NewestWins,
     Release,
     Releasing,
-    RenewsNatively,
-    Replacement,
     ReplaceStatus,
-    Reschedules,
-    SendsWithPublish,
+    Replacement,
     Start,
     Waiter,
-    release_then_start,
 )
 from .calls import Call, ScriptCalls, default_retry
 from .native import native_extend
@@ -320,7 +322,7 @@ def _replication(replicas: Any, timeout: Any, cluster: bool) -> tuple[int, int]:
 
 class RedisBackend(Reschedules, NewestWins, SendsWithPublish, BatchedReleases, RenewsNatively):
     """A lock backend that stores locks in Redis.  It has every
-    capability of :mod:`~dramatiq_unique.backends.base`; on a Cluster,
+    capability of :mod:`~dramatiq_unique.backends.capabilities`; on a Cluster,
     sending with the publish, batched releases and renewal from a
     native thread are off (:attr:`dispatch_client` and
     :meth:`native_extender` give None, :attr:`batches_releases` is
