@@ -82,7 +82,7 @@ def _rules_cost(backend: Any, conn: Any, namespace: str, calls: int) -> tuple[fl
     and its writes.
     """
     from dramatiq_unique.backends.postgres import sql
-    from dramatiq_unique.backends.postgres.rules import apply
+    from dramatiq_unique.backends.postgres.state import apply
 
     key = f"{namespace}:rules:run"
     owner, copy = "m/0", Copy(key, "m")

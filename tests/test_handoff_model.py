@@ -144,7 +144,7 @@ def postgres_backends(url: str) -> tuple[type, type]:
     the same rules, run on the state of each key stored in PostgreSQL.
     """
     from dramatiq_unique.backends.postgres import PostgresBackend, sql
-    from dramatiq_unique.backends.postgres.rules import loaded
+    from dramatiq_unique.backends.postgres.state import loaded
 
     class FaultyPostgres(PostgresBackend):
         fault: Optional[str] = None
