@@ -15,10 +15,24 @@ from __future__ import annotations
 
 import abc
 import re
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar, Union
 
-from ..model.wire import EnqueueRecord
-from .records import DEFAULT_RESERVE, Acquisition, Copy, LockInfo, Release, Releasing, Start, Waiter
+from ..errors import LockBackendError, UniqueError
+from ..model.wire import EnqueueRecord, actor_scope, lock_key_glob, parse_lock_key
+from .records import (
+    DEFAULT_RESERVE,
+    Acquisition,
+    Copy,
+    HeldSlot,
+    ListedLock,
+    LockInfo,
+    Release,
+    Releasing,
+    Start,
+    Waiter,
+)
+
+T = TypeVar("T")
 
 
 def glob_pattern(glob: str) -> "re.Pattern[str]":
@@ -278,3 +292,66 @@ class LockBackend(LockReads):
           int: How many keys were dropped (as the backend counts them).
         """
         raise NotImplementedError  # pragma: no cover
+
+
+def call_backend(backend: LockReads, doing: str, call: Callable[..., T], *args: Any) -> T:
+    """Run one call of ``backend``, turning its failures into
+    :class:`LockBackendError` with a one-line message that says what it
+    was ``doing``, as the operators' listing words them.
+    """
+    try:
+        return call(*args)
+    except UniqueError:
+        raise
+    except Exception as e:
+        where = backend.describe()
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise LockBackendError(f"Lock backend {where} failed to {doing}: {reason}", backend=where) from e
+
+
+class PrefixLocks:
+    """The live locks under one prefix, read through a backend's reads:
+    what a worker's periodic reaper checks, and what the operators'
+    :class:`~dramatiq_unique.ops.admin.LockAdmin` lists.  Failures are
+    :class:`LockBackendError` (see :func:`call_backend`).
+
+    Parameters:
+      backend(LockBackend): Where the locks live.
+      prefix(str): The middleware's prefix.
+    """
+
+    def __init__(self, backend: LockBackend, *, prefix: str) -> None:
+        self.backend = backend
+        self.prefix = prefix
+
+    def locks(
+        self, *, actor: Optional[str] = None, pattern: Optional[str] = None, phase: Optional[str] = None
+    ) -> Iterator[ListedLock]:
+        """Iterate over the live locks, in ``SCAN`` order, each once.
+
+        Parameters:
+          actor(str): Only the locks of this actor; ``@any`` for the
+            locks of actors with ``unique_across_actors``.
+          pattern(str): Only the keys matching this glob (see
+            :func:`glob_pattern`), matched against the whole key.
+          phase(str): Only the ``queue`` (enqueue) or ``run`` locks.
+        """
+        scope = actor_scope(actor) if actor is not None else None
+        glob = pattern or lock_key_glob(prefix=self.prefix, scope=scope, phase=phase)
+        keys = self.call(f"scan {glob!r}", self.backend.scan, glob)
+        while True:
+            key = self.call(f"scan {glob!r}", next, keys, None)
+            if key is None:
+                return
+            parts = parse_lock_key(key, prefix=self.prefix)
+            if parts is None or scope not in (None, parts.scope) or phase not in (None, parts.phase):
+                continue  # a companion key, or one the glob matched beyond its scope
+            info = self.call(f"inspect {key!r}", self.backend.inspect, key)
+            if info is not None:
+                slots = [HeldSlot(owner, deadline, info.records.get(owner)) for owner, deadline in info.holders.items()]
+                holders = tuple(sorted(slots, key=lambda slot: (slot.deadline, slot.owner)))
+                yield ListedLock(key, parts.scope, parts.digest, parts.phase, info.lock, info.lock_args, holders, info)
+
+    def call(self, doing: str, call: Callable[..., T], *args: Any) -> T:
+        """Run one backend call (see :func:`call_backend`)."""
+        return call_backend(self.backend, doing, call, *args)

@@ -271,3 +271,42 @@ class Waiter(NamedTuple):
     def sent_at(self) -> int:
         """When the message was first sent, in Unix milliseconds."""
         return self.order // SENDS_PER_MS
+
+
+class HeldSlot(NamedTuple):
+    """One holder of a listed lock (see :class:`ListedLock`).
+
+    Attributes:
+      owner(str): The owner string, as the backend stores it.
+      deadline(int): When the slot expires, in Unix milliseconds.
+      record(EnqueueRecord): Its record, when the lock keeps one.
+    """
+
+    owner: str
+    deadline: int
+    record: Optional[EnqueueRecord]
+
+
+class ListedLock(NamedTuple):
+    """One live lock key, as :class:`~.base.PrefixLocks` lists it.
+
+    Attributes:
+      key(str): The full key.
+      actor(str): The actor part of the key (``@any`` for locks taken
+        with ``unique_across_actors``).
+      digest(str): The 32 hex characters inside the braces.
+      phase(str): ``queue`` for an enqueue lock, ``run`` for a run lock.
+      lock(str): The lock type that took it.
+      lock_args(str): JSON of the lock args, when they were recorded.
+      holders(tuple[HeldSlot, ...]): Its holders, soonest deadline first.
+      info(LockInfo): All that :meth:`~.base.LockReads.inspect` found.
+    """
+
+    key: str
+    actor: str
+    digest: str
+    phase: str
+    lock: Optional[str]
+    lock_args: Optional[str]
+    holders: tuple[HeldSlot, ...]
+    info: LockInfo

@@ -627,9 +627,9 @@ class RedisBackend(Reschedules, NewestWins, SendsWithPublish, BatchedReleases, R
         return _release(self._call("release", _release_keys(key, owner), args))
 
     def release_many(self, locks: Sequence[tuple[Any, ...]]) -> list[Union[Release, Exception]]:
-        if self.calls is None or len(locks) < 2:
+        if self.calls is None:
             return super().release_many(locks)
-        return _releases(self.calls.batch(_release_calls(locks)))
+        return _releases(self.calls.batch(_release_calls(locks))) if locks else []
 
     def join_line(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> int:
         return int(self._call("join_line", _records(copy), [copy.message_id, message, order, copy.attempt, ttl]) or 0)
