@@ -10,6 +10,7 @@ client, and through redis-py's ``Script`` on a Cluster.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from typing import Any, Callable, Optional, Sequence, Union
@@ -49,11 +50,12 @@ from ..records import (
     Replacement,
     Start,
 )
-from .calls import Call, ScriptCalls, default_retry
+from .calls import Call, ScriptCalls, as_text, default_retry
 from .native import native_extend
-from .reads import RedisReads, as_text
+from .reads import RedisReads
 from .replicas import TooFewReplicas, replication, require
 from .scripts import SCRIPTS, send_script
+
 
 class RedisDispatchFailed(DispatchFailed, redis.ResponseError):
     """The broker's ``dispatch.lua`` failed inside send.lua: nothing
@@ -202,12 +204,10 @@ def _release_calls(locks: Sequence[tuple[Any, ...]]) -> list[Call]:
     """release.lua calls that hand each slot over (the keys of
     :func:`_waiting` spelled out: every job makes one).
     """
-    calls: list[Call] = []
-    for lock in locks:
-        one = Releasing(*lock)
-        calls.append(("release", _release_keys(one.key, one.owner), _release_args(one.owner, True, one.succeeded,
-                                                                                  one.reserve)))
-    return calls
+    return [
+        ("release", _release_keys(one.key, one.owner), _release_args(one.owner, True, one.succeeded, one.reserve))
+        for one in (Releasing(*lock) for lock in locks)
+    ]
 
 
 def _releases(replies: Sequence[Any]) -> list[Union[Release, Exception]]:
@@ -300,6 +300,11 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         self.min_replicas, self.min_replicas_timeout = replication(min_replicas, min_replicas_timeout, self.cluster)
         #: The command sent after every lock take, or None.
         self.wait_command = (b"WAIT", self.min_replicas, self.min_replicas_timeout) if self.min_replicas else None
+        #: (acked, key, give_back): raises TooFewReplicas after a take that
+        #: too few replicas acknowledged, given back first (see :func:`.replicas.require`).
+        self._require = functools.partial(
+            require, wanted=self.min_replicas, within=self.min_replicas_timeout, backend=self.describe
+        )
 
     def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
         if self.calls is not None:
@@ -321,14 +326,6 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         if isinstance(reply, Exception):
             raise reply
         return reply, acked
-
-    def _require(self, acked: Union[int, Exception, None], key: str, give_back: Optional[Callable[[], Any]]) -> None:
-        """Raise :class:`TooFewReplicas` when the take of ``key`` was
-        acknowledged by fewer than ``min_replicas`` (see :func:`.replicas.require`).
-        """
-        if acked is not None:
-            require(acked, key=key, wanted=self.min_replicas, within=self.min_replicas_timeout,
-                    backend=self.describe, give_back=give_back)
 
     def _give_back(self, key: str, owner: str) -> Callable[[], Any]:
         # No hand-over: the waiters' delayed copies come anyway, and a

@@ -11,11 +11,7 @@ from urllib.parse import urlsplit, urlunsplit
 from ...model import wire
 from ..base import LockReads
 from ..records import EnqueueRecord, LockInfo, Waiter
-
-
-def as_text(value: Any) -> str:
-    """A reply as text: redis-py answers bytes unless told to decode."""
-    return value.decode() if isinstance(value, bytes) else str(value)
+from .calls import as_text
 
 
 def _without_password(url: str) -> str:

@@ -51,23 +51,24 @@ def replication(replicas: Any, timeout: Any, cluster: bool) -> tuple[int, int]:
 
 
 def require(
-    acked: Union[int, Exception],
-    *,
+    acked: Union[int, Exception, None],
     key: str,
+    give_back: Optional[Callable[[], Any]],
+    *,
     wanted: int,
     within: int,
     backend: Callable[[], str],
-    give_back: Optional[Callable[[], Any]],
 ) -> None:
     """Raise :class:`TooFewReplicas` when the take of ``key`` was
     acknowledged by fewer than ``wanted`` replicas ``within`` ms (``acked``
-    is ``WAIT``'s reply, or its error), after giving back what it took
-    with ``give_back`` (None: nothing to give back).
+    is ``WAIT``'s reply, or its error; None when no ``WAIT`` was sent),
+    after giving back what it took with ``give_back`` (None: nothing to
+    give back).
 
     Parameters:
       backend(callable): The backend's description, for the error.
     """
-    if isinstance(acked, int) and acked >= wanted:
+    if acked is None or (isinstance(acked, int) and acked >= wanted):
         return
     failure, given_back = "", False
     if give_back is not None:
