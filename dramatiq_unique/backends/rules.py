@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import threading
 import time as mod_time
-from dataclasses import dataclass, field
-from typing import Callable, Iterator, NamedTuple, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from ..model.wire import split_owner
 from .base import glob_pattern
 from .capabilities import NewestWins, Reschedules
+from .keystate import Entry, KeyState, MessageRecord, SupersededBy, Waiters
 from .records import (
     DEFAULT_RESERVE,
     DUPLICATE_WINDOW,
@@ -36,85 +36,8 @@ from .records import (
 )
 
 
-@dataclass
-class _Record:
-    """Which reschedule a message waits in, which copy won it, the
-    copies still to come, and whose run ended (see ``_claim.lua``).
-    """
-
-    attempt: int
-    winner: str
-    expires_at: int
-    out: set[tuple[int, str]] = field(default_factory=set)
-    #: The run lock owner the message runs under, and as which copy
-    #: ``(attempt, via, retries)``.
-    runner: Optional[str] = None
-    ran: tuple[int, str, int] = (0, "", 0)
-    #: The Retries count of the copy whose run succeeded, or None, that
-    #: copy ``(attempt, via, retries)``, and the owner it ran under.
-    finished: Optional[int] = None
-    finished_as: Optional[tuple[int, str, int]] = None
-    finished_by: Optional[str] = None
-
-
-@dataclass
-class _Waiters:
-    """Message id -> (order, encoded message to hand the key to)."""
-
-    order: dict[str, tuple[int, bytes]] = field(default_factory=dict)
-    expires_at: int = 0
-
-
-@dataclass
-class _Entry:
-    holders: dict[str, int] = field(default_factory=dict)
-    lock: str = ""
-    lock_args: Optional[str] = None
-    fence: int = 0
-    current: Optional[str] = None
-    started: Optional[str] = None
-    burst: int = 0
-    superseded: int = 0
-    previous: Optional[str] = None
-    #: The record ``previous`` had when it was superseded.
-    previous_record: Optional[EnqueueRecord] = None
-    #: Each holder's record (its taken time, and for an enqueue lock where
-    #: its message went), with Unix times as RedisBackend keeps them.
-    records: dict[str, EnqueueRecord] = field(default_factory=dict)
-    #: Slots handed to a waiter: message id -> deadline (see _take.lua).
-    reserved: dict[str, int] = field(default_factory=dict)
-
-    def taken(self, lock: str, lock_args: Optional[str]) -> None:
-        """Record who took the key: the lock type, and the lock args
-        when given (as RedisBackend does, keeping earlier ones otherwise).
-        """
-        self.lock = lock
-        if lock_args is not None:
-            self.lock_args = lock_args
-
-
-def _held(entry: Optional[_Entry]) -> bool:
+def _held(entry: Optional[Entry]) -> bool:
     return entry is not None and bool(entry.holders)
-
-
-@dataclass
-class _Superseded:
-    by: dict[str, str] = field(default_factory=dict)
-    expires_at: int = 0
-
-
-class KeyState(NamedTuple):
-    """Everything a :class:`LockRules` keeps of one key, for a backend
-    that stores it elsewhere and runs these rules on it
-    (``PostgresBackend``): the lock, its waiters, its superseded
-    record, its messages' records by message id, and the last fence.
-    """
-
-    entry: Optional[_Entry]
-    waiters: Optional[_Waiters]
-    superseded: Optional[_Superseded]
-    records: dict[str, _Record]
-    last_fence: int
 
 
 class LockRules(Reschedules, NewestWins):
@@ -133,11 +56,11 @@ class LockRules(Reschedules, NewestWins):
     def __init__(self, *, clock: Optional[int] = None) -> None:
         self.clock = clock
         self._mutex = threading.Lock()
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, Entry] = {}
         self._last_fence = 0
-        self._waiters: dict[str, _Waiters] = {}
-        self._superseded: dict[str, _Superseded] = {}
-        self._records: dict[tuple[str, str], _Record] = {}
+        self._waiters: dict[str, Waiters] = {}
+        self._superseded: dict[str, SupersededBy] = {}
+        self._records: dict[tuple[str, str], MessageRecord] = {}
 
     def _now_ms(self) -> int:
         """The clock of deadlines, in milliseconds."""
@@ -169,7 +92,7 @@ class LockRules(Reschedules, NewestWins):
             self._records[(key, message_id)] = record
         self._last_fence = max(self._last_fence, state.last_fence)
 
-    def _live(self, key: str, now: int) -> Optional[_Entry]:
+    def _live(self, key: str, now: int) -> Optional[Entry]:
         entry = self._entries.get(key)
         if entry is None:
             return None
@@ -213,13 +136,13 @@ class LockRules(Reschedules, NewestWins):
         lock_args: Optional[str],
         provisional: int = 0,
         where: Optional[str] = None,
-        ahead: Optional[Callable[[_Entry], bool]] = None,
+        ahead: Optional[Callable[[Entry], bool]] = None,
     ) -> Acquisition:
         """As take() of _take.lua; ``ahead`` as its ``ahead``: when it
         returns True, nothing is taken and the outcome names no holder.
         """
         now = self._now_ms()
-        entry = self._live(key, now) or _Entry()
+        entry = self._live(key, now) or Entry()
         short = 0 < provisional < ttl
         if owner in entry.holders:
             old = entry.records.get(owner)
@@ -276,7 +199,7 @@ class LockRules(Reschedules, NewestWins):
                 return Start(Acquisition(False, refused=verdict), duplicate_of=by)
             handed: list[tuple[str, bytes]] = []
 
-            def ahead(entry: _Entry) -> bool:
+            def ahead(entry: Entry) -> bool:
                 promoted = self._promote_older(key, entry, copy.message_id, order, reserve)
                 if promoted is not None:
                     handed.append(promoted)
@@ -310,7 +233,7 @@ class LockRules(Reschedules, NewestWins):
         return waiters is not None and copy.message_id in waiters.order
 
     def _promote_older(
-        self, key: str, entry: _Entry, message_id: str, order: Optional[int], reserve: int
+        self, key: str, entry: Entry, message_id: str, order: Optional[int], reserve: int
     ) -> Optional[tuple[str, bytes]]:
         """ahead() of start.lua: hand a free slot to the oldest waiter
         when it was sent before ``order`` (None: always) and is not
@@ -353,7 +276,7 @@ class LockRules(Reschedules, NewestWins):
         self._live(key, now)  # drops the entry with its last live holder
         return deadline > now, True
 
-    def _live_waiters(self, key: str) -> Optional[_Waiters]:
+    def _live_waiters(self, key: str) -> Optional[Waiters]:
         # Like the Redis keys, the records of a key expire ttl after its last wait.
         waiters = self._waiters.get(key)
         if waiters is not None and waiters.expires_at <= self._now_ms():
@@ -361,7 +284,7 @@ class LockRules(Reschedules, NewestWins):
             return None
         return waiters
 
-    def _live_record(self, copy: Copy) -> Optional[_Record]:
+    def _live_record(self, copy: Copy) -> Optional[MessageRecord]:
         record = self._records.get((copy.key, copy.message_id))
         if record is not None and record.expires_at <= self._now_ms():
             del self._records[(copy.key, copy.message_id)]
@@ -376,7 +299,7 @@ class LockRules(Reschedules, NewestWins):
         message_id = min(waiters.order, key=lambda name: waiters.order[name][0])
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._entries[key] = _Entry()
+            entry = self._entries[key] = Entry()
         entry.reserved[message_id] = self._now_ms() + reserve
         return waiters.order.pop(message_id)[1]
 
@@ -404,7 +327,7 @@ class LockRules(Reschedules, NewestWins):
         return verdict
 
     @staticmethod
-    def _verdict(record: _Record, copy: Copy) -> Optional[CopyVerdict]:
+    def _verdict(record: MessageRecord, copy: Copy) -> Optional[CopyVerdict]:
         if record.finished is not None and copy.retries <= record.finished:
             return CopyVerdict.DONE
         if copy.attempt < record.attempt:
@@ -413,7 +336,7 @@ class LockRules(Reschedules, NewestWins):
             return CopyVerdict.LOST
         return None
 
-    def _finish(self, record: _Record, copy: Copy, by: str) -> None:
+    def _finish(self, record: MessageRecord, copy: Copy, by: str) -> None:
         # finish() of _claim.lua: later copies with no more retries are duplicates.
         if self._unwait(copy):
             record.out.discard((record.attempt, "handoff"))
@@ -421,7 +344,7 @@ class LockRules(Reschedules, NewestWins):
         record.finished_as, record.runner, record.finished_by = (copy.attempt, copy.via, copy.retries), None, by
         self._settle(record)
 
-    def _settle(self, record: _Record) -> None:
+    def _settle(self, record: MessageRecord) -> None:
         # A finished message's record lives only until no copy of it is to come.
         if record.finished is not None and not record.out:
             record.expires_at = min(record.expires_at, self._now_ms() + DUPLICATE_WINDOW)
@@ -432,11 +355,11 @@ class LockRules(Reschedules, NewestWins):
             if recorded is not None and recorded.attempt >= copy.attempt:
                 return 0  # sent again after a lost reply: as join_line.lua, it changes nothing
             expires_at = self._now_ms() + ttl
-            record = recorded or _Record(copy.attempt, "", expires_at)
+            record = recorded or MessageRecord(copy.attempt, "", expires_at)
             record.attempt, record.winner, record.expires_at = copy.attempt, "", expires_at
             record.out |= {(copy.attempt, "delay"), (copy.attempt, "handoff")}
             self._records[(copy.key, copy.message_id)] = record
-            waiters = self._live_waiters(copy.key) or self._waiters.setdefault(copy.key, _Waiters())
+            waiters = self._live_waiters(copy.key) or self._waiters.setdefault(copy.key, Waiters())
             waiters.order[copy.message_id] = (order, message)
             waiters.expires_at = expires_at
             return sum(1 for other, _ in waiters.order.values() if other < order)
@@ -455,7 +378,7 @@ class LockRules(Reschedules, NewestWins):
                 self._live(copy.key, self._now_ms())
             return True
 
-    def _fence(self, entry: _Entry) -> int:
+    def _fence(self, entry: Entry) -> int:
         self._last_fence = entry.fence = max(self._last_fence + 1, self._unix_us())
         return entry.fence
 
@@ -501,14 +424,14 @@ class LockRules(Reschedules, NewestWins):
                     del entry.holders[current]
                     burst = entry.burst
                 entry.previous_record = entry.records.pop(current, None) if not started else entry.records.get(current)
-                record = self._superseded.setdefault(key, _Superseded())
+                record = self._superseded.setdefault(key, SupersededBy())
                 record.by[current] = owner
                 record.expires_at = max(record.expires_at, now + superseded_ttl)
                 entry.superseded += 1
                 entry.previous = current
                 status = ReplaceStatus.REPLACED
             elif entry is None:
-                entry = self._entries[key] = _Entry()
+                entry = self._entries[key] = Entry()
             else:
                 entry.superseded, entry.previous, entry.lock_args, entry.previous_record = 0, None, None, None
             delay = 0
@@ -557,7 +480,7 @@ class LockRules(Reschedules, NewestWins):
                 return CurrentCheck(CurrentStatus.REENTERED, owner)
             if entry is not None:
                 return CurrentCheck(CurrentStatus.LAPSED, next(iter(entry.holders)))
-            entry = self._entries[key] = _Entry({owner: now + ttl}, lock, current=owner, burst=now)
+            entry = self._entries[key] = Entry({owner: now + ttl}, lock, current=owner, burst=now)
             entry.records[owner] = EnqueueRecord(self._unix_ms(), 0, where or "")
             self._fence(entry)
             return CurrentCheck(CurrentStatus.CURRENT, owner)

@@ -25,8 +25,9 @@ import json
 import typing
 from typing import Any, Callable, NamedTuple, Optional, Sequence, TypeVar, Union
 
-from .. import rules as rules_module
-from ..rules import KeyState, LockRules
+from .. import keystate as keystate_module
+from ..keystate import KeyState
+from ..rules import LockRules
 
 T = TypeVar("T")
 
@@ -40,13 +41,13 @@ DEFAULT_FENCE_MEMORY = 3_600_000
 Row = Sequence[Optional[str]]
 
 #: The parts of a row's state that are the rules' dataclasses: the
-#: fields of :class:`~..rules.KeyState` other than the records and fence.
+#: fields of :class:`~..keystate.KeyState` other than the records and fence.
 _PARTS = ("entry", "waiters", "superseded")
 
 
 @functools.lru_cache(maxsize=None)
 def _hints(cls: Any) -> dict[str, Any]:
-    return typing.get_type_hints(cls, vars(rules_module))
+    return typing.get_type_hints(cls, vars(keystate_module))
 
 
 def _dataclass_of(hint: Any) -> Any:
