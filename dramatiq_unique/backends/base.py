@@ -73,7 +73,6 @@ class LockReads(abc.ABC):
     @abc.abstractmethod
     def inspect(self, key: str) -> Optional[LockInfo]:
         """Describe ``key``, or None when nobody holds it."""
-        raise NotImplementedError  # pragma: no cover
 
     @abc.abstractmethod
     def scan(self, pattern: str) -> Iterator[str]:
@@ -83,7 +82,6 @@ class LockReads(abc.ABC):
         share the lock key as their prefix: callers that want locks
         only match the phase at the end (``*:run``, ``*:queue``).
         """
-        raise NotImplementedError  # pragma: no cover
 
     def waiters(self, key: str) -> list[Waiter]:
         """The messages waiting for run lock ``key``, first in line
@@ -171,7 +169,6 @@ class LockBackend(LockReads):
             backend without :class:`Reschedules` keeps no records, so
             every copy may run.
         """
-        raise NotImplementedError  # pragma: no cover
 
     @abc.abstractmethod
     def start(
@@ -200,7 +197,6 @@ class LockBackend(LockReads):
         message is still in line when the slot is not its to take
         changes nothing (:attr:`Start.in_line`).
         """
-        raise NotImplementedError  # pragma: no cover
 
     @abc.abstractmethod
     def release(
@@ -220,7 +216,6 @@ class LockBackend(LockReads):
             or an outcome unknown) leaves the message's next copy to run.
           reserve(int): In milliseconds.
         """
-        raise NotImplementedError  # pragma: no cover
 
     def release_many(self, locks: Sequence[tuple[Any, ...]]) -> list[Union[Release, Exception]]:
         """Release each ``(key, owner)`` (or :class:`Releasing`) and hand
@@ -250,7 +245,6 @@ class LockBackend(LockReads):
         Returns:
           list[bool]: per lock, whether it is still held.
         """
-        raise NotImplementedError  # pragma: no cover
 
     @abc.abstractmethod
     def confirm(self, locks: Sequence[tuple[str, str, int]]) -> list[bool]:
@@ -261,7 +255,6 @@ class LockBackend(LockReads):
         Returns:
           list[bool]: per lock, whether it is still held.
         """
-        raise NotImplementedError  # pragma: no cover
 
     # Operators' writes -----------------------------------------------
 
@@ -274,12 +267,10 @@ class LockBackend(LockReads):
         Returns:
           bool: True when a live slot was released.
         """
-        raise NotImplementedError  # pragma: no cover
 
     @abc.abstractmethod
     def delete(self, key: str) -> bool:
         """Drop ``key`` and all its holders: an operator's override."""
-        raise NotImplementedError  # pragma: no cover
 
     @abc.abstractmethod
     def delete_prefix(self, prefix: str) -> int:
@@ -291,7 +282,6 @@ class LockBackend(LockReads):
         Returns:
           int: How many keys were dropped (as the backend counts them).
         """
-        raise NotImplementedError  # pragma: no cover
 
 
 def call_backend(backend: LockReads, doing: str, call: Callable[..., T], *args: Any) -> T:

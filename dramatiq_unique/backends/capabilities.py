@@ -103,7 +103,6 @@ class Reschedules(Capability):
         Parameters:
           ttl(int): How long the records live, in milliseconds.
         """
-        raise NotImplementedError  # pragma: no cover
 
     @abc.abstractmethod
     def claim(self, copy: Copy) -> bool:
@@ -116,7 +115,6 @@ class Reschedules(Capability):
           False for a copy of an earlier attempt, or the second copy of
           its attempt.
         """
-        raise NotImplementedError  # pragma: no cover
 
 
 class NewestWins(Capability):
@@ -156,7 +154,6 @@ class NewestWins(Capability):
           where(str): Where the message is being published, kept in the
             owner's :class:`EnqueueRecord` (with when it was taken).
         """
-        raise NotImplementedError  # pragma: no cover
 
     @abc.abstractmethod
     def current(
@@ -183,7 +180,6 @@ class NewestWins(Capability):
           CurrentCheck: what was found, and the message it names (see
           :class:`CurrentStatus`).
         """
-        raise NotImplementedError  # pragma: no cover
 
     @abc.abstractmethod
     def unreplace(self, key: str, owner: str) -> Optional[str]:
@@ -195,7 +191,6 @@ class NewestWins(Capability):
         Returns:
           str: The message made current again, or None.
         """
-        raise NotImplementedError  # pragma: no cover
 
 
 class DispatchFailed(Exception):
@@ -222,7 +217,6 @@ class SendsWithPublish(Capability):
         runs the broker's own script, or None when this instance cannot
         (a Cluster): the send fast path is then off.
         """
-        raise NotImplementedError  # pragma: no cover
 
     @abc.abstractmethod
     def acquire_and_dispatch(
@@ -249,7 +243,6 @@ class SendsWithPublish(Capability):
           DispatchFailed: ``dispatch`` failed; nothing is locked by
             this call.
         """
-        raise NotImplementedError  # pragma: no cover
 
 
 class BatchedReleases(Capability):
@@ -289,32 +282,18 @@ class BatchedReleases(Capability):
           tuple: the outcome of each release, and the :class:`Start`, or
           the exception the start raised.
         """
-        raise NotImplementedError  # pragma: no cover
 
 
 def release_then_start(
-    backend: LockBackend,
-    releases: Sequence[tuple[Any, ...]],
-    key: str,
-    owner: str,
-    *,
-    ttl: int,
-    limit: int,
-    lock: str,
-    copy: Copy,
-    queue_key: Optional[str] = None,
-    order: Optional[int] = None,
-    reserve: int = DEFAULT_RESERVE,
+    backend: LockBackend, releases: Sequence[tuple[Any, ...]], key: str, owner: str, **start: Any
 ) -> tuple[list[Union[Release, Exception]], Union[Start, Exception]]:
     """:meth:`BatchedReleases.release_and_start` in two calls: the
-    releases, then the start, on any backend.
+    releases, then the start (with the keyword arguments of
+    :meth:`~LockBackend.start`), on any backend.
     """
     released = backend.release_many(releases)
     try:
-        started = backend.start(
-            key, owner, ttl=ttl, limit=limit, lock=lock, copy=copy, queue_key=queue_key, order=order, reserve=reserve
-        )
-        return released, started
+        return released, backend.start(key, owner, **start)
     except Exception as e:
         return released, e
 
@@ -368,7 +347,6 @@ class RenewsNatively(Capability):
         Cluster, a client of someone else's making): the caller then
         renews on a greenlet.  Called once per process, on the hub.
         """
-        raise NotImplementedError  # pragma: no cover
 
 
 #: Every capability, in the order the docs list them.

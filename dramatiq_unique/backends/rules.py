@@ -36,10 +36,6 @@ from .records import (
 )
 
 
-def _held(entry: Optional[Entry]) -> bool:
-    return entry is not None and bool(entry.holders)
-
-
 class LockRules(Reschedules, NewestWins):
     """The rules of every verb, on state held in memory, thread-safe.  It
     has the reschedule protocol and newest wins (see
@@ -233,7 +229,7 @@ class LockRules(Reschedules, NewestWins):
         return waiters is not None and copy.message_id in waiters.order
 
     def _promote_older(
-        self, key: str, entry: Entry, message_id: str, order: Optional[int], reserve: int
+        self, key: str, entry: Entry, message_id: Optional[str], order: Optional[int], reserve: int
     ) -> Optional[tuple[str, bytes]]:
         """ahead() of start.lua: hand a free slot to the oldest waiter
         when it was sent before ``order`` (None: always) and is not
@@ -296,12 +292,8 @@ class LockRules(Reschedules, NewestWins):
         waiters = self._live_waiters(key)
         if waiters is None or not waiters.order:
             return None
-        message_id = min(waiters.order, key=lambda name: waiters.order[name][0])
-        entry = self._entries.get(key)
-        if entry is None:
-            entry = self._entries[key] = Entry()
-        entry.reserved[message_id] = self._now_ms() + reserve
-        return waiters.order.pop(message_id)[1]
+        promoted = self._promote_older(key, self._entries.setdefault(key, Entry()), None, None, reserve)
+        return promoted[1] if promoted is not None else None
 
     def _unwait(self, copy: Copy) -> bool:
         """Withdraw a message's waiter: whether it was waiting."""
@@ -549,22 +541,15 @@ class LockRules(Reschedules, NewestWins):
             offset = self._unix_ms() - now
             holders = {owner: deadline + offset for owner, deadline in entry.holders.items()}
             current = entry.current if entry.current in entry.holders else None
-            return LockInfo(
-                key,
-                entry.lock or None,
-                holders,
-                entry.lock_args,
-                entry.fence,
-                current,
-                entry.superseded,
-                records=dict(entry.records),
-            )
+            kept = (entry.lock_args, entry.fence, current, entry.superseded, dict(entry.records))
+            return LockInfo(key, entry.lock or None, holders, *kept)
 
     def scan(self, pattern: str) -> Iterator[str]:
         with self._mutex:
             now = self._now_ms()
             match = glob_pattern(pattern).fullmatch
-            keys = [key for key in list(self._entries) if _held(self._live(key, now)) and match(key)]
+            live = [(key, self._live(key, now)) for key in list(self._entries)]
+            keys = [key for key, entry in live if entry is not None and entry.holders and match(key)]
         return iter(sorted(keys))
 
     def delete(self, key: str) -> bool:

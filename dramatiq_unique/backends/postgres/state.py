@@ -122,14 +122,6 @@ def _decoder(hint: Any) -> Codec:
     raise TypeError(f"cannot load a value of type {hint!r}")
 
 
-def _encode(value: Any, hint: Any) -> Any:
-    return None if value is None else _encoder(hint)(value)
-
-
-def _decode(data: Any, hint: Any) -> Any:
-    return None if data is None else _decoder(hint)(data)
-
-
 def _default(field: dataclasses.Field) -> Any:
     if field.default is not dataclasses.MISSING:
         return field.default

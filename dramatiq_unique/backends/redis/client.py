@@ -438,26 +438,12 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
             self._require(acked, key, self._give_back(key, owner))
 
     def release_and_start(
-        self,
-        releases: Sequence[tuple[str, str]],
-        key: str,
-        owner: str,
-        *,
-        ttl: int,
-        limit: int,
-        lock: str,
-        copy: Copy,
-        queue_key: Optional[str] = None,
-        order: Optional[int] = None,
-        reserve: int = DEFAULT_RESERVE,
+        self, releases: Sequence[tuple[Any, ...]], key: str, owner: str, **start: Any
     ) -> tuple[list[Union[Release, Exception]], Union[Start, Exception]]:
         if self.calls is None:
-            return release_then_start(
-                self, releases, key, owner, ttl=ttl, limit=limit, lock=lock, copy=copy, queue_key=queue_key,
-                order=order, reserve=reserve,
-            )
+            return release_then_start(self, releases, key, owner, **start)
         calls = _release_calls(releases)
-        calls.append(("start", *_start_call(key, owner, ttl, limit, lock, copy, queue_key, order, reserve)))
+        calls.append(("start", *_start_call(key, owner, **start)))
         replies = self.calls.batch(calls, grouped=True, trailer=self.wait_command)
         acked = replies.pop() if self.wait_command is not None else None
         reply = replies.pop()
