@@ -404,20 +404,12 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
             self._require(acked, key, None)
         return Acquisition(status in (1, 2), reentered=status == 2, holder=as_text(holder), fence=int(fence))
 
-    def start(
-        self,
-        key: str,
-        owner: str,
-        *,
-        ttl: int,
-        limit: int,
-        lock: str,
-        copy: Copy,
-        queue_key: Optional[str] = None,
-        order: Optional[int] = None,
-        reserve: int = DEFAULT_RESERVE,
-    ) -> Start:
-        keys, args = _start_call(key, owner, ttl, limit, lock, copy, queue_key, order, reserve)
+    def start(self, key: str, owner: str, **options: Any) -> Start:
+        """:meth:`LockBackend.start` (``options`` are its keyword
+        arguments) in one call of start.lua, grouped with the other
+        worker threads' calls of the moment.
+        """
+        keys, args = _start_call(key, owner, **options)
         if self.calls is None:
             return _start(self._call("start", keys, args), owner)
         # Every job makes this call: shared with other worker threads' of the moment.
