@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Optional, Protocol, Sequence, TypeVar, Union
 
 from ..errors import ConfigurationError
 from .base import LockBackend
-from .records import DEFAULT_RESERVE, Acquisition, Copy, CurrentCheck, Release, Replacement, Start
+from .records import Acquisition, Copy, CurrentCheck, Release, Replacement, Start
 
 
 class MissingCapability(ConfigurationError):
@@ -260,23 +260,17 @@ class BatchedReleases(Capability):
 
     @abc.abstractmethod
     def release_and_start(
-        self,
-        releases: Sequence[tuple[Any, ...]],
-        key: str,
-        owner: str,
-        *,
-        ttl: int,
-        limit: int,
-        lock: str,
-        copy: Copy,
-        queue_key: Optional[str] = None,
-        order: Optional[int] = None,
-        reserve: int = DEFAULT_RESERVE,
+        self, releases: Sequence[tuple[Any, ...]], key: str, owner: str, **start: Any
     ) -> tuple[list[Union[Release, Exception]], Union[Start, Exception]]:
         """Release each of ``releases`` as
         :meth:`~LockBackend.release_many` does, then
         :meth:`~LockBackend.start` ``key`` for ``owner``, in one round
         trip (:func:`release_then_start` does it in two).
+
+        Parameters:
+          **start: The keyword arguments of :meth:`~LockBackend.start`
+            (``ttl``, ``limit``, ``lock``, ``copy``, ``queue_key``,
+            ``order``, ``reserve``).
 
         Returns:
           tuple: the outcome of each release, and the :class:`Start`, or
