@@ -68,10 +68,6 @@ DEFAULT_SWEEP_BATCH = 500
 #: How many batches one sweep deletes at most.
 DEFAULT_SWEEP_BATCHES = 20
 
-#: The URL schemes ``PostgresBackend`` connects to.
-URL_SCHEMES = ("postgresql://", "postgres://")
-
-
 def _without_password(url: str) -> str:
     try:
         params = conninfo_to_dict(url)
