@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Any, Callable, Optional
 
-from dramatiq_unique.backends.base import Copy
+from dramatiq_unique.backends.records import Copy
 
 from .pg_app import FLOOR_WRITE
 from .pg_server import prepare, rows_of, with_synchronous_commit
@@ -82,7 +82,7 @@ def _rules_cost(backend: Any, conn: Any, namespace: str, calls: int) -> tuple[fl
     and its writes.
     """
     from dramatiq_unique.backends.postgres import sql
-    from dramatiq_unique.backends.postgres.rules import apply
+    from dramatiq_unique.backends.postgres.state import apply
 
     key = f"{namespace}:rules:run"
     owner, copy = "m/0", Copy(key, "m")

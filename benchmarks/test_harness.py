@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import pytest
 import redis
 
-from dramatiq_unique.backends.base import Copy
+from dramatiq_unique.backends.records import Copy
 from dramatiq_unique.backends.redis import RedisBackend
 
 from . import app, document, layers, throughput, trips

@@ -19,7 +19,7 @@ import dramatiq.brokers.redis
 import redis.connection
 from dramatiq.worker import WorkerThread
 
-from dramatiq_unique.backends.redis.client import _SCRIPTS
+from dramatiq_unique.backends.redis.scripts import SCRIPTS
 
 try:
     from dramatiq_unique.backends import wire
@@ -27,7 +27,7 @@ except ImportError:  # a version that sends through redis-py only, measured for 
     wire = None  # type: ignore[assignment]
 
 try:
-    from dramatiq_unique.backends.redis.client import send_script
+    from dramatiq_unique.backends.redis.scripts import send_script
 except ImportError:  # a version without the send fast path, measured for comparison
     send_script = None  # type: ignore[assignment]
 
@@ -52,7 +52,7 @@ def _sha(source: bytes) -> str:
 def _script_names() -> dict[str, str]:
     dispatch = Path(dramatiq.brokers.redis.__file__).parent / "redis" / "dispatch.lua"
     names = {_sha(dispatch.read_bytes()): "broker:dispatch"}
-    names.update({_sha(source.encode()): f"lock:{name}" for name, source in _SCRIPTS.items()})
+    names.update({_sha(source.encode()): f"lock:{name}" for name, source in SCRIPTS.items()})
     # The send fast path: a lock and the broker's enqueue in one script.
     if send_script is not None:
         names[_sha(send_script(dispatch.read_text()).encode())] = "lock:send+broker:dispatch"

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .backends import StubBackend
-    from .backends.base import Acquisition, EnqueueRecord, LockBackend, LockInfo, Release, Replacement
+    from .backends.base import LockBackend
+    from .backends.records import Acquisition, EnqueueRecord, LockInfo, Release, Replacement
     from .errors import (
         ConfigurationError,
         DuplicateMessage,
@@ -51,6 +52,7 @@ _HOMES = (
     ".errors",
     ".events",
     ".model.spec",
+    ".backends.records",
     ".backends.base",
     ".backends",
     ".worker.delivery",

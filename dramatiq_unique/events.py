@@ -380,7 +380,7 @@ class LockEvent:
         owner (``<message id>/<token>``).
       reason(str): For ``skipped``, why: ``"done"`` (a duplicate of a
         run that succeeded), ``"stale"`` or ``"lost"`` (see
-        :class:`~dramatiq_unique.backends.base.CopyVerdict`).
+        :class:`~dramatiq_unique.backends.records.CopyVerdict`).
     """
 
     name: str

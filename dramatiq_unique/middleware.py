@@ -31,7 +31,8 @@ from dramatiq.middleware import (
 
 from . import settings as config
 from .backends import for_broker, from_url
-from .backends.base import LockBackend, NewestWins, Reschedules
+from .backends.base import LockBackend
+from .backends.capabilities import NewestWins, Reschedules
 from .background import stop_calls_by
 from .clock import now_ms
 from .compat import Prometheus, proxied_message

@@ -14,7 +14,7 @@ import redis
 
 from dramatiq_unique import LockBackendError, UniqueMiddleware
 from dramatiq_unique.ops.admin import LockAdmin, UnknownLock
-from dramatiq_unique.backends.base import Copy
+from dramatiq_unique.backends.records import Copy
 from dramatiq_unique.backends.redis import RedisBackend
 from tests.conftest import free_port, make_worker, wait_for
 

@@ -18,22 +18,17 @@ from dramatiq import Worker
 
 from dramatiq_unique import ConfigurationError, StubBackend, UniqueMiddleware
 from dramatiq_unique.backends import from_url
-from dramatiq_unique.backends.base import (
-    Acquisition,
+from dramatiq_unique.backends.base import LockBackend
+from dramatiq_unique.backends.capabilities import (
     BatchedReleases,
-    Copy,
-    EnqueueRecord,
-    LockBackend,
-    LockInfo,
     MissingCapability,
     NewestWins,
-    Release,
     RenewsNatively,
     Reschedules,
     SendsWithPublish,
-    Start,
     capabilities,
 )
+from dramatiq_unique.backends.records import Acquisition, Copy, EnqueueRecord, LockInfo, Release, Start
 from dramatiq_unique.backends.redis import RedisBackend
 from dramatiq_unique.testing import assert_duplicate
 from dramatiq_unique.worker.leases import native_extend

@@ -8,17 +8,16 @@ import time
 import pytest
 import redis
 
-from dramatiq_unique.backends.base import (
+from dramatiq_unique.backends.base import LockBackend, LockReads
+from dramatiq_unique.backends.capabilities import SendsWithPublish
+from dramatiq_unique.backends.records import (
     DUPLICATE_WINDOW,
     Copy,
     CopyVerdict,
     CurrentCheck,
     CurrentStatus,
-    LockBackend,
-    LockReads,
     Release,
     ReplaceStatus,
-    SendsWithPublish,
     Start,
 )
 from dramatiq_unique.backends.redis import RedisBackend

@@ -313,7 +313,7 @@ def test_the_cluster_page_names_the_keys_of_a_digest_that_exist(redis_client: An
     """Every key of one digest, made by the verbs that make them, is one
     the Redis Cluster page names, and it names no other.
     """
-    from dramatiq_unique.backends.base import Copy
+    from dramatiq_unique.backends.records import Copy
     from dramatiq_unique.backends.redis import RedisBackend
 
     backend, minute = RedisBackend(client=redis_client), 60_000

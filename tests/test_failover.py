@@ -23,7 +23,7 @@ from dramatiq import Worker
 from dramatiq.brokers.stub import StubBroker
 
 from dramatiq_unique import LockBackendError, UniqueMiddleware
-from dramatiq_unique.backends.base import Copy
+from dramatiq_unique.backends.records import Copy
 from dramatiq_unique.backends.redis import RedisBackend, TooFewReplicas
 from dramatiq_unique.errors import ConfigurationError
 from dramatiq_unique.settings import from_environment

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 import pytest
 import redis
 
-from dramatiq_unique.backends.base import Copy, Release
+from dramatiq_unique.backends.records import Copy, Release
 from dramatiq_unique.background import stop_calls_by
 from dramatiq_unique.clock import now_ms
 from dramatiq_unique.backends.redis.calls import ScriptCalls, _pack, _pack_in_python

@@ -57,7 +57,8 @@ from hypothesis.stateful import (
 )
 
 from dramatiq_unique import LockBackendError, StubBackend, UniqueMiddleware
-from dramatiq_unique.backends.base import BatchedReleases, LockBackend, NewestWins, Reschedules, release_then_start
+from dramatiq_unique.backends.base import LockBackend
+from dramatiq_unique.backends.capabilities import BatchedReleases, NewestWins, Reschedules, release_then_start
 from dramatiq_unique.model.wire import message_id_of
 from dramatiq_unique.events import LockEvent
 from dramatiq_unique.worker.owed import OWED_ACTOR
@@ -143,7 +144,7 @@ def postgres_backends(url: str) -> tuple[type, type]:
     the same rules, run on the state of each key stored in PostgreSQL.
     """
     from dramatiq_unique.backends.postgres import PostgresBackend, sql
-    from dramatiq_unique.backends.postgres.rules import loaded
+    from dramatiq_unique.backends.postgres.state import loaded
 
     class FaultyPostgres(PostgresBackend):
         fault: Optional[str] = None

@@ -312,12 +312,12 @@ def test_every_import_of_the_package_names_one_of_its_modules() -> None:
 
 # The backend seam -------------------------------------------------------
 
-#: The package of the lock backends, and the one module of it that the
+#: The package of the lock backends, and the modules of it that the
 #: rest of the package may import besides the package itself: the
-#: interface.  The package's ``__init__`` re-exports what is public
+#: interface (the core, the capabilities and the records).  The package's ``__init__`` re-exports what is public
 #: (``StubBackend``, ``from_url``, ``for_broker``).
 _BACKENDS = f"{PACKAGE}.backends"
-_INTERFACE = f"{_BACKENDS}.base"
+_INTERFACE = {f"{_BACKENDS}.{name}" for name in ("base", "capabilities", "records")}
 
 
 def _outside_backends(module: str) -> bool:
@@ -328,7 +328,7 @@ def _concrete(target: str) -> bool:
     """Whether ``target`` is a module of a concrete backend: anything in
     ``backends/`` but the package itself and the interface.
     """
-    return target.startswith(f"{_BACKENDS}.") and target != _INTERFACE
+    return target.startswith(f"{_BACKENDS}.") and target not in _INTERFACE
 
 
 def concrete_backend_imports(trees: Optional[dict[str, ast.AST]] = None) -> list[str]:
@@ -389,7 +389,8 @@ def _capability_members() -> set[str]:
     """What the capabilities add to the core: the names a duck-typing
     probe would look for.
     """
-    from dramatiq_unique.backends.base import CAPABILITIES, LockBackend
+    from dramatiq_unique.backends.base import LockBackend
+    from dramatiq_unique.backends.capabilities import CAPABILITIES
 
     core = set(dir(LockBackend))
     return {name for kind in CAPABILITIES for name in vars(kind) if not name.startswith("_") and name not in core}

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from dramatiq_unique import LOCK_TYPES, STRATEGIES, DuplicateMessage, LockBackend, StubBackend, digest_for, fence_token
-from dramatiq_unique.backends.base import Copy
+from dramatiq_unique.backends.records import Copy
 from dramatiq_unique.backends.redis import RedisBackend
 from dramatiq_unique.settings import MAX_DURATION
 from tests.conftest import wait_for

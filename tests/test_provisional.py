@@ -12,7 +12,7 @@ import pytest
 
 from dramatiq_unique import UniqueMiddleware
 from dramatiq_unique.ops.admin import LockAdmin
-from dramatiq_unique.backends.base import EnqueueRecord
+from dramatiq_unique.backends.records import EnqueueRecord
 from tests.conftest import make_worker, wait_for
 
 KEY = "t:job:{0123456789abcdef0123456789abcdef}:queue"

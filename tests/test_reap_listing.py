@@ -1,6 +1,7 @@
-"""A worker's periodic reaper lists the enqueue locks itself
-(``BackendLocks``, on the worker side, below the operators' side): it
-must see what the operators' ``LockAdmin`` sees, and fail as it words it.
+"""A worker's periodic reaper lists the enqueue locks through the
+backends' shared listing (``PrefixLocks``, below the operators' side),
+as the operators' ``LockAdmin`` does: it must see what ``LockAdmin``
+sees, and fail as it words it.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from typing import Any, Iterator
 import pytest
 
 from dramatiq_unique import LockBackendError, StubBackend
+from dramatiq_unique.backends.base import PrefixLocks
 from dramatiq_unique.ops.admin import LockAdmin
-from dramatiq_unique.worker.reap import BackendLocks
 
 MINUTE = 60_000
 
@@ -44,14 +45,15 @@ def test_the_workers_listing_is_the_operators_listing_of_enqueue_locks(backend: 
     backend.acquire(f"{prefix}:two:{{{other}}}:queue", "m3", ttl=MINUTE, lock="until_and_while_executing")
     backend.acquire(f"{prefix}:one:{{{other}}}:run", "m4/t", ttl=MINUTE, lock="while_executing")
     backend.acquire(f"{prefix}x:one:{{{other}}}:queue", "m5", ttl=MINUTE, lock="until_executed")
-    admin, listing = LockAdmin(backend, prefix=prefix), BackendLocks(backend, prefix=prefix)
+    admin, listing = LockAdmin(backend, prefix=prefix), PrefixLocks(backend, prefix=prefix)
     # Then the worker lists exactly the enqueue locks the operators list, holders and records alike
     everything = seen(listing.locks(phase="queue"))
     assert everything == seen(admin.locks(phase="queue"))
     assert [key.rsplit(":", 2)[0] for key, *_ in everything] == [f"{prefix}:one", f"{prefix}:two"]
     assert everything[0][4][0][1].where == where  # the records the reaper checks are there
     assert seen(listing.locks(actor="two")) == seen(admin.locks(actor="two", phase="queue"))
-    assert seen(listing.locks(phase="run")) == []
+    assert seen(listing.locks(phase="run")) == seen(admin.locks(phase="run"))
+    assert [lock.key for lock in listing.locks(phase="run")] == [f"{prefix}:one:{{{other}}}:run"]
 
 
 def test_a_listing_that_fails_says_so_as_the_operators_listing_does() -> None:
@@ -61,7 +63,7 @@ def test_a_listing_that_fails_says_so_as_the_operators_listing_does() -> None:
 
     backend = Down()
     errors = []
-    for listing in (BackendLocks(backend, prefix="p"), LockAdmin(backend, prefix="p")):
+    for listing in (PrefixLocks(backend, prefix="p"), LockAdmin(backend, prefix="p")):
         with pytest.raises(LockBackendError) as raised:
             next(iter(listing.locks(phase="queue")))
         errors.append(str(raised.value))

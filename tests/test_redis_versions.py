@@ -26,7 +26,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, ResponseError
 from redis.retry import Retry
 
-from dramatiq_unique.backends.base import Release
+from dramatiq_unique.backends.records import Release
 from dramatiq_unique.backends.redis.calls import ScriptCalls
 from dramatiq_unique.backends.redis import RedisBackend
 from tests.conftest import free_port, start_redis_server

@@ -16,7 +16,7 @@ from dramatiq import Worker
 from dramatiq.brokers.redis import RedisBroker
 from dramatiq.middleware.time_limit import TimeLimitExceeded
 
-from dramatiq_unique.backends.base import Release
+from dramatiq_unique.backends.records import Release
 from dramatiq_unique.backends.redis import RedisBackend
 from dramatiq_unique.worker.delivery import HandOff
 from dramatiq_unique.worker.releaser import PendingRelease, Releaser

@@ -23,7 +23,7 @@ from dramatiq.results import ResultFailure, Results
 from dramatiq.results.backends import StubBackend as ResultsStub
 
 from dramatiq_unique import ConfigurationError, LockBackend, StubBackend, UniqueMiddleware
-from dramatiq_unique.backends.base import CurrentCheck, CurrentStatus, ReplaceStatus
+from dramatiq_unique.backends.records import CurrentCheck, CurrentStatus, ReplaceStatus
 from tests.conftest import make_worker, wait_for
 
 LOCK_TTL = 60_000

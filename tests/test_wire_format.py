@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import dramatiq_unique
-from dramatiq_unique.backends.base import Copy
+from dramatiq_unique.backends.records import Copy
 from dramatiq_unique.backends.redis import RedisBackend
 from dramatiq_unique.model import wire
 from dramatiq_unique.model.wire import EnqueueRecord, LockKey, Owner, Place

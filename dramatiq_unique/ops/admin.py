@@ -21,21 +21,20 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
-from ..backends.base import EnqueueRecord, LockBackend, Waiter
+from ..backends.base import LockBackend, PrefixLocks, call_backend
+from ..backends.records import EnqueueRecord, ListedLock, Waiter
 from ..errors import UniqueError
 from ..model.wire import (
     PHASES,
     QUEUE,
     RUN,
-    actor_scope,
     check_key,
     digest_in,
     lock_key_glob,
     message_id_of,
-    parse_lock_key,
 )
 from ..settings import DEFAULT_PREFIX
-from ..worker.reap import DEFAULT_BATCH, DEFAULT_MIN_AGE, Reaper, ReapReport, RedisQueues, call_backend
+from ..worker.reap import DEFAULT_BATCH, DEFAULT_MIN_AGE, Reaper, ReapReport, RedisQueues
 
 T = TypeVar("T")
 
@@ -200,12 +199,8 @@ class LockAdmin:
             against the whole key (as with ``redis-cli --scan``).
           phase(str): Only the ``queue`` (enqueue) or ``run`` locks.
         """
-        scope = actor_scope(actor) if actor is not None else None
-        glob = pattern or lock_key_glob(prefix=self.prefix, scope=scope, phase=phase)
-        for key in self._scan(glob):
-            lock = self._lock(key)
-            if lock is not None and scope in (None, lock.actor) and phase in (None, lock.phase):
-                yield lock
+        for listed in PrefixLocks(self.backend, prefix=self.prefix).locks(actor=actor, pattern=pattern, phase=phase):
+            yield self._lock(listed)
 
     def inspect(self, digest: str) -> list[Lock]:
         """Describe the live locks of one digest: its enqueue lock, its
@@ -219,7 +214,7 @@ class LockAdmin:
         """
         digest = digest_of(digest)
         glob = lock_key_glob(prefix=self.prefix, digest=digest)
-        found = [lock for lock in map(self._lock, self._scan(glob)) if lock is not None and lock.digest == digest]
+        found = [lock for lock in self.locks(pattern=glob) if lock.digest == digest]
         found.sort(key=lambda lock: PHASES.index(lock.phase))
         if not found:
             raise UnknownLock(f"No lock has digest {digest} under prefix {self.prefix!r}.")
@@ -327,44 +322,29 @@ class LockAdmin:
         """
         return call_backend(self.backend, doing, call, *args)
 
-    def _lock(self, key: str) -> Optional[Lock]:
-        parts = parse_lock_key(key, prefix=self.prefix)
-        if parts is None:
-            return None
-        info = self.call(f"inspect {key!r}", self.backend.inspect, key)
-        if info is None:
-            return None
+    def _lock(self, listed: ListedLock) -> Lock:
         waiting = []
-        if parts.phase == RUN:
-            waiting = self.call(f"list the waiters of {key!r}", self.backend.waiters, key)
-        holders = sorted(
-            (
-                Holder(owner, message_id_of(owner) or owner, deadline, info.records.get(owner))
-                for owner, deadline in info.holders.items()
-            ),
-            key=lambda h: (h.deadline, h.owner),
-        )
-        return Lock(
-            key=info.key,
-            actor=parts.scope,
-            digest=parts.digest,
-            phase=parts.phase,
-            lock=info.lock,
-            holders=tuple(holders),
-            lock_args=info.lock_args,
-            fence=info.fence,
-            waiting=tuple(waiting),
-            current=info.current,
-            superseded=info.superseded,
-        )
+        if listed.phase == RUN:
+            waiting = self.call(f"list the waiters of {listed.key!r}", self.backend.waiters, listed.key)
+        return _from_listed(listed, tuple(waiting))
 
     def _delete(self, key: str) -> bool:
         return self.call(f"delete {key!r}", self.backend.delete, key)
 
-    def _scan(self, glob: str) -> Iterator[str]:
-        keys = self.call(f"scan {glob!r}", self.backend.scan, glob)
-        while True:
-            key = self.call(f"scan {glob!r}", next, keys, None)
-            if key is None:
-                return
-            yield key
+
+def _from_listed(listed: ListedLock, waiting: tuple[Waiter, ...] = ()) -> Lock:
+    info = listed.info
+    holders = (Holder(h.owner, message_id_of(h.owner) or h.owner, h.deadline, h.record) for h in listed.holders)
+    return Lock(
+        key=info.key,
+        actor=listed.actor,
+        digest=listed.digest,
+        phase=listed.phase,
+        lock=info.lock,
+        holders=tuple(holders),
+        lock_args=info.lock_args,
+        fence=info.fence,
+        waiting=waiting,
+        current=info.current,
+        superseded=info.superseded,
+    )

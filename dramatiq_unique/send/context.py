@@ -21,7 +21,7 @@ duplicate is refused, and how a failed take fails closed.
 
 A new message gets its place among its producer's sends of the same
 millisecond (waiters of one key are handed the key in that order); each
-delivery is one copy of its message (:class:`~..backends.base.Copy`),
+delivery is one copy of its message (:class:`~..backends.records.Copy`),
 named by the options the sends stamped (their names, and how a lock
 owner names its message, are in :mod:`..model.wire`).  The send side
 stamps these, the worker and the operators read them.
@@ -44,7 +44,8 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 from dramatiq.logging import get_logger
 
-from ..backends.base import SENDS_PER_MS, Copy, NewestWins
+from ..backends.capabilities import NewestWins
+from ..backends.records import SENDS_PER_MS, Copy
 from ..compat import ConsumerThread, replace_broker_enqueue, result_options
 from ..errors import DuplicateMessage, LockBackendError
 from ..events import EventHub, LockEvent

@@ -26,7 +26,7 @@ The path is taken only when it is known to be exact, else the usual two
 steps are: a ``RedisBroker`` itself (not a subclass) whose
 ``do_enqueue`` nobody else replaced, with a ``dispatch.lua`` this module
 knows; a backend that sends with the publish (the Redis backend, see
-:class:`~..backends.base.SendsWithPublish`) on the same standalone
+:class:`~..backends.capabilities.SendsWithPublish`) on the same standalone
 Redis and database (not Cluster, not Sentinel); no later middleware
 with its own ``before_enqueue`` (it would otherwise see a refused
 duplicate that it never saw before); and a new send, not a re-enqueue
@@ -49,7 +49,8 @@ from typing import TYPE_CHECKING, Any, Optional
 from dramatiq.common import current_millis
 from dramatiq.middleware import Middleware
 
-from ..backends.base import DispatchFailed, LockBackend, SendsWithPublish
+from ..backends.base import LockBackend
+from ..backends.capabilities import DispatchFailed, SendsWithPublish
 from ..compat import RedisDispatch, redis_dispatch, replace_redis_do_enqueue
 from ..model.spec import ActorSpec
 from ..model.wire import QUEUE, UNIQUE_DIGEST
@@ -108,7 +109,7 @@ def _standalone(client: Any) -> Optional[dict[str, Any]]:
 
 def same_redis(backend: Optional[LockBackend], broker: Any) -> bool:
     """Whether ``backend`` can take a lock and publish in one call
-    (:attr:`~..backends.base.SendsWithPublish.dispatch_client`) on the standalone
+    (:attr:`~..backends.capabilities.SendsWithPublish.dispatch_client`) on the standalone
     Redis database of ``broker``.
     """
     client = backend.dispatch_client if isinstance(backend, SendsWithPublish) else None

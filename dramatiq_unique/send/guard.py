@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from dramatiq.common import current_millis
 from dramatiq.middleware import MiddlewareError
 
-from ..backends.base import CurrentStatus, ReplaceStatus
+from ..backends.records import CurrentStatus, ReplaceStatus
 from ..model.spec import ActorSpec
 from ..model.wire import QUEUE, RUN, UNIQUE_DIGEST, UNIQUE_REPLACED
 from .confirm import Pending

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, NoReturn, Optio
 
 from dramatiq.middleware import SkipMessage
 
-from ..backends.base import Copy, CopyVerdict, Reschedules
+from ..backends.capabilities import Reschedules
+from ..backends.records import Copy, CopyVerdict
 from ..clock import JITTER
 from ..errors import CopySkipped, LockConflict, Rescheduled
 from ..model.spec import ActorSpec

@@ -33,7 +33,8 @@ from typing import Any, Optional, Protocol, Union
 
 from dramatiq.logging import get_logger
 
-from ..backends.base import LockBackend, Release
+from ..backends.base import LockBackend
+from ..backends.records import Release
 from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread
 from ..clock import JITTER, now_ms
 from ..forks import pid

@@ -27,7 +27,8 @@ from typing import Callable, Optional
 
 from dramatiq.logging import get_logger
 
-from ..backends.base import LockBackend, NativeExtender, RenewsNatively
+from ..backends.base import LockBackend
+from ..backends.capabilities import NativeExtender, RenewsNatively
 from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread
 from ..clock import now_ms
 from ..forks import pid
@@ -90,8 +91,8 @@ class LeaseKeeper:
 
     Under gevent's monkey-patching the keeper runs on a native OS
     thread, with a connection of its own that no patched module touches
-    (the backend's :class:`~..backends.base.NativeExtender`, see
-    :class:`~..backends.base.RenewsNatively`), so that a lease is
+    (the backend's :class:`~..backends.capabilities.NativeExtender`, see
+    :class:`~..backends.capabilities.RenewsNatively`), so that a lease is
     renewed while its actor holds the hub in a C call or a CPU loop;
     what it reports (a lost lease, a failed renewal, its logs) runs on
     the hub.  A backend with no such connection (the in-memory one, a
@@ -244,8 +245,8 @@ class LeaseKeeper:
 
 
 def native_extend(backend: LockBackend) -> Optional[NativeExtender]:
-    """A :class:`~..backends.base.NativeExtender` of ``backend``, when it
-    renews from a native thread (:class:`~..backends.base.RenewsNatively`)
+    """A :class:`~..backends.capabilities.NativeExtender` of ``backend``, when it
+    renews from a native thread (:class:`~..backends.capabilities.RenewsNatively`)
     and this instance can; None otherwise (the caller renews on a
     greenlet).
     """

@@ -21,7 +21,8 @@ records existed).
 
 The operators' ``dramatiq-unique reap`` runs the same :class:`Reaper`
 through :class:`~dramatiq_unique.ops.admin.LockAdmin`; a worker's
-:class:`PeriodicReaper` lists the locks through :class:`BackendLocks`.
+:class:`PeriodicReaper` lists the locks through
+:class:`~dramatiq_unique.backends.base.PrefixLocks`, as ``LockAdmin`` does.
 """
 
 from __future__ import annotations
@@ -29,15 +30,14 @@ from __future__ import annotations
 import os
 import time as mod_time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Optional, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol, Sequence, TypeVar
 
 from dramatiq.logging import get_logger
 
-from ..backends.base import LockBackend
+from ..backends.base import LockBackend, PrefixLocks
 from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread
 from ..clock import JITTER
-from ..errors import LockBackendError, UniqueError
-from ..model.wire import QUEUE, EnqueueRecord, Place, actor_scope, join_owner, lock_key_glob, parse_lock_key, reaper_key
+from ..model.wire import QUEUE, EnqueueRecord, Place, join_owner, reaper_key
 from ..send.context import LockContext
 
 if TYPE_CHECKING:
@@ -62,7 +62,8 @@ KEPT_AFTER_RUN = ("until_expired",)
 
 class ListedHolder(Protocol):
     """One holder of a listed lock, as the reaper reads it (an
-    :class:`~dramatiq_unique.ops.admin.Holder`, a :class:`QueueHolder`).
+    :class:`~dramatiq_unique.ops.admin.Holder`, a
+    :class:`~dramatiq_unique.backends.records.HeldSlot`).
     """
 
     @property
@@ -74,7 +75,8 @@ class ListedHolder(Protocol):
 
 class ListedLock(Protocol):
     """One listed lock, as the reaper reads it (an
-    :class:`~dramatiq_unique.ops.admin.Lock`, a :class:`QueueLock`).
+    :class:`~dramatiq_unique.ops.admin.Lock`, a
+    :class:`~dramatiq_unique.backends.records.ListedLock`).
     """
 
     @property
@@ -96,7 +98,7 @@ class ListedLock(Protocol):
 class LockListing(Protocol):
     """What the reaper reads locks through: the operators'
     :class:`~dramatiq_unique.ops.admin.LockAdmin`, or a worker's
-    :class:`BackendLocks`.
+    :class:`~dramatiq_unique.backends.base.PrefixLocks`.
     """
 
     @property
@@ -216,7 +218,7 @@ class Reaper:
     gone.
 
     Parameters:
-      admin(LockListing): The locks: a ``LockAdmin``, or :class:`BackendLocks`.
+      admin(LockListing): The locks: a ``LockAdmin``, or a ``PrefixLocks``.
       queues(RedisQueues): The broker to look messages up in.
       min_age(int): Leave locks younger than this alone, in ms.
       batch(int): Holders per broker transaction.
@@ -285,80 +287,6 @@ class Reaper:
             report.suspects.append(
                 Suspect(lock.key, lock.actor, owner, lock.lock_args, record.queue, age, record, released)
             )
-
-
-class QueueHolder(NamedTuple):
-    """One holder of an enqueue lock, as :class:`BackendLocks` lists it."""
-
-    owner: str
-    record: Optional[EnqueueRecord]
-
-
-class QueueLock(NamedTuple):
-    """One enqueue lock, as :class:`BackendLocks` lists it."""
-
-    key: str
-    actor: str
-    lock: Optional[str]
-    lock_args: Optional[str]
-    holders: tuple[QueueHolder, ...]
-
-
-class BackendLocks:
-    """The enqueue locks under one prefix, read straight from the
-    backend: what a worker's periodic reaper checks.  Failures are
-    :class:`LockBackendError`, worded as the operators' listing words
-    them.
-
-    Parameters:
-      backend(LockBackend): Where the locks live.
-      prefix(str): The middleware's prefix.
-    """
-
-    def __init__(self, backend: LockBackend, *, prefix: str) -> None:
-        self.backend = backend
-        self.prefix = prefix
-
-    def locks(self, *, actor: Optional[str] = None, phase: Optional[str] = None) -> Iterator[QueueLock]:
-        """Iterate over the live enqueue locks (``phase`` is ``queue``,
-        or None), in ``SCAN`` order; of one actor when ``actor`` is given.
-        """
-        if phase not in (None, QUEUE):
-            return
-        scope = actor_scope(actor) if actor is not None else None
-        glob = lock_key_glob(prefix=self.prefix, scope=scope, phase=QUEUE)
-        keys = self.call(f"scan {glob!r}", self.backend.scan, glob)
-        while True:
-            key = self.call(f"scan {glob!r}", next, keys, None)
-            if key is None:
-                return
-            parts = parse_lock_key(key, prefix=self.prefix)
-            if parts is None or parts.phase != QUEUE or scope not in (None, parts.scope):
-                continue
-            info = self.call(f"inspect {key!r}", self.backend.inspect, key)
-            if info is not None:
-                soonest = sorted(info.holders, key=lambda owner: (info.holders[owner], owner))
-                holders = tuple(QueueHolder(owner, info.records.get(owner)) for owner in soonest)
-                yield QueueLock(key, parts.scope, info.lock, info.lock_args, holders)
-
-    def call(self, doing: str, call: Callable[..., T], *args: Any) -> T:
-        """Run one backend call (see :func:`call_backend`)."""
-        return call_backend(self.backend, doing, call, *args)
-
-
-def call_backend(backend: LockBackend, doing: str, call: Callable[..., T], *args: Any) -> T:
-    """Run one call of ``backend``, turning its failures into
-    :class:`LockBackendError` with a one-line message, as the operators'
-    listing words them.
-    """
-    try:
-        return call(*args)
-    except UniqueError:
-        raise
-    except Exception as e:
-        where = backend.describe()
-        reason = " ".join(str(e).split()) or type(e).__name__
-        raise LockBackendError(f"Lock backend {where} failed to {doing}: {reason}", backend=where) from e
 
 
 class PeriodicReaper:
@@ -442,7 +370,7 @@ def start_reaper(service: LockContext, broker: "Broker") -> Optional[PeriodicRea
             type(broker).__name__,
         )
         return None
-    listing = BackendLocks(service.backend, prefix=service.settings.prefix)
+    listing = PrefixLocks(service.backend, prefix=service.settings.prefix)
     reaper = PeriodicReaper(listing, RedisQueues(client), interval=interval)
     reaper.start()
     return reaper

@@ -45,7 +45,8 @@ from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
 from dramatiq.logging import get_logger
 
-from ..backends.base import DEFAULT_RESERVE, BatchedReleases, Copy, Release, Releasing, Start
+from ..backends.capabilities import BatchedReleases
+from ..backends.records import DEFAULT_RESERVE, Copy, Release, Releasing, Start
 from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread
 from ..clock import now_ms
 from ..forks import pid

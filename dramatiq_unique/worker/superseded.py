@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 from dramatiq.middleware import SkipMessage
 
-from ..backends.base import CurrentStatus, NewestWins, Reschedules
+from ..backends.capabilities import NewestWins, Reschedules
+from ..backends.records import CurrentStatus
 from ..errors import Superseded
 from ..model.wire import UNIQUE_RESCHEDULES
 from ..send.context import LockContext, copy_of, store_failure

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any, Optional
 from dramatiq import Message
 from dramatiq.middleware import AgeLimit, SkipMessage
 
-from ..backends.base import CopyVerdict, Reschedules
+from ..backends.capabilities import Reschedules
+from ..backends.records import CopyVerdict
 from ..clock import JITTER, now_ms
 from ..compat import age_limit_module
 from ..forks import pid

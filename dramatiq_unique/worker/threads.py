@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
-from ..backends.base import BatchedReleases
+from ..backends.capabilities import BatchedReleases
 from ..clock import now_ms
 from ..send.context import LockContext
 from .failed import RUN_SUFFIX, FailedReleases, LandedReports

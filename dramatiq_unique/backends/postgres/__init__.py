@@ -1,6 +1,7 @@
 """The PostgreSQL lock backend: :class:`PostgresBackend` (in
-:mod:`.backend`), which runs the stub's rules (:mod:`.rules`) on each
-key's state stored as JSON (:mod:`.state`), with the statements of
+:mod:`.backend`), which runs the in-memory backend's rules
+(:class:`~..rules.LockRules`) on each key's state stored as JSON
+(:mod:`.state`), with the statements of
 :mod:`.sql` and lease renewal for gevent in :mod:`.native`.
 """
 

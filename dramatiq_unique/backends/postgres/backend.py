@@ -2,8 +2,8 @@
 
 Each call on one digest is one transaction: it locks the rows of the
 keys it touches (in key order, so that two calls never deadlock), runs
-:class:`~..stub.StubBackend`'s own method on their state at the
-server's clock (:mod:`.rules`), writes back what changed and commits,
+:class:`~..rules.LockRules`'s own verb on their state at the server's
+clock (:mod:`.state`), writes back what changed and commits,
 in two round trips of one message each (:func:`.sql.opening`,
 :func:`.sql.closing`).  Nothing lives in a
 session: no advisory lock outlives its transaction, so the backend
@@ -12,6 +12,7 @@ works behind PgBouncer in transaction mode.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -31,27 +32,12 @@ except ModuleNotFoundError as e:  # tested in a subprocess: tests/test_postgres.
 
 from ...errors import ConfigurationError, LockBackendError
 from ...forks import pid
-from ..base import (
-    DEFAULT_RESERVE,
-    Acquisition,
-    BatchedReleases,
-    Copy,
-    CurrentCheck,
-    EnqueueRecord,
-    LockInfo,
-    NewestWins,
-    Release,
-    RenewsNatively,
-    Replacement,
-    Reschedules,
-    Start,
-    Waiter,
-    glob_pattern,
-    release_then_start,
-)
-from ..stub import StubBackend
+from ..base import glob_pattern
+from ..capabilities import BatchedReleases, NewestWins, RenewsNatively, Reschedules, release_then_start
+from ..records import Copy, LockInfo, Release, Start, Waiter
+from ..rules import LockRules
 from . import sql
-from .rules import DEFAULT_FENCE_MEMORY, Row, apply, run
+from .state import DEFAULT_FENCE_MEMORY, Row, apply, run
 
 if TYPE_CHECKING:
     from .native import NativeExtender
@@ -82,10 +68,6 @@ DEFAULT_SWEEP_BATCH = 500
 #: How many batches one sweep deletes at most.
 DEFAULT_SWEEP_BATCHES = 20
 
-#: The URL schemes ``PostgresBackend`` connects to.
-URL_SCHEMES = ("postgresql://", "postgres://")
-
-
 def _without_password(url: str) -> str:
     try:
         params = conninfo_to_dict(url)
@@ -106,6 +88,40 @@ def check_url(conninfo: str) -> None:
         conninfo_to_dict(conninfo)
     except psycopg.ProgrammingError as e:
         raise ConfigurationError(f"PostgresBackend cannot parse the URL {conninfo!r}: {e}") from None
+
+
+def _key(key: str, *_: Any, **__: Any) -> list[str]:
+    """The keys a verb locks that names one key first."""
+    return [key]
+
+
+def _key_and_copy(key: str, *_: Any, copy: Optional[Copy] = None, **__: Any) -> list[str]:
+    """The keys a verb locks that names a key and maybe a :class:`Copy`."""
+    return [key] if copy is None else [key, copy.key]
+
+
+def _copy_key(copy: Copy, *_: Any, **__: Any) -> list[str]:
+    """The keys a verb of the reschedule protocol locks."""
+    return [copy.key]
+
+
+def _start_keys(key: str, *_: Any, copy: Copy, queue_key: Optional[str] = None, **__: Any) -> list[str]:
+    """The keys a start locks: the run lock, the copy's, the enqueue lock."""
+    return [key, copy.key] + ([queue_key] if queue_key else [])
+
+
+def _in_transaction(verb: str, keys: Callable[..., list[str]]) -> Any:
+    """A :class:`PostgresBackend` method that runs :class:`LockRules`'s
+    ``verb``, with the arguments it is called with, on the locked rows of
+    the keys ``keys`` finds in those arguments, in one transaction.
+    """
+    rule = getattr(LockRules, verb)
+
+    @functools.wraps(rule)
+    def method(self: "PostgresBackend", *args: Any, **kwargs: Any) -> Any:
+        return self._locked(keys(*args, **kwargs), lambda rules: rule(rules, *args, **kwargs))
+
+    return method
 
 
 class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
@@ -289,7 +305,7 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
             self.pool.open(wait=False)
             self._pool_pid = pid()
 
-    def _locked(self, keys: Sequence[str], verb: Callable[[StubBackend], T]) -> T:
+    def _locked(self, keys: Sequence[str], verb: Callable[[LockRules], T]) -> T:
         """Run ``verb`` on the locked rows of ``keys``, in one transaction
         of two queries: the opening (begin, settings, row locks) and the
         closing (writes, deletes, commit), each one message of
@@ -323,7 +339,7 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
         self._maybe_sweep()
         return applied.result  # type: ignore[no-any-return]
 
-    def _read(self, statement: str, parameter: str, verb: Callable[[StubBackend], T]) -> T:
+    def _read(self, statement: str, parameter: str, verb: Callable[[LockRules], T]) -> T:
         """Run ``verb`` on the rows ``statement`` reads, without locks."""
         self._ensure_schema()
         with self._connection() as conn:
@@ -361,58 +377,21 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
                 break
         return deleted
 
-    # The hot path ------------------------------------------------------
+    # The verbs -----------------------------------------------------------
+    #
+    # Each runs the rules' own verb, with the same arguments, on the
+    # locked rows of the keys it names (see _in_transaction).
 
-    def acquire(
-        self,
-        key: str,
-        owner: str,
-        *,
-        ttl: int,
-        limit: int = 1,
-        lock: str = "",
-        lock_args: Optional[str] = None,
-        provisional: int = 0,
-        where: Optional[str] = None,
-        copy: Optional[Copy] = None,
-    ) -> Acquisition:
-        keys = [key] if copy is None else [key, copy.key]
-        return self._locked(
-            keys,
-            lambda stub: stub.acquire(
-                key, owner, ttl=ttl, limit=limit, lock=lock, lock_args=lock_args, provisional=provisional,
-                where=where, copy=copy,
-            ),
-        )
-
-    def start(
-        self,
-        key: str,
-        owner: str,
-        *,
-        ttl: int,
-        limit: int,
-        lock: str,
-        copy: Copy,
-        queue_key: Optional[str] = None,
-        order: Optional[int] = None,
-        reserve: int = DEFAULT_RESERVE,
-    ) -> Start:
-        keys = [key, copy.key] + ([queue_key] if queue_key else [])
-        return self._locked(
-            keys,
-            lambda stub: stub.start(
-                key, owner, ttl=ttl, limit=limit, lock=lock, copy=copy, queue_key=queue_key, order=order,
-                reserve=reserve,
-            ),
-        )
-
-    def release(
-        self, key: str, owner: str, *, hand_over: bool = True, succeeded: bool = False, reserve: int = DEFAULT_RESERVE
-    ) -> Release:
-        return self._locked(
-            [key], lambda stub: stub.release(key, owner, hand_over=hand_over, succeeded=succeeded, reserve=reserve)
-        )
+    acquire = _in_transaction("acquire", _key_and_copy)
+    start = _in_transaction("start", _start_keys)
+    release = _in_transaction("release", _key)
+    join_line = _in_transaction("join_line", _copy_key)
+    claim = _in_transaction("claim", _copy_key)
+    replace = _in_transaction("replace", _key)
+    current = _in_transaction("current", _key_and_copy)
+    unreplace = _in_transaction("unreplace", _key)
+    reap = _in_transaction("reap", _key)
+    delete = _in_transaction("delete", _key)
 
     #: Releases go in one transaction, and ride in front of the next
     #: start: the worker releases run locks in the background.
@@ -422,45 +401,28 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
         if not locks:
             return []
         try:
-            return self._locked([lock[0] for lock in locks], lambda stub: stub.release_many(locks))
+            return self._locked([lock[0] for lock in locks], lambda rules: rules.release_many(locks))
         except Exception as e:
             return [e] * len(locks)
 
     def release_and_start(
-        self,
-        releases: Sequence[tuple[Any, ...]],
-        key: str,
-        owner: str,
-        *,
-        ttl: int,
-        limit: int,
-        lock: str,
-        copy: Copy,
-        queue_key: Optional[str] = None,
-        order: Optional[int] = None,
-        reserve: int = DEFAULT_RESERVE,
+        self, releases: Sequence[tuple[Any, ...]], key: str, owner: str, **start: Any
     ) -> tuple[list[Union[Release, Exception]], Union[Start, Exception]]:
-        keys = [release[0] for release in releases] + [key, copy.key] + ([queue_key] if queue_key else [])
+        keys = [release[0] for release in releases] + _start_keys(key, **start)
         try:
-            return self._locked(
-                keys,
-                lambda stub: release_then_start(
-                    stub, releases, key, owner, ttl=ttl, limit=limit, lock=lock, copy=copy, queue_key=queue_key,
-                    order=order, reserve=reserve,
-                ),
-            )
+            return self._locked(keys, lambda rules: release_then_start(rules, releases, key, owner, **start))
         except Exception as e:
             return [e] * len(releases), e
 
     def extend(self, locks: Sequence[tuple[str, str]], ttl: int) -> list[bool]:
         if not locks:
             return []
-        return self._locked([key for key, _ in locks], lambda stub: stub.extend(locks, ttl))
+        return self._locked([key for key, _ in locks], lambda rules: rules.extend(locks, ttl))
 
     def confirm(self, locks: Sequence[tuple[str, str, int]]) -> list[bool]:
         if not locks:
             return []
-        return self._locked([key for key, _, _ in locks], lambda stub: stub.confirm(locks))
+        return self._locked([key for key, _, _ in locks], lambda rules: rules.confirm(locks))
 
     def native_extender(self) -> "NativeExtender":
         """``extend`` on a libpq connection of its own, for a native OS
@@ -472,64 +434,7 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
             self.conninfo, statement_timeout=self.statement_timeout, fence_memory=self.fence_memory
         )
 
-    # The reschedule protocol -------------------------------------------
-
-    def join_line(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> int:
-        return self._locked([copy.key], lambda stub: stub.join_line(copy, message, order=order, ttl=ttl))
-
-    def claim(self, copy: Copy) -> bool:
-        return self._locked([copy.key], lambda stub: stub.claim(copy))
-
-    # Newest wins -------------------------------------------------------
-
-    def replace(
-        self,
-        key: str,
-        owner: str,
-        *,
-        ttl: int,
-        lock: str = "",
-        lock_args: Optional[str] = None,
-        keep_started: bool = False,
-        debounce: int = 0,
-        debounce_max: int = 0,
-        superseded_ttl: int,
-        where: str = "",
-    ) -> Replacement:
-        return self._locked(
-            [key],
-            lambda stub: stub.replace(
-                key, owner, ttl=ttl, lock=lock, lock_args=lock_args, keep_started=keep_started, debounce=debounce,
-                debounce_max=debounce_max, superseded_ttl=superseded_ttl, where=where,
-            ),
-        )
-
-    def current(
-        self,
-        key: str,
-        owner: str,
-        *,
-        reenter: bool = False,
-        ttl: int = 0,
-        lock: str = "",
-        copy: Optional[Copy] = None,
-        where: Optional[str] = None,
-    ) -> CurrentCheck:
-        keys = [key] if copy is None else [key, copy.key]
-        return self._locked(
-            keys, lambda stub: stub.current(key, owner, reenter=reenter, ttl=ttl, lock=lock, copy=copy, where=where)
-        )
-
-    def unreplace(self, key: str, owner: str) -> Optional[str]:
-        return self._locked([key], lambda stub: stub.unreplace(key, owner))
-
-    # Operators' writes and reads ---------------------------------------
-
-    def reap(self, key: str, owner: str, record: EnqueueRecord) -> bool:
-        return self._locked([key], lambda stub: stub.reap(key, owner, record))
-
-    def delete(self, key: str) -> bool:
-        return self._locked([key], lambda stub: stub.delete(key))
+    # Operators' reads --------------------------------------------------
 
     def delete_prefix(self, prefix: str) -> int:
         self._ensure_schema()
@@ -537,12 +442,12 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
             return int(conn.execute(sql.DELETE_PREFIX, [sql.like_literal(prefix)]).rowcount)
 
     def inspect(self, key: str) -> Optional[LockInfo]:
-        return self._read(sql.READ, key, lambda stub: stub.inspect(key))
+        return self._read(sql.READ, key, lambda rules: rules.inspect(key))
 
     def waiters(self, key: str) -> list[Waiter]:
-        return self._read(sql.READ, key, lambda stub: stub.waiters(key))
+        return self._read(sql.READ, key, lambda rules: rules.waiters(key))
 
     def scan(self, pattern: str) -> Iterator[str]:
-        keys = self._read(sql.SCAN, sql.like_prefix(pattern), lambda stub: list(stub.scan(pattern)))
+        keys = self._read(sql.SCAN, sql.like_prefix(pattern), lambda rules: list(rules.scan(pattern)))
         match = glob_pattern(pattern).fullmatch
         return iter([key for key in keys if match(key)])

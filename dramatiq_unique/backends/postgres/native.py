@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 from psycopg import pq
 
 from . import sql
-from .rules import Row, apply
+from .state import Row, apply
 
 
 class NativeExtender:
@@ -58,7 +58,7 @@ class NativeExtender:
         self._query("BEGIN", [])
         self._query(sql.STATEMENT_TIMEOUT, [str(max(timeout, 1))])
         rows = self._query(sql.LOCK, [json.dumps(sorted({key for key, _ in locks}))])
-        applied = apply(rows, lambda stub: stub.extend(locks, ttl), fence_memory=self.fence_memory)
+        applied = apply(rows, lambda rules: rules.extend(locks, ttl), fence_memory=self.fence_memory)
         for write in applied.writes:
             self._query(sql.WRITE, write)
         for key in applied.deletes:

@@ -1,7 +1,7 @@
 """The schema and statements of ``PostgresBackend``.
 
 One table holds a row per lock key (a run or enqueue lock's digest key):
-its state as the stub keeps it, in JSON (:mod:`.state`), and when the
+its state as the rules keep it, in JSON (:mod:`.state`), and when the
 last deadline in it passes.  An expired row counts as absent: the rules
 see every deadline in it passed, and the sweep deletes it.
 

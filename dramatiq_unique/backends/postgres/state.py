@@ -1,14 +1,17 @@
-"""The state :class:`~..stub.StubBackend` keeps of one key, as JSON.
+"""The lock rules run on rows: the state :class:`~..rules.LockRules`
+keeps of one key, as JSON, and what one call does to the keys it locked.
 
-``PostgresBackend`` stores one row per key: everything the stub's
+``PostgresBackend`` stores one row per key: everything the rules'
 dictionaries hold under that key (the lock entry, its waiters, its
 superseded record, the records of its messages) and the last fence the
-key handed out.  :func:`load` puts a row's state into a stub made for
-one call, and :func:`dump` takes it out again after the stub's own
-method ran on it, so the rules of the claim are the stub's.
+key handed out.  A call locks the rows of its keys (:data:`.sql.LOCK`),
+and :func:`apply` loads their state into a :class:`~..rules.LockRules`
+made for the call at the server's clock (:func:`load`), runs the verb
+on it, and says which rows to write back (:func:`dump`) and which to
+drop.  So the rules of the claim are the in-memory backend's.
 
 The encoding follows each dataclass's type hints: so a field added to
-one of the stub's dataclasses is stored with no change here.  Fields at
+one of the rules' dataclasses is stored with no change here.  Fields at
 their default value are left out; bytes are base64 text, sets sorted
 lists, tuples lists.
 """
@@ -18,20 +21,33 @@ from __future__ import annotations
 import base64
 import dataclasses
 import functools
+import json
 import typing
-from typing import Any, Callable, NamedTuple, Union
+from typing import Any, Callable, NamedTuple, Optional, Sequence, TypeVar, Union
 
-from .. import stub as stub_module
-from ..stub import KeyState, StubBackend
+from .. import keystate as keystate_module
+from ..keystate import KeyState
+from ..rules import LockRules
 
-#: The parts of a row's state that are the stub's dataclasses: the
-#: fields of :class:`~..stub.KeyState` other than the records and fence.
+T = TypeVar("T")
+
+#: How long a key that holds nothing keeps its last fence, in
+#: milliseconds, before the sweep deletes its row: a fence taken later
+#: grows from the server's clock in microseconds instead.
+DEFAULT_FENCE_MEMORY = 3_600_000
+
+#: A row as the statements return it: key, state (JSON text), clock
+#: (server Unix microseconds, as text).
+Row = Sequence[Optional[str]]
+
+#: The parts of a row's state that are the rules' dataclasses: the
+#: fields of :class:`~..keystate.KeyState` other than the records and fence.
 _PARTS = ("entry", "waiters", "superseded")
 
 
 @functools.lru_cache(maxsize=None)
 def _hints(cls: Any) -> dict[str, Any]:
-    return typing.get_type_hints(cls, vars(stub_module))
+    return typing.get_type_hints(cls, vars(keystate_module))
 
 
 def _dataclass_of(hint: Any) -> Any:
@@ -106,14 +122,6 @@ def _decoder(hint: Any) -> Codec:
     raise TypeError(f"cannot load a value of type {hint!r}")
 
 
-def _encode(value: Any, hint: Any) -> Any:
-    return None if value is None else _encoder(hint)(value)
-
-
-def _decode(data: Any, hint: Any) -> Any:
-    return None if data is None else _decoder(hint)(data)
-
-
 def _default(field: dataclasses.Field) -> Any:
     if field.default is not dataclasses.MISSING:
         return field.default
@@ -155,7 +163,7 @@ def decode_dataclass(data: dict[str, Any], cls: Any) -> Any:
 
 
 class Dumped(NamedTuple):
-    """One key's state, taken out of a stub.
+    """One key's state, taken out of the rules.
 
     Attributes:
       state(dict): The JSON object to store; ``{"fence": n}`` alone when
@@ -173,21 +181,21 @@ def last_fence(state: dict[str, Any]) -> int:
     return max(int(state.get("fence", 0)), int(state.get("entry", {}).get("fence", 0)))
 
 
-def load(stub: StubBackend, key: str, state: dict[str, Any]) -> None:
-    """Put a row's ``state`` of ``key`` into ``stub``."""
+def load(rules: LockRules, key: str, state: dict[str, Any]) -> None:
+    """Put a row's ``state`` of ``key`` into ``rules``."""
     hints = _hints(KeyState)
     parts = {part: decode_dataclass(state[part], _dataclass_of(hints[part])) if part in state else None
              for part in _PARTS}
     record = _dataclass_of(hints["records"])
     records = {message_id: decode_dataclass(data, record) for message_id, data in state.get("records", {}).items()}
-    stub.load_key_state(key, KeyState(**parts, records=records, last_fence=last_fence(state)))
+    rules.load_key_state(key, KeyState(**parts, records=records, last_fence=last_fence(state)))
 
 
-def dump(stub: StubBackend, key: str, *, fence: int = 0) -> Dumped:
-    """Take the state of ``key`` out of ``stub``, with ``fence`` the last
+def dump(rules: LockRules, key: str, *, fence: int = 0) -> Dumped:
+    """Take the state of ``key`` out of ``rules``, with ``fence`` the last
     fence of the key known before (kept when the entry is gone).
     """
-    kept = stub.key_state(key)
+    kept = rules.key_state(key)
     state: dict[str, Any] = {}
     deadlines = [0]
     for part in _PARTS:
@@ -204,3 +212,59 @@ def dump(stub: StubBackend, key: str, *, fence: int = 0) -> Dumped:
     if fence:
         state["fence"] = fence
     return Dumped(state, max(deadlines) if len(state) > ("fence" in state) else 0)
+
+
+class Applied(NamedTuple):
+    """What a call did.
+
+    Attributes:
+      result: What the verb returned.
+      writes(list): The parameters of :data:`.sql.WRITE` for each row
+        that changed: state (JSON), expires at, key.
+      deletes(list[str]): The keys whose rows hold nothing, not even a
+        fence: rows made for this call.
+    """
+
+    result: Any
+    writes: list[list[str]]
+    deletes: list[str]
+
+
+def loaded(rows: Sequence[Row]) -> tuple[LockRules, dict[str, dict[str, Any]]]:
+    """Rules holding the state of ``rows``, at the latest clock the rows
+    carry (server Unix microseconds; this process's when none does), and
+    each row's state by key.
+    """
+    rules = LockRules(clock=max((int(row[2]) for row in rows if row[2] is not None), default=None))
+    states = {}
+    for key, text, _ in rows:
+        if key is None or text is None:
+            continue
+        states[key] = json.loads(text)
+        load(rules, key, states[key])
+    return rules, states
+
+
+def run(rows: Sequence[Row], verb: Callable[[LockRules], T]) -> T:
+    """Run ``verb`` on rules holding ``rows``, at their clock, and
+    return what it returned: for reads, whose changes are not kept.
+    """
+    return verb(loaded(rows)[0])
+
+
+def apply(rows: Sequence[Row], verb: Callable[[LockRules], Any], *, fence_memory: int) -> Applied:
+    """Run ``verb`` on rules holding the locked ``rows``, at their
+    clock, and say what to write back.
+    """
+    rules, before = loaded(rows)
+    result = verb(rules)
+    writes, deletes = [], []
+    for key, old in before.items():
+        state, expires_at = dump(rules, key, fence=last_fence(old))
+        if not state:
+            deletes.append(key)
+        elif state != old:
+            assert rules.clock is not None
+            expires_at = expires_at or rules.clock // 1000 + fence_memory
+            writes.append([json.dumps(state), str(expires_at), key])
+    return Applied(result, writes, deletes)

@@ -1,8 +1,10 @@
-"""The Redis lock backend: :class:`RedisBackend` (in :mod:`.client`),
-its script calls and their group commit (:mod:`.calls`), and the Lua
-scripts (``lua/``).
+"""The Redis lock backend: :class:`RedisBackend` (in :mod:`.client`,
+with the operators' reads in :mod:`.reads`), its script calls and their
+group commit (:mod:`.calls`), the Lua scripts (``lua/``, loaded by
+:mod:`.scripts`) and ``min_replicas`` (:mod:`.replicas`).
 """
 
-from .client import RedisBackend, TooFewReplicas
+from .client import RedisBackend
+from .replicas import TooFewReplicas
 
 __all__ = ["RedisBackend", "TooFewReplicas"]

@@ -239,6 +239,12 @@ class GroupCommit:
         if following is not None:
             following.ready.release()
 
+
+def as_text(value: Any) -> str:
+    """A reply as text: redis-py answers bytes unless told to decode."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 #: One script call: script name, keys, arguments.
 Call = tuple[str, Sequence[Union[str, bytes]], Sequence[Union[str, bytes, int]]]
 

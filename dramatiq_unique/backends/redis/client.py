@@ -10,11 +10,10 @@ client, and through redis-py's ``Script`` on a Cluster.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
-from importlib import resources
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
-from urllib.parse import urlsplit, urlunsplit
+from typing import Any, Callable, Optional, Sequence, Union
 
 try:
     import redis
@@ -25,80 +24,37 @@ except ModuleNotFoundError as e:  # tested in a subprocess: tests/test_install.p
         name=e.name,
     ) from None
 
-from ...errors import ConfigurationError, LockBackendError
 from ...model import wire
 from ...settings import DEFAULT_MIN_REPLICAS, DEFAULT_MIN_REPLICAS_TIMEOUT
-from ..base import (
+from ..capabilities import (
+    BatchedReleases,
+    DispatchFailed,
+    NativeExtender,
+    NewestWins,
+    RenewsNatively,
+    Reschedules,
+    SendsWithPublish,
+    release_then_start,
+)
+from ..records import (
     DEFAULT_RESERVE,
     Acquisition,
-    BatchedReleases,
     Copy,
     CopyVerdict,
     CurrentCheck,
     CurrentStatus,
-    DispatchFailed,
     EnqueueRecord,
-    LockInfo,
-    NativeExtender,
-    NewestWins,
     Release,
     Releasing,
-    RenewsNatively,
-    Replacement,
     ReplaceStatus,
-    Reschedules,
-    SendsWithPublish,
+    Replacement,
     Start,
-    Waiter,
-    release_then_start,
 )
-from .calls import Call, ScriptCalls, default_retry
+from .calls import Call, ScriptCalls, as_text, default_retry
 from .native import native_extend
-
-_LUA = resources.files(__package__).joinpath("lua")
-
-
-def _source(name: str, *, given: Optional[Mapping[str, str]] = None) -> str:
-    """A script's text, with each ``--@include NAME`` line replaced by
-    the library ``NAME.lua`` (its own includes expanded), or by
-    ``given[NAME]`` (a text from elsewhere, not expanded).  Each
-    library comes once, where it is first included: a later include of
-    it is dropped.
-    """
-    included: set[str] = set()
-
-    def expand(text: str) -> str:
-        lines = []
-        for line in text.splitlines(keepends=True):
-            if not line.startswith("--@include "):
-                lines.append(line)
-                continue
-            library = line.split()[1]
-            if given is not None and library in given:
-                lines.append(given[library].rstrip("\n") + "\n")
-            elif library not in included:
-                included.add(library)
-                lines.append(expand(_LUA.joinpath(f"{library}.lua").read_text()))
-        return "".join(lines)
-
-    return expand(_LUA.joinpath(f"{name}.lua").read_text())
-
-
-_SCRIPTS = {
-    name: _source(name)
-    for name in (
-        *("acquire", "start", "release", "extend", "join_line", "claim"),
-        *("replace", "current", "unreplace"),  # on_conflict="replace" and debounce
-        *("confirm", "reap"),  # provisional enqueue locks and the reaper
-    )
-}
-
-
-def send_script(dispatch: str) -> str:
-    """send.lua around the Redis broker's ``dispatch`` source, which it
-    includes as a local function of (KEYS, ARGV).
-    """
-    return _source("send", given={"dispatch": dispatch})
+from .reads import RedisReads
+from .replicas import TooFewReplicas, replication, require
+from .scripts import SCRIPTS, send_script
 
 
 class RedisDispatchFailed(DispatchFailed, redis.ResponseError):
@@ -108,30 +64,6 @@ class RedisDispatchFailed(DispatchFailed, redis.ResponseError):
     """
 
 
-class TooFewReplicas(LockBackendError):
-    """A lock call took a lock that fewer replicas acknowledged than
-    ``min_replicas`` asked for, within ``min_replicas_timeout``: a
-    failover now could lose it, so the call counts as failed.  A fresh
-    lock it took was given back, unless ``given_back`` is False (the
-    give-back failed too, or the lock guards a message already enqueued):
-    it then lapses by its TTL or lease.
-
-    Attributes:
-      key(str): The lock key.
-      acked(int): How many replicas acknowledged the write (0 when
-        ``WAIT`` itself failed).
-      wanted(int): ``min_replicas``.
-      given_back(bool): Whether the lock is known to be given back.
-    """
-
-    def __init__(self, message: str, *, backend: str, key: str, acked: int, wanted: int, given_back: bool) -> None:
-        super().__init__(message, backend=backend)
-        self.key = key
-        self.acked = acked
-        self.wanted = wanted
-        self.given_back = given_back
-
-
 #: The URL scheme that connects to a Cluster.
 CLUSTER_SCHEME = "redis+cluster://"
 
@@ -139,14 +71,6 @@ CLUSTER_SCHEME = "redis+cluster://"
 #: this backend makes itself: a silent Redis must fail a lock call, not
 #: hang a worker thread.
 DEFAULT_SOCKET_TIMEOUT = 5.0
-
-
-def _without_password(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def _waiting(key: str) -> list[str]:
@@ -208,11 +132,6 @@ def _start_call(
     return keys, args
 
 
-def _superseded(key: str) -> str:
-    """The superseded record of an enqueue lock key: same hash tag."""
-    return wire.superseded_key(key)
-
-
 #: replace.lua's status codes.
 _REPLACED = {
     0: ReplaceStatus.REFUSED,
@@ -224,11 +143,6 @@ _REPLACED = {
 
 #: The characters a key glob reads as wildcards (see ``glob_pattern``).
 _GLOB_SPECIALS = re.compile(r"[*?\[\]\\]")
-
-
-def as_text(value: Any) -> str:
-    """A reply as text: redis-py answers bytes unless told to decode."""
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 #: A named tuple from a tuple of its fields, built in C: a named tuple's
@@ -290,37 +204,19 @@ def _release_calls(locks: Sequence[tuple[Any, ...]]) -> list[Call]:
     """release.lua calls that hand each slot over (the keys of
     :func:`_waiting` spelled out: every job makes one).
     """
-    calls: list[Call] = []
-    for lock in locks:
-        one = Releasing(*lock)
-        calls.append(("release", _release_keys(one.key, one.owner), _release_args(one.owner, True, one.succeeded,
-                                                                                  one.reserve)))
-    return calls
+    return [
+        ("release", _release_keys(one.key, one.owner), _release_args(one.owner, True, one.succeeded, one.reserve))
+        for one in (Releasing(*lock) for lock in locks)
+    ]
 
 
 def _releases(replies: Sequence[Any]) -> list[Union[Release, Exception]]:
     return [reply if isinstance(reply, Exception) else _release(reply) for reply in replies]
 
 
-def _replication(replicas: Any, timeout: Any, cluster: bool) -> tuple[int, int]:
-    """Checked ``min_replicas`` and ``min_replicas_timeout``.
-
-    Raises:
-      ConfigurationError: a count below 0, a timeout below 1 ms (``WAIT
-        n 0`` would block for ever), or replicas asked of a Cluster,
-        whose pipelines do not keep ``WAIT`` on the script's connection.
-    """
-    for name, value, least in (("min_replicas", replicas, 0), ("min_replicas_timeout", timeout, 1)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
-            raise ConfigurationError(f"{name}={value!r} is invalid: expected a whole number, {least} or more.")
-    if replicas and cluster:
-        raise ConfigurationError(f"min_replicas={replicas!r} is not supported on a Redis Cluster.")
-    return replicas, timeout
-
-
-class RedisBackend(Reschedules, NewestWins, SendsWithPublish, BatchedReleases, RenewsNatively):
+class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, BatchedReleases, RenewsNatively):
     """A lock backend that stores locks in Redis.  It has every
-    capability of :mod:`~dramatiq_unique.backends.base`; on a Cluster,
+    capability of :mod:`~dramatiq_unique.backends.capabilities`; on a Cluster,
     sending with the publish, batched releases and renewal from a
     native thread are off (:attr:`dispatch_client` and
     :meth:`native_extender` give None, :attr:`batches_releases` is
@@ -398,12 +294,17 @@ class RedisBackend(Reschedules, NewestWins, SendsWithPublish, BatchedReleases, R
         self.client: Any = client
         self.url = url
         self.cluster = isinstance(self.client, redis.cluster.RedisCluster)
-        self.scripts = {name: self.client.register_script(source) for name, source in _SCRIPTS.items()}
-        self.calls = None if self.cluster else ScriptCalls(self.client, _SCRIPTS, group_commit=group_commit)
+        self.scripts = {name: self.client.register_script(source) for name, source in SCRIPTS.items()}
+        self.calls = None if self.cluster else ScriptCalls(self.client, SCRIPTS, group_commit=group_commit)
         self.batches_releases = self.calls is not None and release_in_background
-        self.min_replicas, self.min_replicas_timeout = _replication(min_replicas, min_replicas_timeout, self.cluster)
+        self.min_replicas, self.min_replicas_timeout = replication(min_replicas, min_replicas_timeout, self.cluster)
         #: The command sent after every lock take, or None.
         self.wait_command = (b"WAIT", self.min_replicas, self.min_replicas_timeout) if self.min_replicas else None
+        #: (acked, key, give_back): raises TooFewReplicas after a take that
+        #: too few replicas acknowledged, given back first (see :func:`.replicas.require`).
+        self._require = functools.partial(
+            require, wanted=self.min_replicas, within=self.min_replicas_timeout, backend=self.describe
+        )
 
     def _call(self, name: str, keys: list[str], args: list[Any]) -> Any:
         if self.calls is not None:
@@ -426,55 +327,10 @@ class RedisBackend(Reschedules, NewestWins, SendsWithPublish, BatchedReleases, R
             raise reply
         return reply, acked
 
-    def _untaken(self, name: str, keys: list[str], args: list[Any]) -> tuple[Any, None]:
-        """A script that takes no lock, shaped as :meth:`_take`'s reply."""
-        return self._call(name, keys, args), None
-
-    def _require(self, acked: Union[int, Exception, None], key: str, give_back: Optional[Callable[[], Any]]) -> None:
-        """Raise :class:`TooFewReplicas` when the take of ``key`` was
-        acknowledged by fewer than ``min_replicas``, after giving back
-        what it took with ``give_back`` (None: nothing to give back).
-        """
-        if acked is None or (isinstance(acked, int) and acked >= self.min_replicas):
-            return
-        failure, given_back = "", False
-        if give_back is not None:
-            try:
-                give_back()
-                given_back = True
-            except Exception as e:  # the lock then lapses by its TTL or lease
-                failure = f"; giving it back failed too ({e!r}), so it lapses by its TTL or lease"
-        count = acked if isinstance(acked, int) else 0
-        seen = f"{acked} of {self.min_replicas}" if isinstance(acked, int) else f"none (WAIT failed: {acked!r})"
-        kept = " and was given back" if given_back else " and is kept" if give_back is None else ""
-        raise TooFewReplicas(
-            f"the lock {key!r} was acknowledged by {seen} replicas within {self.min_replicas_timeout} ms"
-            f"{kept}{failure}",
-            backend=self.describe(),
-            key=key,
-            acked=count,
-            wanted=self.min_replicas,
-            given_back=given_back,
-        )
-
     def _give_back(self, key: str, owner: str) -> Callable[[], Any]:
         # No hand-over: the waiters' delayed copies come anyway, and a
         # promoted message could not be enqueued from here.
         return lambda: self.release(key, owner, hand_over=False)
-
-    def describe(self) -> str:
-        if self.url:
-            return f"RedisBackend({_without_password(self.url)})"
-        if self.cluster:
-            node = self.client.get_default_node()
-            return f"RedisBackend(cluster at {node.host}:{node.port})"
-        pool = getattr(self.client, "connection_pool", None)
-        service = getattr(pool, "service_name", None)
-        if service:
-            return f"RedisBackend(sentinel service {service})"
-        kwargs = getattr(pool, "connection_kwargs", {})
-        where = kwargs.get("path") or f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
-        return f"RedisBackend(redis at {where})"
 
     def acquire(
         self,
@@ -521,11 +377,8 @@ class RedisBackend(Reschedules, NewestWins, SendsWithPublish, BatchedReleases, R
         namespace: str,
         arguments: Sequence[Any],
     ) -> Acquisition:
-        """Acquire ``key`` as :meth:`acquire` does, confirmed at once and
-        recording ``where``, and only when that succeeds run the Redis
-        broker's ``dispatch`` script source with ``arguments`` under
-        ``namespace``: one round trip (send.lua).  Only on a standalone
-        client, the broker's own Redis.
+        """:meth:`SendsWithPublish.acquire_and_dispatch` in one round trip
+        (send.lua), on a standalone client, the broker's own Redis.
 
         Raises:
           RedisDispatchFailed: ``dispatch`` failed; nothing is locked by
@@ -551,20 +404,12 @@ class RedisBackend(Reschedules, NewestWins, SendsWithPublish, BatchedReleases, R
             self._require(acked, key, None)
         return Acquisition(status in (1, 2), reentered=status == 2, holder=as_text(holder), fence=int(fence))
 
-    def start(
-        self,
-        key: str,
-        owner: str,
-        *,
-        ttl: int,
-        limit: int,
-        lock: str,
-        copy: Copy,
-        queue_key: Optional[str] = None,
-        order: Optional[int] = None,
-        reserve: int = DEFAULT_RESERVE,
-    ) -> Start:
-        keys, args = _start_call(key, owner, ttl, limit, lock, copy, queue_key, order, reserve)
+    def start(self, key: str, owner: str, **options: Any) -> Start:
+        """:meth:`LockBackend.start` (``options`` are its keyword
+        arguments) in one call of start.lua, grouped with the other
+        worker threads' calls of the moment.
+        """
+        keys, args = _start_call(key, owner, **options)
         if self.calls is None:
             return _start(self._call("start", keys, args), owner)
         # Every job makes this call: shared with other worker threads' of the moment.
@@ -585,26 +430,12 @@ class RedisBackend(Reschedules, NewestWins, SendsWithPublish, BatchedReleases, R
             self._require(acked, key, self._give_back(key, owner))
 
     def release_and_start(
-        self,
-        releases: Sequence[tuple[str, str]],
-        key: str,
-        owner: str,
-        *,
-        ttl: int,
-        limit: int,
-        lock: str,
-        copy: Copy,
-        queue_key: Optional[str] = None,
-        order: Optional[int] = None,
-        reserve: int = DEFAULT_RESERVE,
+        self, releases: Sequence[tuple[Any, ...]], key: str, owner: str, **start: Any
     ) -> tuple[list[Union[Release, Exception]], Union[Start, Exception]]:
         if self.calls is None:
-            return release_then_start(
-                self, releases, key, owner, ttl=ttl, limit=limit, lock=lock, copy=copy, queue_key=queue_key,
-                order=order, reserve=reserve,
-            )
+            return release_then_start(self, releases, key, owner, **start)
         calls = _release_calls(releases)
-        calls.append(("start", *_start_call(key, owner, ttl, limit, lock, copy, queue_key, order, reserve)))
+        calls.append(("start", *_start_call(key, owner, **start)))
         replies = self.calls.batch(calls, grouped=True, trailer=self.wait_command)
         acked = replies.pop() if self.wait_command is not None else None
         reply = replies.pop()
@@ -625,9 +456,9 @@ class RedisBackend(Reschedules, NewestWins, SendsWithPublish, BatchedReleases, R
         return _release(self._call("release", _release_keys(key, owner), args))
 
     def release_many(self, locks: Sequence[tuple[Any, ...]]) -> list[Union[Release, Exception]]:
-        if self.calls is None or len(locks) < 2:
+        if self.calls is None:
             return super().release_many(locks)
-        return _releases(self.calls.batch(_release_calls(locks)))
+        return _releases(self.calls.batch(_release_calls(locks))) if locks else []
 
     def join_line(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> int:
         return int(self._call("join_line", _records(copy), [copy.message_id, message, order, copy.attempt, ttl]) or 0)
@@ -643,7 +474,7 @@ class RedisBackend(Reschedules, NewestWins, SendsWithPublish, BatchedReleases, R
         client's (:class:`~.native.NativeExtend`), for a standalone
         client on plain TCP or a Unix socket; None otherwise.
         """
-        return None if self.cluster else native_extend(self.client, script=_SCRIPTS["extend"])
+        return None if self.cluster else native_extend(self.client, script=SCRIPTS["extend"])
 
     def confirm(self, locks: Sequence[tuple[str, str, int]]) -> list[bool]:
         return self._each("confirm", locks)
@@ -663,7 +494,7 @@ class RedisBackend(Reschedules, NewestWins, SendsWithPublish, BatchedReleases, R
         pipe = self.client.pipeline(transaction=False)
         for key, owner, ttl in calls:
             # A Cluster pipeline refuses EVALSHA but sends EVAL, one batch per node.
-            pipe.execute_command("EVAL", _SCRIPTS[script], 1, key, owner, ttl)
+            pipe.execute_command("EVAL", SCRIPTS[script], 1, key, owner, ttl)
         return [bool(result) for result in pipe.execute()]
 
     def reap(self, key: str, owner: str, record: EnqueueRecord) -> bool:
@@ -685,7 +516,7 @@ class RedisBackend(Reschedules, NewestWins, SendsWithPublish, BatchedReleases, R
     ) -> Replacement:
         (status, other, fence, delay), acked = self._take(
             "replace",
-            [key, _superseded(key)],
+            [key, wire.superseded_key(key)],
             [owner, ttl, lock, lock_args or "", int(keep_started), debounce, debounce_max, superseded_ttl, where],
         )
         got = Replacement(_REPLACED[int(status)], as_text(other) if other else None, int(delay), int(fence))
@@ -715,14 +546,15 @@ class RedisBackend(Reschedules, NewestWins, SendsWithPublish, BatchedReleases, R
         copy: Optional[Copy] = None,
         where: Optional[str] = None,
     ) -> CurrentCheck:
-        keys: list[str] = [key, _superseded(key)]
+        keys: list[str] = [key, wire.superseded_key(key)]
         args: list[Any] = [owner, "reenter" if reenter else "start", ttl, lock]
         if reenter and copy is not None:
             keys, args = keys + _records(copy), args + [copy.attempt, copy.via, where or "", copy.retries]
         elif reenter and where is not None:
             args += [0, "", where]
         # Only a re-enqueue takes a slot; a delivery marks its message started.
-        (status, other), acked = (self._take if reenter else self._untaken)("current", keys, args)
+        reply, acked = self._take("current", keys, args) if reenter else (self._call("current", keys, args), None)
+        status, other = reply
         got = CurrentCheck(CurrentStatus(int(status)), as_text(other) if other else None)
         if acked is not None and got.status in (CurrentStatus.CURRENT, CurrentStatus.REENTERED):
             # Took the free key again (given back on too few replicas), or re-entered (kept).
@@ -730,55 +562,13 @@ class RedisBackend(Reschedules, NewestWins, SendsWithPublish, BatchedReleases, R
         return got
 
     def unreplace(self, key: str, owner: str) -> Optional[str]:
-        previous = self._call("unreplace", [key, _superseded(key)], [owner])
+        previous = self._call("unreplace", [key, wire.superseded_key(key)], [owner])
         return as_text(previous) if previous else None
-
-    def inspect(self, key: str) -> Optional[LockInfo]:
-        fields = {as_text(name): as_text(value) for name, value in self.client.hgetall(key).items()}
-        now = self._now_ms(key)
-        meta = wire.META_MARK
-        holders = {name: int(value) for name, value in fields.items() if not name.startswith(meta) and int(value) > now}
-        if not holders:
-            return None
-        records = {owner: EnqueueRecord.decode(fields.get(wire.record_field(owner), "")) for owner in holders}
-        current = fields.get(wire.CURRENT_FIELD)
-        return LockInfo(
-            key,
-            fields.get(wire.LOCK_FIELD) or None,
-            holders,
-            fields.get(wire.ARGS_FIELD),
-            int(fields.get(wire.FENCE_FIELD, 0)),
-            current=current if current in holders else None,
-            superseded=int(fields.get(wire.SUPERSEDED_FIELD, 0)),
-            records={owner: record for owner, record in records.items() if record is not None},
-        )
-
-    def scan(self, pattern: str) -> Iterator[str]:
-        seen = set()
-        for key in self.client.scan_iter(match=pattern, count=1000):
-            name = as_text(key)
-            if name not in seen:
-                seen.add(name)
-                yield name
 
     def delete(self, key: str) -> bool:
         return bool(self.client.delete(key))
-
-    def close(self) -> None:
-        if self.owns_client:
-            self.client.close()
 
     def delete_prefix(self, prefix: str) -> int:
         # One key per DEL: on a Cluster the keys of a prefix are on every node.
         keys = list(self.scan(_GLOB_SPECIALS.sub(r"\\\g<0>", prefix) + "*"))
         return sum(int(self.client.delete(key)) for key in keys)
-
-    def waiters(self, key: str) -> list[Waiter]:
-        waiting = self.client.zrange(_waiting(key)[0], 0, -1, withscores=True)
-        return [Waiter(as_text(message_id), int(order)) for message_id, order in waiting]
-
-    def _now_ms(self, key: Optional[str] = None) -> int:
-        # On a Cluster, ask the node that holds the key: its clock set the deadlines.
-        where = {"target_nodes": self.client.get_node_from_key(key)} if self.cluster and key else {}
-        seconds, micros = self.client.time(**where)
-        return int(seconds) * 1000 + int(micros) // 1000

@@ -2,21 +2,21 @@
 on a connection of the backend's own, made with the original
 (unpatched) socket module and speaking RESP2 itself, so that no
 greenlet-patched socket or pool lock of redis-py is touched from
-another OS thread (:class:`~..base.RenewsNatively`).
+another OS thread (:class:`~..capabilities.RenewsNatively`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import socket as socket_module
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from ...compat import original
 
 
 class NativeExtend:
     """``extend`` on a connection of its own, for the lease keeper's
-    native thread under gevent (a :class:`~..base.NativeExtender`).  It
+    native thread under gevent (a :class:`~..capabilities.NativeExtender`).  It
     sends ``extend.lua``, one ``EVALSHA`` per lock in one write
     (``EVAL`` after a ``NOSCRIPT``), and reads RESP2 replies.  Used by
     one thread at a time.
@@ -25,9 +25,9 @@ class NativeExtend:
       address(tuple or str): ``(host, port)``, or a Unix socket path.
       db(int): The database to select.
       username(str), password(str): For ``AUTH``, when set.
-      script(str): The source of ``extend.lua``.
-      call(callable): ``(key, owner, ttl)`` -> the script's keys and
-        arguments.
+      script(str): The source of ``extend.lua``, whose keys and
+        arguments are ``[key], [owner, ttl]``, as ``RedisBackend.extend``
+        sends them.
       connect_timeout(float): In seconds.
     """
 
@@ -39,7 +39,6 @@ class NativeExtend:
         username: Optional[str] = None,
         password: Optional[str] = None,
         script: str,
-        call: Callable[[str, str, int], tuple[Sequence[Any], Sequence[Any]]],
         connect_timeout: float = 5.0,
     ) -> None:
         self.address = address
@@ -48,7 +47,6 @@ class NativeExtend:
         self.password = password
         self.script = script.encode()
         self.sha = hashlib.sha1(self.script).hexdigest().encode()
-        self.call = call
         self.connect_timeout = connect_timeout
         self._sock: Any = None
         self._file: Any = None
@@ -74,7 +72,7 @@ class NativeExtend:
         if self._sock is None:
             self._connect(min(timeout, self.connect_timeout))
         self._sock.settimeout(timeout)
-        calls = [self._evalsha(*self.call(key, owner, ttl)) for key, owner in locks]
+        calls = [self._evalsha([key], [owner, ttl]) for key, owner in locks]
         replies = self._round_trip(calls)
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, _ErrorReply) and reply.noscript]
         if missing:
@@ -164,14 +162,6 @@ def _read_reply(file: Any) -> Any:
     raise ConnectionError(f"the lock backend sent an unexpected reply: {line[:40]!r}")
 
 
-def extend_call(key: str, owner: str, ttl: int) -> tuple[list[str], list[Any]]:
-    """The keys and arguments of ``extend.lua`` that extend ``owner``'s
-    hold on ``key`` to ``ttl`` ms from now, as ``RedisBackend.extend``
-    sends them.
-    """
-    return [key], [owner, ttl]
-
-
 def native_extend(client: Any, *, script: str) -> Optional[NativeExtend]:
     """A :class:`NativeExtend` that mirrors ``client``'s connection, when
     it is a plain TCP or Unix connection of a standalone client; None
@@ -194,6 +184,5 @@ def native_extend(client: Any, *, script: str) -> Optional[NativeExtend]:
         username=kwargs.get("username"),
         password=kwargs.get("password"),
         script=script,
-        call=extend_call,
         connect_timeout=float(kwargs.get("socket_connect_timeout") or 5.0),
     )
