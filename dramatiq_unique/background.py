@@ -1,4 +1,5 @@
-"""The package's background threads, on one base.
+"""The package's background threads, on one base, with the clock and
+the process id they read.
 
 Each background task of a process (the lease keeper, the releaser,
 the confirmer, the retries of failed releases, the periodic reaper, the
@@ -29,12 +30,19 @@ every one of them the same life cycle:
   everything that touches patched state (logging, callbacks, events)
   to the hub with :meth:`~BackgroundThread.report`.  Every other task
   stays a greenlet, as correct under patching as any of Dramatiq's.
+
+The clock (:func:`now_ms`), the jitter (:data:`JITTER`) and the process
+id (:func:`pid`) live here too: every background task times and
+jitters its deadlines with them, and the Redis client's calls read the
+process id on every call.  This module imports nothing of the package
+but ``compat``, so every module may use it.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import random
 import threading
 import time as mod_time
 import weakref
@@ -42,9 +50,34 @@ from typing import Any, Callable, Optional, Union
 
 from dramatiq.logging import get_logger
 
-from .clock import now_ms
 from .compat import hub_caller, native_lock, start_native_thread, threads_are_green
-from .forks import pid
+
+
+def now_ms() -> float:
+    """Monotonic milliseconds: for deadlines and intervals within this
+    process, never for times stored in the backend (those are the
+    server's or wall-clock milliseconds).
+    """
+    return mod_time.monotonic() * 1000
+
+
+#: The random numbers of the package's jitter and tokens: a generator
+#: of its own, so that background threads never move the global
+#: ``random`` state that an application (or Hypothesis, which warns when
+#: it moves under a test) draws from; reseeded in a forked child, so that
+#: forked workers do not jitter in step.
+JITTER = random.Random()
+
+#: This process's id, read without a system call: ``os.getpid`` is one
+#: on every read, and the hot paths of a worker (an owner token per job,
+#: a fork check per lock call) read it per job.  Refreshed in a forked
+#: child before any of its code runs.
+_pid = os.getpid()
+
+
+def pid() -> int:
+    """This process's id."""
+    return _pid
 
 #: How long :meth:`BackgroundThread.stop` waits for the loop to end, in
 #: milliseconds.
@@ -365,6 +398,9 @@ _LIVE: "weakref.WeakSet[BackgroundThread]" = weakref.WeakSet()
 
 
 def _after_fork() -> None:
+    global _pid
+    _pid = os.getpid()
+    JITTER.seed()
     for thread in list(_LIVE):
         thread._forked()
 

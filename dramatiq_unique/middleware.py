@@ -32,8 +32,7 @@ from dramatiq.middleware import (
 from . import settings as config
 from .backends import for_broker, from_url
 from .backends.base import LockBackend, NewestWins, Reschedules
-from .background import stop_calls_by
-from .clock import now_ms
+from .background import now_ms, stop_calls_by
 from .compat import Prometheus, proxied_message
 from .errors import ConfigurationError
 from .events import EventHub, Listener

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, NoReturn, Optio
 from dramatiq.middleware import SkipMessage
 
 from ..backends.base import Copy, CopyVerdict, Reschedules
-from ..clock import JITTER
+from ..background import JITTER
 from ..errors import CopySkipped, LockConflict, Rescheduled
 from ..model.spec import ActorSpec
 from ..model.wire import UNIQUE_DIGEST, UNIQUE_RESCHEDULES, UNIQUE_VIA, UNIQUE_WAITS, message_id_of

@@ -34,9 +34,7 @@ from typing import Any, Optional, Protocol, Union
 from dramatiq.logging import get_logger
 
 from ..backends.base import LockBackend, Release
-from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread
-from ..clock import JITTER, now_ms
-from ..forks import pid
+from ..background import DEFAULT_STOP_TIMEOUT, JITTER, BackgroundThread, now_ms, pid
 from .delivery import HandOff, LockToRelease
 
 #: Milliseconds before the first retry of a failed release; each retry

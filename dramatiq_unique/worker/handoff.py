@@ -20,10 +20,8 @@ from typing import Any
 
 from dramatiq.common import q_name
 
-from ..background import BackgroundThread
-from ..clock import now_ms
+from ..background import BackgroundThread, now_ms, pid
 from ..compat import redis_consumer_backoff, set_redis_consumer_backoff
-from ..forks import pid
 
 #: The longest wait between two polls of a queue that just got a
 #: hand-off, in milliseconds.

@@ -28,9 +28,7 @@ from typing import Callable, Optional
 from dramatiq.logging import get_logger
 
 from ..backends.base import LockBackend, NativeExtender, RenewsNatively
-from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread
-from ..clock import now_ms
-from ..forks import pid
+from ..background import BackgroundThread, DEFAULT_STOP_TIMEOUT, now_ms, pid
 
 #: How soon a failed renewal is tried again, in milliseconds.
 RETRY_INTERVAL = 1_000

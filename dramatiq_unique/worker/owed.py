@@ -35,7 +35,7 @@ import dramatiq
 from dramatiq import Message
 from dramatiq.logging import get_logger
 
-from ..clock import JITTER, now_ms
+from ..background import JITTER, now_ms
 
 if TYPE_CHECKING:
     from dramatiq import Broker

@@ -34,8 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Optional,
 from dramatiq.logging import get_logger
 
 from ..backends.base import LockBackend
-from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread
-from ..clock import JITTER
+from ..background import BackgroundThread, DEFAULT_STOP_TIMEOUT, JITTER
 from ..errors import LockBackendError, UniqueError
 from ..model.wire import QUEUE, EnqueueRecord, Place, actor_scope, join_owner, lock_key_glob, parse_lock_key, reaper_key
 from ..send.context import LockContext

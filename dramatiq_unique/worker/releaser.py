@@ -46,9 +46,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence, Union
 from dramatiq.logging import get_logger
 
 from ..backends.base import DEFAULT_RESERVE, BatchedReleases, Copy, Release, Releasing, Start
-from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread
-from ..clock import now_ms
-from ..forks import pid
+from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread, now_ms, pid
 from .delivery import HandOff, LockToRelease
 
 #: The most releases sent in one round trip.

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..clock import now_ms
+from ..background import now_ms
 from ..events import LockEvent
 from ..model.wire import message_id_of
 from ..send.context import LockContext

@@ -15,9 +15,8 @@ from dramatiq import Message
 from dramatiq.middleware import AgeLimit, SkipMessage
 
 from ..backends.base import CopyVerdict, Reschedules
-from ..clock import JITTER, now_ms
+from ..background import JITTER, now_ms, pid
 from ..compat import age_limit_module
-from ..forks import pid
 from ..model.spec import ActorSpec
 from ..model.wire import UNIQUE_DIGEST, join_owner
 from ..send.context import LockContext

@@ -13,7 +13,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 from ..backends.base import BatchedReleases
-from ..clock import now_ms
+from ..background import now_ms
 from ..send.context import LockContext
 from .failed import RUN_SUFFIX, FailedReleases, LandedReports
 from .handoff import HandoffPolls

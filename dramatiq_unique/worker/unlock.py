@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Optional
 from dramatiq import Message
 
 from ..backends.base import Release
-from ..clock import now_ms
+from ..background import now_ms
 from ..model.wire import UNIQUE_RESCHEDULES
 from ..send.context import LockContext
 from .conflict import reserve

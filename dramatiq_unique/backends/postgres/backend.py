@@ -29,8 +29,8 @@ except ModuleNotFoundError as e:  # tested in a subprocess: tests/test_postgres.
         name=e.name,
     ) from None
 
+from ...background import pid
 from ...errors import ConfigurationError, LockBackendError
-from ...forks import pid
 from ..base import (
     DEFAULT_RESERVE,
     Acquisition,
