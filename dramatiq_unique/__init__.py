@@ -37,7 +37,7 @@ if TYPE_CHECKING:
         DEFAULT_REAP_INTERVAL,
         DEFAULT_RESCHEDULE_DELAY,
     )
-    from .worker.delivery import fence_token
+    from .worker.leases import fence_token
 
 __version__ = "0.1.0"
 
@@ -53,7 +53,7 @@ _EXPORTS = {
     "Release": ".backends.base",
     "Replacement": ".backends.base",
     "StubBackend": ".backends",
-    "fence_token": ".worker.delivery",
+    "fence_token": ".worker.leases",
     "ConfigurationError": ".errors",
     "DuplicateMessage": ".errors",
     "LockBackendError": ".errors",

@@ -41,13 +41,11 @@ from .model.wire import UNIQUE_DIGEST
 from .send.context import LockContext
 from .send.guard import EnqueueGuard
 from .worker.boot import check_backend
-from .worker.coroutines import track
-from .worker.delivery import Delivery, attach, delivery
-from .worker.owed import OwedReleases
-from .worker.quiet import install as quiet_our_skips
-from .worker.reports import LockTroubles
+from .worker.leases import Delivery, attach, delivery, track
+from .worker.release import LockTroubles, Unlocker
+from .worker.resend import OwedReleases
 from .worker.take import RunLockTaker
-from .worker.unlock import Unlocker
+from .worker.take import install as quiet_our_skips
 
 if TYPE_CHECKING:
     from dramatiq import Actor, Broker, Worker
@@ -364,7 +362,7 @@ class UniqueMiddleware(Middleware):
     def after_worker_shutdown(self, broker: "Broker", worker: "Worker") -> None:
         """Stop every background task within what is left of
         ``shutdown_timeout``, and write to the broker the releases that
-        could not be sent (:mod:`~dramatiq_unique.worker.owed`).
+        could not be sent (:mod:`~dramatiq_unique.worker.resend`).
         """
         stop_by = self._stop_by if self._stop_by is not None else now_ms() + self.settings.shutdown_timeout
         calls_by = stop_by - self._shutdown_reserve()

@@ -47,7 +47,7 @@ from dramatiq.logging import get_logger
 
 from ..backends.base import DEFAULT_RESERVE, BatchedReleases, Copy, Release, Releasing, Start
 from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread, now_ms, pid
-from .delivery import HandOff, LockToRelease
+from .leases import HandOff, LockToRelease
 
 #: The most releases sent in one round trip.
 DEFAULT_BATCH = 256
