@@ -46,7 +46,7 @@ import random
 import threading
 import time as mod_time
 import weakref
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Generic, Optional, TypeVar, Union, cast
 
 from dramatiq.logging import get_logger
 
@@ -86,6 +86,8 @@ DEFAULT_STOP_TIMEOUT = 5_000
 #: How often a bounded wait looks again, in milliseconds: short enough
 #: for a drain, long enough that a waiting greenlet lets others run.
 DEFAULT_POLL = 10
+
+T = TypeVar("T")
 
 #: The loop of a background thread: called with its thread, it returns
 #: once ``thread.stopping`` is set (or whenever it is done).
@@ -189,7 +191,8 @@ class BackgroundThread:
             if self.running_in == pid():
                 return
             self.stopping = False
-            self.native = threads_are_green() and self._wants_native()
+            wants = self.wants_native
+            self.native = threads_are_green() and bool(wants() if callable(wants) else wants)
             self._wakeup = Wakeup(native_lock() if self.native else threading.Lock())
             self._to_hub = hub_caller() if self.native else _call
             self._finished = False
@@ -209,10 +212,6 @@ class BackgroundThread:
         else:
             self._thread = threading.Thread(target=main, name=self.name, daemon=True)
             self._thread.start()
-
-    def _wants_native(self) -> bool:
-        wants = self.wants_native
-        return bool(wants() if callable(wants) else wants)
 
     def _main(self, generation: int) -> None:
         try:
@@ -250,6 +249,7 @@ class BackgroundThread:
         self.running_in = None
 
     def _stopped_by(self, error: Exception) -> None:
+        # A function of its own: ``error`` is unbound once its except clause ends, before the hub may run this.
         self.report(lambda: self.logger.error(
             "%s stopped on an error; the next use starts it again.", self.name, exc_info=error))
 
@@ -319,6 +319,50 @@ class BackgroundThread:
 
 def _call(call: Callable[[], None]) -> None:
     call()
+
+
+class OneCall(Generic[T]):
+    """One call on a daemon thread of its own, so that its caller can
+    stop waiting for it: a call stuck on a silent network (socket
+    timeouts and client retries can add up to minutes) holds that
+    thread, not its caller.
+
+    Not a :class:`BackgroundThread`: it is one call with a deadline, not
+    a loop, so there is nothing to start lazily, stop or drain; a
+    greenlet under gevent.
+
+    Parameters:
+      call(callable): What to call, with no arguments.
+      name(str): The thread's name.
+    """
+
+    def __init__(self, call: Callable[[], T], *, name: str) -> None:
+        self.done = threading.Event()
+        self.value: Optional[T] = None
+        self.error: Optional[BaseException] = None
+        threading.Thread(target=self._run, args=(call,), name=name, daemon=True).start()
+
+    def _run(self, call: Callable[[], T]) -> None:
+        try:
+            self.value = call()
+        except BaseException as e:  # handed to the waiting thread
+            self.error = e
+        finally:
+            self.done.set()
+
+    def result(self, timeout: float) -> T:
+        """What the call returned, waiting at most ``timeout``
+        milliseconds.
+
+        Raises:
+          TimeoutError: when it has not returned by then.
+          BaseException: what the call raised.
+        """
+        if not self.done.wait(max(timeout, 0) / 1000):
+            raise TimeoutError(f"the lock backend did not answer within {max(timeout, 0):.0f} ms")
+        if self.error is not None:
+            raise self.error
+        return cast(T, self.value)
 
 
 # A worker's shutdown: the deadline of lock calls ------------------------------

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 from dramatiq.logging import get_logger
 
 from ..backends.base import LockBackend, NativeExtender, RenewsNatively
-from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread, now_ms, pid
+from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread, OneCall, now_ms, pid
 from ..compat import async_to_sync, replace_actor_fn
 from ..model.spec import ActorSpec
 
@@ -155,43 +155,6 @@ def fence_token(message: Any = None) -> Optional[int]:
 set_fence = _fence.set
 
 
-class _Renewal:
-    """One ``extend`` call on a daemon thread, so the keeper can stop
-    waiting for it: a call stuck on a silent network (socket timeouts
-    and client retries can add up to minutes) must not outlive the
-    leases it renews.
-
-    Not a :class:`~..background.BackgroundThread`: it is one call with a
-    deadline, not a loop, so there is nothing to start lazily, stop or
-    drain, and the keeper (which is one) refuses a new renewal while an
-    abandoned one still waits.  Used only when renewals run through the
-    backend's own client: under gevent that is a greenlet, on a backend
-    with no native connection.
-    """
-
-    def __init__(self, extend: Callable[[], list[bool]]) -> None:
-        self.done = threading.Event()
-        self.held: list[bool] = []
-        self.error: Optional[BaseException] = None
-        threading.Thread(target=self._run, args=(extend,), name="dramatiq-unique-renewal", daemon=True).start()
-
-    def _run(self, extend: Callable[[], list[bool]]) -> None:
-        try:
-            self.held = extend()
-        except BaseException as e:
-            self.error = e
-        finally:
-            self.done.set()
-
-    def result(self, timeout: float) -> list[bool]:
-        """The answer, waiting at most ``timeout`` milliseconds."""
-        if not self.done.wait(max(timeout, 0) / 1000):
-            raise TimeoutError(f"the lock backend did not answer within {max(timeout, 0):.0f} ms")
-        if self.error is not None:
-            raise self.error
-        return self.held
-
-
 @dataclass(eq=False)
 class Lease:
     """A run lease held by this process."""
@@ -239,7 +202,7 @@ class LeaseKeeper:
         self.on_lost = on_lost
         self.on_error = on_error
         self._leases: dict[int, Lease] = {}
-        self._renewal: Optional[_Renewal] = None
+        self._renewal: Optional[OneCall[list[bool]]] = None
         self._native_extend: Optional[NativeExtender] = None
         self._thread = BackgroundThread(
             name="dramatiq-unique-leases", loop=self._serve, native=self._can_renew_natively, on_fork=self._forked
@@ -346,7 +309,9 @@ class LeaseKeeper:
             return self._native_extend(locks, self.lease, timeout=timeout)
         if self._renewal is not None and not self._renewal.done.is_set():
             raise TimeoutError("an earlier renewal is still waiting for the lock backend")
-        self._renewal = _Renewal(lambda: self.backend.extend(locks, self.lease))
+        # On a daemon thread of its own, so that a renewal stuck on a silent network never outlives the
+        # leases it renews; the keeper refuses a new one while an abandoned one still waits.
+        self._renewal = OneCall(lambda: self.backend.extend(locks, self.lease), name="dramatiq-unique-renewal")
         return self._renewal.result(timeout)
 
     def _lose(self, lease: Lease) -> None:

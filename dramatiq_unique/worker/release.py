@@ -328,7 +328,7 @@ class WorkerThreads:
 
         Returns:
           list[OwedRelease]: The releases that could not be sent, for
-          the next worker (:mod:`.owed`).
+          the next worker (:class:`~.resend.OwedReleases`).
         """
         self.handoffs.stop()
         owed: list[OwedRelease] = []

@@ -34,7 +34,7 @@ What stays true:
 * The worker's shutdown drains the pending releases, waiting at most
   ``drain_timeout`` (or what is left of the shutdown's bound), and hands
   what is still left to the middleware, which writes it to the broker
-  for the next worker (:mod:`.owed`).
+  for the next worker (:class:`~.resend.OwedReleases`).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class PendingRelease:
     @property
     def options(self) -> dict[str, Any]:
         """The release call's keyword arguments, as a stopping worker
-        hands the release on to the next (:mod:`.owed`).
+        hands the release on to the next (:class:`~.resend.OwedReleases`).
         """
         return {"succeeded": self.succeeded, "reserve": self.reserve}
 
@@ -193,7 +193,7 @@ class Releaser:
             self._pending.append(pending)
             self._last_submitted = pending.submitted_at
             if self._thread.running_in != pid():
-                self._ensure_thread()
+                self._thread.ensure_started()
             if self._idle:
                 self._wakeup.notify()  # only an idle releaser needs waking; a busy one looks again
             stalled = self._stalled() if self._sending else None
@@ -245,7 +245,8 @@ class Releaser:
         except BaseException:
             self._unboard(riders)
             raise
-        self._arrived(riders, outcomes)
+        # Reported here and in order; the hand-offs the reports left to do go to the releaser thread.
+        self._settled(len(riders), self._reports(riders, outcomes))
         if isinstance(started, Exception):
             raise started
         return started
@@ -299,15 +300,8 @@ class Releaser:
         with self._lock:
             self._pending[:0] = riders
             self._riding -= len(riders)
-            self._ensure_thread()
+            self._thread.ensure_started()
             self._wakeup.notify_all()
-
-    def _arrived(self, riders: Sequence[PendingRelease], outcomes: Sequence[Outcome]) -> None:
-        """Report the releases a worker thread carried, here and in
-        order, and leave what the reports left to do (the hand-offs) to
-        the releaser thread.
-        """
-        self._settled(len(riders), self._reports(riders, outcomes))
 
     def _reports(self, riders: Sequence[PendingRelease], outcomes: Sequence[Outcome]) -> list[FollowUp]:
         """Report each release; return what the reports left to do."""
@@ -326,13 +320,9 @@ class Releaser:
             self._riding -= carried - len(follow_ups)  # a hand-off counts until it is done
             self._follow_ups += follow_ups
             if follow_ups:
-                self._ensure_thread()
+                self._thread.ensure_started()
             if follow_ups or self._draining:
                 self._wakeup.notify_all()
-
-    def _ensure_thread(self) -> None:
-        """Start the releaser thread unless it runs; the lock is held."""
-        self._thread.ensure_started()
 
     def _stalled(self) -> list[PendingRelease]:
         """The batch in flight, once, when it has waited too long."""
@@ -379,7 +369,7 @@ class Releaser:
           list[PendingRelease]: What is left after ``timeout``
           milliseconds: the releases not sent, and those of the batch
           stuck in flight (it may have been applied), for the caller to
-          hand on (:mod:`.owed`).
+          hand on (:class:`~.resend.OwedReleases`).
         """
         drained = self.drain(timeout)
         # A thread stuck in a call is not waited for again: the drain did.

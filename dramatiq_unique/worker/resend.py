@@ -53,6 +53,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
 import dramatiq
@@ -60,7 +61,7 @@ from dramatiq import Message
 from dramatiq.logging import get_logger
 
 from ..backends.base import LockBackend, Release
-from ..background import DEFAULT_STOP_TIMEOUT, JITTER, BackgroundThread, now_ms, pid
+from ..background import DEFAULT_STOP_TIMEOUT, JITTER, BackgroundThread, OneCall, now_ms, pid
 from ..send.context import LockContext
 from .leases import HandOff, LockToRelease
 
@@ -184,7 +185,7 @@ class FailedReleases:
         with self._wakeup:
             self._failed.append(failed)
             if self._thread.running_in != pid():
-                self._ensure_thread()
+                self._thread.ensure_started()
             self._wakeup.notify_all()
 
     def pending(self) -> int:
@@ -236,10 +237,6 @@ class FailedReleases:
         return [failed for failed in left + stuck if failed.until > now]
 
     # The thread ---------------------------------------------------------
-
-    def _ensure_thread(self) -> None:
-        """Start the retry thread unless it runs; the lock is held."""
-        self._thread.ensure_started()
 
     def _run(self, thread: BackgroundThread) -> None:
         try:
@@ -431,8 +428,10 @@ class OwedReleases:
         A failure after the send may have enqueued it: a second copy
         makes the same owner-checked releases, which is harmless.
         """
+        assert self.actor is not None
         while now_ms() < deadline:
-            sending = _Send(self, message)
+            # On a daemon thread of its own: a broker that never answers holds that thread, not the shutdown.
+            sending = OneCall(partial(self.actor.broker.enqueue, message), name="dramatiq-unique-owed")
             if not sending.done.wait(timeout=max(deadline - now_ms(), 0) / 1000):
                 return False  # still sending: it may land, or not
             if sending.error is None:
@@ -488,25 +487,3 @@ class OwedReleases:
             self.actor.broker.enqueue(Message.decode(encoded))
         except Exception as e:
             self.logger.warning("Could not hand %r to its next waiter (%r); it runs after its delay.", key, e)
-
-
-class _Send:
-    """One enqueue of owed releases, on a daemon thread of its own: a
-    broker that never answers holds that thread, not the shutdown.
-    """
-
-    def __init__(self, owed: OwedReleases, message: Message[Any]) -> None:
-        assert owed.actor is not None
-        self.broker = owed.actor.broker
-        self.message = message
-        self.error: Optional[BaseException] = None
-        self.done = threading.Event()
-        threading.Thread(target=self._run, name="dramatiq-unique-owed", daemon=True).start()
-
-    def _run(self) -> None:
-        try:
-            self.broker.enqueue(self.message)
-        except BaseException as e:  # reported to the waiting thread
-            self.error = e
-        finally:
-            self.done.set()

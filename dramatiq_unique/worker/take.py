@@ -165,7 +165,7 @@ class RunLockTaker:
         try:
             return found[actor_name]
         except KeyError:
-            age_limit = _age_limit(stack)
+            age_limit = next((middleware for middleware in stack if isinstance(middleware, AgeLimit)), None)
             if age_limit is None:
                 found[actor_name] = (False, None)
             else:
@@ -288,10 +288,6 @@ def outcome_of(started: Start, spec: ActorSpec) -> Outcome:
     if started.in_line and spec.server == "reschedule":
         return Outcome.IN_LINE
     return Outcome.HELD
-
-
-def _age_limit(stack: list[Any]) -> Optional[AgeLimit]:
-    return next((middleware for middleware in stack if isinstance(middleware, AgeLimit)), None)
 
 
 #: Why a copy of a message may not run, by the claim's verdict.
