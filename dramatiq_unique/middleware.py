@@ -40,8 +40,8 @@ from .model.spec import ACTOR_OPTIONS, ActorSpec, actor_spec
 from .model.wire import UNIQUE_DIGEST
 from .send.context import LockContext
 from .send.guard import EnqueueGuard
-from .worker.boot import check_backend
 from .worker.leases import Delivery, attach, delivery, track
+from .worker.reap import check_backend
 from .worker.release import LockTroubles, Unlocker
 from .worker.resend import OwedReleases
 from .worker.take import RunLockTaker

@@ -33,7 +33,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dramatiq_unique"
 RUNTIME_MODULES = (
     "middleware.py", "send/guard.py", "worker/take.py", "worker/release.py", "worker/leases.py",
     "worker/releaser.py", "events.py", "model/spec.py", "send/results.py", "send/replace.py", "send/confirm.py",
-    "worker/reap.py", "worker/resend.py", "send/context.py", "worker/boot.py",
+    "worker/reap.py", "worker/resend.py", "send/context.py",
 )
 
 

@@ -193,7 +193,7 @@ class Releaser:
             self._pending.append(pending)
             self._last_submitted = pending.submitted_at
             if self._thread.running_in != pid():
-                self._thread.ensure_started()
+                self._ensure_thread()
             if self._idle:
                 self._wakeup.notify()  # only an idle releaser needs waking; a busy one looks again
             stalled = self._stalled() if self._sending else None
@@ -300,7 +300,7 @@ class Releaser:
         with self._lock:
             self._pending[:0] = riders
             self._riding -= len(riders)
-            self._thread.ensure_started()
+            self._ensure_thread()
             self._wakeup.notify_all()
 
     def _reports(self, riders: Sequence[PendingRelease], outcomes: Sequence[Outcome]) -> list[FollowUp]:
@@ -320,9 +320,15 @@ class Releaser:
             self._riding -= carried - len(follow_ups)  # a hand-off counts until it is done
             self._follow_ups += follow_ups
             if follow_ups:
-                self._thread.ensure_started()
+                self._ensure_thread()
             if follow_ups or self._draining:
                 self._wakeup.notify_all()
+
+    def _ensure_thread(self) -> None:
+        """Start the releaser thread unless it runs; the lock is held.  (The
+        hand-off model does the thread's work in its own rules instead.)
+        """
+        self._thread.ensure_started()
 
     def _stalled(self) -> list[PendingRelease]:
         """The batch in flight, once, when it has waited too long."""

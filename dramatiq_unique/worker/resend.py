@@ -185,7 +185,7 @@ class FailedReleases:
         with self._wakeup:
             self._failed.append(failed)
             if self._thread.running_in != pid():
-                self._thread.ensure_started()
+                self._ensure_thread()
             self._wakeup.notify_all()
 
     def pending(self) -> int:
@@ -237,6 +237,12 @@ class FailedReleases:
         return [failed for failed in left + stuck if failed.until > now]
 
     # The thread ---------------------------------------------------------
+
+    def _ensure_thread(self) -> None:
+        """Start the retry thread unless it runs; the lock is held.  (The
+        hand-off model does the thread's work in its own rules instead.)
+        """
+        self._thread.ensure_started()
 
     def _run(self, thread: BackgroundThread) -> None:
         try:

@@ -100,7 +100,7 @@ def check_url(conninfo: str) -> None:
     """Raise ConfigurationError when ``conninfo`` does not parse.  A host
     that does not resolve is no error here: the name may not be in DNS
     yet, so the worker's boot check reports it and the worker goes on,
-    as with Redis (:mod:`dramatiq_unique.worker.boot`).
+    as with Redis (:func:`dramatiq_unique.worker.reap.check_backend`).
     """
     try:
         conninfo_to_dict(conninfo)
