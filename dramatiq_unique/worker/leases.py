@@ -4,7 +4,10 @@ release waits for.
 
 **State.**  :class:`Delivery` lives on the ``MessageProxy``; which copy
 of its message a delivery is, and where it stands among its key's
-waiters, is :mod:`..send.copies`: the send side stamps both.
+waiters, is :mod:`..send.copies`: the send side stamps both.  What a
+release needs travels as data (:class:`LockToRelease`, and the
+:class:`HandOff` it may leave to do), and :func:`fence_token` reads the
+fencing token of the running message.
 
 **Leases.**  One daemon thread per process (:class:`LeaseKeeper`)
 renews every held lease every lease/3 at most, in one round trip with
