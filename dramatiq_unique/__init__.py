@@ -38,7 +38,7 @@ if TYPE_CHECKING:
         DEFAULT_REAP_INTERVAL,
         DEFAULT_RESCHEDULE_DELAY,
     )
-    from .worker.delivery import fence_token
+    from .worker.leases import fence_token
 
 __version__ = "0.1.0"
 
@@ -55,7 +55,7 @@ _HOMES = (
     ".backends.records",
     ".backends.base",
     ".backends",
-    ".worker.delivery",
+    ".worker.leases",
     ".middleware",
 )
 

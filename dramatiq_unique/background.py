@@ -1,4 +1,5 @@
-"""The package's background threads, on one base.
+"""The package's background threads, on one base, with the clock and
+the process id they read.
 
 Each background task of a process (the lease keeper, the releaser,
 the confirmer, the retries of failed releases, the periodic reaper, the
@@ -29,22 +30,54 @@ every one of them the same life cycle:
   everything that touches patched state (logging, callbacks, events)
   to the hub with :meth:`~BackgroundThread.report`.  Every other task
   stays a greenlet, as correct under patching as any of Dramatiq's.
+
+The clock (:func:`now_ms`), the jitter (:data:`JITTER`) and the process
+id (:func:`pid`) live here too: every background task times and
+jitters its deadlines with them, and the Redis client's calls read the
+process id on every call.  This module imports nothing of the package
+but ``compat``, so every module may use it.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import random
 import threading
 import time as mod_time
 import weakref
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Generic, Optional, TypeVar, Union, cast
 
 from dramatiq.logging import get_logger
 
-from .clock import now_ms
 from .compat import hub_caller, native_lock, start_native_thread, threads_are_green
-from .forks import pid
+
+
+def now_ms() -> float:
+    """Monotonic milliseconds: for deadlines and intervals within this
+    process, never for times stored in the backend (those are the
+    server's or wall-clock milliseconds).
+    """
+    return mod_time.monotonic() * 1000
+
+
+#: The random numbers of the package's jitter and tokens: a generator
+#: of its own, so that background threads never move the global
+#: ``random`` state that an application (or Hypothesis, which warns when
+#: it moves under a test) draws from; reseeded in a forked child, so that
+#: forked workers do not jitter in step.
+JITTER = random.Random()
+
+#: This process's id, read without a system call: ``os.getpid`` is one
+#: on every read, and the hot paths of a worker (an owner token per job,
+#: a fork check per lock call) read it per job.  Refreshed in a forked
+#: child before any of its code runs.
+_pid = os.getpid()
+
+
+def pid() -> int:
+    """This process's id."""
+    return _pid
 
 #: How long :meth:`BackgroundThread.stop` waits for the loop to end, in
 #: milliseconds.
@@ -53,6 +86,8 @@ DEFAULT_STOP_TIMEOUT = 5_000
 #: How often a bounded wait looks again, in milliseconds: short enough
 #: for a drain, long enough that a waiting greenlet lets others run.
 DEFAULT_POLL = 10
+
+T = TypeVar("T")
 
 #: The loop of a background thread: called with its thread, it returns
 #: once ``thread.stopping`` is set (or whenever it is done).
@@ -156,7 +191,8 @@ class BackgroundThread:
             if self.running_in == pid():
                 return
             self.stopping = False
-            self.native = threads_are_green() and self._wants_native()
+            wants = self.wants_native
+            self.native = threads_are_green() and bool(wants() if callable(wants) else wants)
             self._wakeup = Wakeup(native_lock() if self.native else threading.Lock())
             self._to_hub = hub_caller() if self.native else _call
             self._finished = False
@@ -176,10 +212,6 @@ class BackgroundThread:
         else:
             self._thread = threading.Thread(target=main, name=self.name, daemon=True)
             self._thread.start()
-
-    def _wants_native(self) -> bool:
-        wants = self.wants_native
-        return bool(wants() if callable(wants) else wants)
 
     def _main(self, generation: int) -> None:
         try:
@@ -217,6 +249,7 @@ class BackgroundThread:
         self.running_in = None
 
     def _stopped_by(self, error: Exception) -> None:
+        # A function of its own: ``error`` is unbound once its except clause ends, before the hub may run this.
         self.report(lambda: self.logger.error(
             "%s stopped on an error; the next use starts it again.", self.name, exc_info=error))
 
@@ -286,6 +319,50 @@ class BackgroundThread:
 
 def _call(call: Callable[[], None]) -> None:
     call()
+
+
+class OneCall(Generic[T]):
+    """One call on a daemon thread of its own, so that its caller can
+    stop waiting for it: a call stuck on a silent network (socket
+    timeouts and client retries can add up to minutes) holds that
+    thread, not its caller.
+
+    Not a :class:`BackgroundThread`: it is one call with a deadline, not
+    a loop, so there is nothing to start lazily, stop or drain; a
+    greenlet under gevent.
+
+    Parameters:
+      call(callable): What to call, with no arguments.
+      name(str): The thread's name.
+    """
+
+    def __init__(self, call: Callable[[], T], *, name: str) -> None:
+        self.done = threading.Event()
+        self.value: Optional[T] = None
+        self.error: Optional[BaseException] = None
+        threading.Thread(target=self._run, args=(call,), name=name, daemon=True).start()
+
+    def _run(self, call: Callable[[], T]) -> None:
+        try:
+            self.value = call()
+        except BaseException as e:  # handed to the waiting thread
+            self.error = e
+        finally:
+            self.done.set()
+
+    def result(self, timeout: float) -> T:
+        """What the call returned, waiting at most ``timeout``
+        milliseconds.
+
+        Raises:
+          TimeoutError: when it has not returned by then.
+          BaseException: what the call raised.
+        """
+        if not self.done.wait(max(timeout, 0) / 1000):
+            raise TimeoutError(f"the lock backend did not answer within {max(timeout, 0):.0f} ms")
+        if self.error is not None:
+            raise self.error
+        return cast(T, self.value)
 
 
 # A worker's shutdown: the deadline of lock calls ------------------------------
@@ -365,6 +442,9 @@ _LIVE: "weakref.WeakSet[BackgroundThread]" = weakref.WeakSet()
 
 
 def _after_fork() -> None:
+    global _pid
+    _pid = os.getpid()
+    JITTER.seed()
     for thread in list(_LIVE):
         thread._forked()
 

@@ -28,7 +28,7 @@ DRAMATIQ_VERSION = tuple(int(part) for part in dramatiq.__version__.split(".")[:
 #: in 1.x, where the class is ``_WorkerThread``, and in 2.x).
 WORKER_THREAD_LOGGER = "dramatiq.worker.WorkerThread"
 
-#: The format of that log record, which :mod:`dramatiq_unique.worker.quiet`
+#: The format of that log record, which :class:`dramatiq_unique.worker.take.QuietSkips`
 #: recognises by identity of text, not by a translation of it.
 SKIPPED_MESSAGE_LOG = "Message %s was skipped."
 

@@ -51,7 +51,7 @@ class LogLine(NamedTuple):
 
 
 _MIDDLEWARE = "dramatiq_unique.middleware.UniqueMiddleware"
-_OWED = "dramatiq_unique.worker.owed.OwedReleases"
+_OWED = "dramatiq_unique.worker.resend.OwedReleases"
 
 #: Every line the middleware logs while it enqueues and runs messages.
 #: Levels and templates are stable: filter and alert on them.  An
@@ -207,13 +207,13 @@ LOG_LINES: tuple[LogLine, ...] = (
     ),
     LogLine(
         "DEBUG",
-        "dramatiq_unique.worker.failed.FailedReleases",
+        "dramatiq_unique.worker.resend.FailedReleases",
         "Sending the release of %r again failed too: %r",
         "a release that failed is still failing; it is sent again with backoff (at most every second)",
     ),
     LogLine(
         "WARNING",
-        "dramatiq_unique.worker.failed.FailedReleases",
+        "dramatiq_unique.worker.resend.FailedReleases",
         "Gave up releasing %r: it has expired by itself.",
         "a failed release was retried until its lock's lease or lock_ttl ran out: the key is free",
     ),

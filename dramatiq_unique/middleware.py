@@ -33,8 +33,7 @@ from . import settings as config
 from .backends import for_broker, from_url
 from .backends.base import LockBackend
 from .backends.capabilities import NewestWins, Reschedules
-from .background import stop_calls_by
-from .clock import now_ms
+from .background import now_ms, stop_calls_by
 from .compat import Prometheus, proxied_message
 from .errors import ConfigurationError
 from .events import EventHub, Listener
@@ -42,14 +41,12 @@ from .model.spec import ACTOR_OPTIONS, ActorSpec, actor_spec
 from .model.wire import UNIQUE_DIGEST
 from .send.context import EnqueueLocks, LockContext, is_fresh
 from .send.guard import EnqueueGuard
-from .worker.boot import check_backend
-from .worker.coroutines import track
-from .worker.delivery import Delivery, attach, delivery
-from .worker.owed import OwedReleases
-from .worker.quiet import install as quiet_our_skips
-from .worker.reports import LockTroubles
+from .worker.leases import Delivery, attach, delivery, track
+from .worker.reap import check_backend
+from .worker.release import LockTroubles, Unlocker
+from .worker.resend import OwedReleases
 from .worker.take import RunLockTaker
-from .worker.unlock import Unlocker
+from .worker.take import install as quiet_our_skips
 
 if TYPE_CHECKING:
     from dramatiq import Actor, Broker, Worker
@@ -360,7 +357,7 @@ class UniqueMiddleware(Middleware):
     def after_worker_shutdown(self, broker: "Broker", worker: "Worker") -> None:
         """Stop every background task within what is left of
         ``shutdown_timeout``, and write to the broker the releases that
-        could not be sent (:mod:`~dramatiq_unique.worker.owed`).
+        could not be sent (:mod:`~dramatiq_unique.worker.resend`).
         """
         stop_by = self._stop_by if self._stop_by is not None else now_ms() + self.settings.shutdown_timeout
         calls_by = stop_by - self._shutdown_reserve()

@@ -14,9 +14,8 @@ import time
 import pytest
 import redis
 
-from dramatiq_unique.background import BackgroundThread
+from dramatiq_unique.background import BackgroundThread, pid
 from dramatiq_unique.backends.redis import RedisBackend
-from dramatiq_unique.forks import pid
 from dramatiq_unique.worker.leases import native_extend
 
 from tests.conftest import wait_for

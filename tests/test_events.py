@@ -31,10 +31,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dramatiq_unique"
 
 #: The modules whose log lines ``LOG_LINES`` documents: the middleware at run time.
 RUNTIME_MODULES = (
-    "middleware.py", "send/guard.py", "worker/take.py", "worker/conflict.py", "worker/unlock.py",
-    "worker/reports.py", "worker/leases.py", "worker/releaser.py", "events.py",
-    "model/spec.py", "worker/superseded.py", "send/confirm.py", "worker/reap.py",
-    "worker/failed.py", "send/context.py", "worker/boot.py", "worker/owed.py",
+    "middleware.py", "send/guard.py", "worker/take.py", "worker/release.py", "worker/leases.py",
+    "worker/releaser.py", "events.py", "model/spec.py", "send/confirm.py",
+    "worker/reap.py", "worker/resend.py", "send/context.py",
 )
 
 

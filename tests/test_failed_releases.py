@@ -6,7 +6,7 @@ import os
 import time
 
 from dramatiq_unique import StubBackend
-from dramatiq_unique.worker.failed import FailedRelease, FailedReleases
+from dramatiq_unique.worker.resend import FailedRelease, FailedReleases
 from tests.conftest import wait_for
 
 

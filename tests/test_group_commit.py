@@ -16,12 +16,11 @@ import pytest
 import redis
 
 from dramatiq_unique.backends.records import Copy, Release
-from dramatiq_unique.background import stop_calls_by
-from dramatiq_unique.clock import now_ms
+from dramatiq_unique.background import now_ms, stop_calls_by
 from dramatiq_unique.backends.redis.calls import ScriptCalls, _pack, _pack_in_python
 from dramatiq_unique.backends.redis.calls import GroupCommit
 from dramatiq_unique.backends.redis import RedisBackend
-from dramatiq_unique.worker.delivery import HandOff
+from dramatiq_unique.worker.leases import HandOff
 from dramatiq_unique.worker.releaser import PendingRelease, Releaser
 
 from .conftest import wait_for

@@ -61,9 +61,9 @@ from dramatiq_unique.backends.base import LockBackend
 from dramatiq_unique.backends.capabilities import BatchedReleases, NewestWins, Reschedules, release_then_start
 from dramatiq_unique.model.wire import message_id_of
 from dramatiq_unique.events import LockEvent
-from dramatiq_unique.worker.owed import OWED_ACTOR
+from dramatiq_unique.worker.resend import OWED_ACTOR
 from dramatiq_unique.worker.releaser import Releaser
-from dramatiq_unique.worker.failed import FailedReleases
+from dramatiq_unique.worker.resend import FailedReleases
 
 MAX_RETRIES = 1
 #: The model's shutdown bound, in ms: what a stopping worker cannot send

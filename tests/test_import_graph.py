@@ -184,7 +184,7 @@ _SIDE_OF = {"dashboard": "ops"}
 
 #: The shared base at the top of the package: below every side, so it
 #: imports none of them.
-BASE = {"errors", "settings", "events", "compat", "clock", "forks", "background"}
+BASE = {"errors", "settings", "events", "compat", "background"}
 
 #: The front: the hooks, the package's face and the test helpers, which
 #: put the sides together (and ``ops`` front-ends use the middleware).

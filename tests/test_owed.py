@@ -1,5 +1,5 @@
 """Releases a stopping worker could not send, written to the broker and
-made by the next worker (``dramatiq_unique.worker.owed``).
+made by the next worker (``dramatiq_unique.worker.resend``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from dramatiq.brokers.stub import StubBroker
 
 from dramatiq_unique import StubBackend, UniqueMiddleware
-from dramatiq_unique.worker.owed import OWED_ACTOR, OwedRelease
+from dramatiq_unique.worker.resend import OWED_ACTOR, OwedRelease
 from tests.conftest import make_worker, wait_for
 
 

@@ -15,7 +15,7 @@ import pytest
 from dramatiq.brokers.stub import StubBroker
 
 from dramatiq_unique.compat import WORKER_THREAD_LOGGER
-from dramatiq_unique.worker.quiet import QuietSkips
+from dramatiq_unique.worker.take import QuietSkips
 from tests.conftest import make_worker, unique
 
 #: The loggers the middleware's boot hook used to touch.

@@ -31,9 +31,7 @@ from typing import Callable, Iterable, NamedTuple, Optional
 from dramatiq.logging import get_logger
 
 from ..backends.base import LockBackend
-from ..background import BackgroundThread
-from ..clock import now_ms
-from ..forks import pid
+from ..background import BackgroundThread, now_ms, pid
 
 #: How many locks one round trip confirms at most.
 DEFAULT_BATCH = 500

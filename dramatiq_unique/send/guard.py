@@ -14,7 +14,7 @@ itself the current holder of the enqueue lock in one round trip and
 records the message it superseded (``replace.lua``).  Every later copy
 of the superseded message (the original, a retry, a delay-queue move, a
 redelivery, a reschedule or hand-off copy) is skipped when a worker
-delivers it (``current.lua``, read by :mod:`..worker.superseded`).  That
+delivers it (``current.lua``, read by :mod:`..worker.take`).  That
 needs no scan of a queue, works on any broker, and touches one digest's
 keys only.  ``debounce`` is replace plus a delay: each send is due
 ``debounce`` ms later, so only the newest of a burst is still current

@@ -1,12 +1,21 @@
-"""Keeps the run leases of one worker process alive.
+"""A run lock while its delivery runs: the delivery's state, the lease
+that keeps the lock alive, and an async actor's coroutine, which the
+release waits for.
 
-One daemon thread per process renews every held lease every lease/3
-at most, in one round trip with every other lease due within half an
-interval, so that a process's leases align and share their renewals.
-A lease is lost when the backend says its owner no longer holds it, or
-when renewals have failed until the lease's last known deadline has
-passed.  A lost lease is reported once and never silently treated as
-held.
+**State.**  :class:`Delivery` lives on the ``MessageProxy``; which copy
+of its message a delivery is, and where it stands among its key's
+waiters, is :mod:`..send.context`: the send side stamps both.  What a
+release needs travels as data (:class:`LockToRelease`, and the
+:class:`HandOff` it may leave to do), and :func:`fence_token` reads the
+fencing token of the running message.
+
+**Leases.**  One daemon thread per process (:class:`LeaseKeeper`)
+renews every held lease every lease/3 at most, in one round trip with
+every other lease due within half an interval, so that a process's
+leases align and share their renewals.  A lease is lost when the
+backend says its owner no longer holds it, or when renewals have failed
+until the lease's last known deadline has passed.  A lost lease is
+reported once and never silently treated as held.
 
 Timeline of a lost lease, with a 60 s lease::
 
@@ -17,61 +26,137 @@ Timeline of a lost lease, with a 60 s lease::
   t=60   still failing: A's deadline has passed, so A reports the
          lease lost (ERROR log, ``lock_lost`` event); another worker
          may take the key from now on
+
+**Async actors.**  Dramatiq runs an async actor's coroutine on its event
+loop thread and waits for it on the worker thread.  When a time limit
+interrupts the worker thread, Dramatiq cancels the coroutine and waits
+one second for it; a coroutine that ignores the cancellation goes on
+running after the worker thread has moved on and fired the after-hooks.
+So each async actor's coroutine is wrapped, when the actor is declared
+(:func:`track`), to tell the delivery when it really ends, and a release
+that comes earlier is deferred until then, the lease renewed meanwhile.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 from dramatiq.logging import get_logger
 
 from ..backends.base import LockBackend
 from ..backends.capabilities import NativeExtender, RenewsNatively
-from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread
-from ..clock import now_ms
-from ..forks import pid
+from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread, OneCall, now_ms, pid
+from ..compat import async_to_sync, replace_actor_fn
+from ..model.spec import ActorSpec
+
+if TYPE_CHECKING:
+    from dramatiq import Actor, Broker
+    from dramatiq.broker import MessageProxy
 
 #: How soon a failed renewal is tried again, in milliseconds.
 RETRY_INTERVAL = 1_000
 
+_fence: ContextVar[Optional[int]] = ContextVar("dramatiq_unique_fence", default=None)
 
-class _Renewal:
-    """One ``extend`` call on a daemon thread, so the keeper can stop
-    waiting for it: a call stuck on a silent network (socket timeouts
-    and client retries can add up to minutes) must not outlive the
-    leases it renews.
+#: The watch of the delivery the current worker thread runs; the event
+#: loop thread sees it, as Dramatiq copies the worker's context there.
+_current: ContextVar[Optional["CoroutineWatch"]] = ContextVar("dramatiq_unique_coroutine", default=None)
 
-    Not a :class:`~..background.BackgroundThread`: it is one call with a
-    deadline, not a loop, so there is nothing to start lazily, stop or
-    drain, and the keeper (which is one) refuses a new renewal while an
-    abandoned one still waits.  Used only when renewals run through the
-    backend's own client: under gevent that is a greenlet, on a backend
-    with no native connection.
+
+@dataclass(eq=False)
+class Delivery:
+    """What the middleware did for one delivery of a message.  It lives
+    on the ``MessageProxy``, never in ``message.options``: Retries
+    copies options into the retried message.
     """
 
-    def __init__(self, extend: Callable[[], list[bool]]) -> None:
-        self.done = threading.Event()
-        self.held: list[bool] = []
-        self.error: Optional[BaseException] = None
-        threading.Thread(target=self._run, args=(extend,), name="dramatiq-unique-renewal", daemon=True).start()
+    spec: ActorSpec
+    digest: str
+    run_key: Optional[str] = None
+    run_owner: Optional[str] = None
+    #: The backend confirmed the run lock: a release that finds it gone
+    #: reports it lost.  A call whose reply was lost may have taken it
+    #: unconfirmed; the release then cleans up without a report.
+    run_confirmed: bool = False
+    #: This copy settled its claim (see ``Copy``): it is the one that runs.
+    claimed: bool = False
+    #: For an async actor: whether its coroutine has really ended.
+    coroutine: Optional[CoroutineWatch] = None
+    lease: Optional[Lease] = None
+    fence: Optional[int] = None
+    keeps_queue_lock: bool = False
+    queue_released: bool = False
+    #: The middleware itself skipped this delivery on purpose (a
+    #: reschedule, a copy that lost its claim): Dramatiq's WARNING
+    #: "Message ... was skipped." says nothing an operator needs.
+    quiet_skip: bool = False
 
-    def _run(self, extend: Callable[[], list[bool]]) -> None:
-        try:
-            self.held = extend()
-        except BaseException as e:
-            self.error = e
-        finally:
-            self.done.set()
 
-    def result(self, timeout: float) -> list[bool]:
-        """The answer, waiting at most ``timeout`` milliseconds."""
-        if not self.done.wait(max(timeout, 0) / 1000):
-            raise TimeoutError(f"the lock backend did not answer within {max(timeout, 0):.0f} ms")
-        if self.error is not None:
-            raise self.error
-        return self.held
+class LockToRelease(NamedTuple):
+    """What reporting the release of one lock of a delivery needs, on
+    whichever thread its outcome arrives.
+    """
+
+    #: Where a waiter the release hands the key to is enqueued; None for
+    #: an enqueue lock, which hands nothing over.
+    broker: Optional["Broker"]
+    message: Any
+    spec: ActorSpec
+    key: str
+    owner: str
+    lease: Optional[Lease] = None
+    #: The backend confirmed the run lock: a release that finds it gone reports it lost.
+    confirmed: bool = False
+    #: The run succeeded: its release finishes its message.
+    succeeded: bool = False
+
+
+class HandOff(NamedTuple):
+    """A run lock's key that a release handed to its longest waiter: the
+    waiter's encoded copy, to enqueue off the worker thread.
+    """
+
+    broker: "Broker"
+    key: str
+    encoded: bytes
+
+
+def delivery(message: "MessageProxy") -> Optional[Delivery]:
+    """The middleware's state for ``message``, if it has any."""
+    return getattr(message, "_unique_delivery", None)
+
+
+def attach(message: "MessageProxy", state: Delivery) -> Delivery:
+    message._unique_delivery = state  # type: ignore[attr-defined]
+    return state
+
+
+def fence_token(message: Any = None) -> Optional[int]:
+    """The fencing token of the run lock held for the current message,
+    or for ``message`` when given.
+
+    The token grows every time a new holder takes the key.  Pass it to
+    the system you write to and have it refuse writes carrying a token
+    lower than one it has seen; that keeps a paused or partitioned
+    holder whose lease ran out from overwriting newer work.
+
+    Returns:
+      int: or None when no run lock is held.
+    """
+    if message is None:
+        return _fence.get()
+    state = delivery(message)
+    return state.fence if state is not None else None
+
+
+#: Sets the fencing token of the running message: the context
+#: variable's own method, so that a job's two calls run no Python.
+set_fence = _fence.set
 
 
 @dataclass(eq=False)
@@ -121,7 +206,7 @@ class LeaseKeeper:
         self.on_lost = on_lost
         self.on_error = on_error
         self._leases: dict[int, Lease] = {}
-        self._renewal: Optional[_Renewal] = None
+        self._renewal: Optional[OneCall[list[bool]]] = None
         self._native_extend: Optional[NativeExtender] = None
         self._thread = BackgroundThread(
             name="dramatiq-unique-leases", loop=self._serve, native=self._can_renew_natively, on_fork=self._forked
@@ -228,7 +313,9 @@ class LeaseKeeper:
             return self._native_extend(locks, self.lease, timeout=timeout)
         if self._renewal is not None and not self._renewal.done.is_set():
             raise TimeoutError("an earlier renewal is still waiting for the lock backend")
-        self._renewal = _Renewal(lambda: self.backend.extend(locks, self.lease))
+        # On a daemon thread of its own, so that a renewal stuck on a silent network never outlives the
+        # leases it renews; the keeper refuses a new one while an abandoned one still waits.
+        self._renewal = OneCall(lambda: self.backend.extend(locks, self.lease), name="dramatiq-unique-renewal")
         return self._renewal.result(timeout)
 
     def _lose(self, lease: Lease) -> None:
@@ -251,3 +338,71 @@ def native_extend(backend: LockBackend) -> Optional[NativeExtender]:
     greenlet).
     """
     return backend.native_extender() if isinstance(backend, RenewsNatively) else None
+
+
+class CoroutineWatch:
+    """Whether one delivery's coroutine has ended, and what to do then."""
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._ended = False
+        self._then: Optional[Callable[[], None]] = None
+
+    def ended(self) -> None:
+        """Called on the event loop thread when the coroutine ends."""
+        with self._mutex:
+            self._ended, then = True, self._then
+        if then is not None:
+            # Off the event loop: the deferred release makes a blocking call.
+            # A one-off thread, not a BackgroundThread: one call, made
+            # rarely (a coroutine that outlived its time limit), with no
+            # loop to stop or drain; a greenlet under gevent, like the
+            # event loop thread that calls this.
+            threading.Thread(target=then, name="dramatiq-unique-late-release", daemon=True).start()
+
+    def defer(self, then: Callable[[], None]) -> bool:
+        """Run ``then`` when the coroutine ends, if it has not yet.
+
+        Returns:
+          bool: False when it has already ended: the caller goes on now.
+        """
+        with self._mutex:
+            if self._ended:
+                return False
+            self._then = then
+            return True
+
+
+def watch() -> CoroutineWatch:
+    """A watch for the delivery starting on this thread."""
+    current = CoroutineWatch()
+    _current.set(current)
+    return current
+
+
+def track(actor: "Actor[Any, Any]") -> bool:
+    """Wrap an async actor's coroutine so that its delivery's watch
+    learns when it ends.  Other actors are left as they are.
+
+    Returns:
+      bool: Whether the actor is async, and so tracked.
+    """
+    if getattr(actor.fn, "_unique_tracked", False):
+        return True
+    original = getattr(actor.fn, "__wrapped__", None)
+    if not inspect.iscoroutinefunction(original):
+        return False
+
+    @functools.wraps(original)
+    async def tracked(*args: Any, **kwargs: Any) -> Any:
+        current = _current.get()
+        try:
+            return await original(*args, **kwargs)
+        finally:
+            if current is not None:
+                current.ended()
+
+    wrapped = async_to_sync(tracked)
+    wrapped._unique_tracked = True  # type: ignore[attr-defined]
+    replace_actor_fn(actor, wrapped)
+    return True

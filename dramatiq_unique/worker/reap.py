@@ -23,10 +23,23 @@ The operators' ``dramatiq-unique reap`` runs the same :class:`Reaper`
 through :class:`~dramatiq_unique.ops.admin.LockAdmin`; a worker's
 :class:`PeriodicReaper` lists the locks through
 :class:`~dramatiq_unique.backends.base.PrefixLocks`, as ``LockAdmin`` does.
+
+**At boot.**  The periodic reaper starts when a worker boots, and the
+worker says then whether its lock backend answers
+(:func:`check_backend`).  One whose lock backend does not answer logs
+one ERROR naming the backend (its host) and the reason, and boots
+anyway: the backend may come up later (a Redis that restarts, a name
+that is not yet in DNS, a container started before its Redis), and
+until then ``on_backend_error`` decides, message by message, what a
+locked message does (by default it fails and is retried; it never runs
+unlocked).  A worker that refused to boot would stop its unlocked
+actors too, and under the ``dramatiq`` command one worker process that
+exits stops all of them.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time as mod_time
 from dataclasses import dataclass, field
@@ -35,8 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol, S
 from dramatiq.logging import get_logger
 
 from ..backends.base import LockBackend, PrefixLocks
-from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread
-from ..clock import JITTER
+from ..background import DEFAULT_STOP_TIMEOUT, JITTER, BackgroundThread
 from ..model.wire import QUEUE, EnqueueRecord, Place, join_owner, reaper_key
 from ..send.context import LockContext
 
@@ -374,3 +386,36 @@ def start_reaper(service: LockContext, broker: "Broker") -> Optional[PeriodicRea
     reaper = PeriodicReaper(listing, RedisQueues(client), interval=interval)
     reaper.start()
     return reaper
+
+
+def reason(error: BaseException) -> str:
+    """``error`` on one line, led by its type: what failed, and why."""
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def check_backend(backend: LockBackend, *, prefix: str, on_backend_error: str, logger: logging.Logger) -> bool:
+    """Make one read of ``backend``; log one ERROR, naming it and
+    why, when that fails.  Never raises.
+
+    Parameters:
+      backend(LockBackend): The worker's lock backend.
+      prefix(str): The prefix of the lock keys: the key read is under it.
+      on_backend_error(str): The setting, named in the line.
+      logger(Logger): The middleware's logger.
+
+    Returns:
+      bool: True when the backend answered.
+    """
+    try:
+        backend.check(f"{prefix}:!check")
+    except Exception as error:
+        logger.error(
+            "Lock backend %s does not answer at worker boot (%s); the worker goes on, and until it answers, "
+            "on_backend_error=%r decides what locked messages do.",
+            backend.describe(),
+            reason(error),
+            on_backend_error,
+        )
+        return False
+    return True

@@ -34,7 +34,7 @@ What stays true:
 * The worker's shutdown drains the pending releases, waiting at most
   ``drain_timeout`` (or what is left of the shutdown's bound), and hands
   what is still left to the middleware, which writes it to the broker
-  for the next worker (:mod:`.owed`).
+  for the next worker (:class:`~.resend.OwedReleases`).
 """
 
 from __future__ import annotations
@@ -47,10 +47,8 @@ from dramatiq.logging import get_logger
 
 from ..backends.capabilities import BatchedReleases
 from ..backends.records import DEFAULT_RESERVE, Copy, Release, Releasing, Start
-from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread
-from ..clock import now_ms
-from ..forks import pid
-from .delivery import HandOff, LockToRelease
+from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread, now_ms, pid
+from .leases import HandOff, LockToRelease
 
 #: The most releases sent in one round trip.
 DEFAULT_BATCH = 256
@@ -104,7 +102,7 @@ class PendingRelease:
     @property
     def options(self) -> dict[str, Any]:
         """The release call's keyword arguments, as a stopping worker
-        hands the release on to the next (:mod:`.owed`).
+        hands the release on to the next (:class:`~.resend.OwedReleases`).
         """
         return {"succeeded": self.succeeded, "reserve": self.reserve}
 
@@ -248,7 +246,8 @@ class Releaser:
         except BaseException:
             self._unboard(riders)
             raise
-        self._arrived(riders, outcomes)
+        # Reported here and in order; the hand-offs the reports left to do go to the releaser thread.
+        self._settled(len(riders), self._reports(riders, outcomes))
         if isinstance(started, Exception):
             raise started
         return started
@@ -305,13 +304,6 @@ class Releaser:
             self._ensure_thread()
             self._wakeup.notify_all()
 
-    def _arrived(self, riders: Sequence[PendingRelease], outcomes: Sequence[Outcome]) -> None:
-        """Report the releases a worker thread carried, here and in
-        order, and leave what the reports left to do (the hand-offs) to
-        the releaser thread.
-        """
-        self._settled(len(riders), self._reports(riders, outcomes))
-
     def _reports(self, riders: Sequence[PendingRelease], outcomes: Sequence[Outcome]) -> list[FollowUp]:
         """Report each release; return what the reports left to do."""
         follow_ups: list[FollowUp] = []
@@ -334,7 +326,9 @@ class Releaser:
                 self._wakeup.notify_all()
 
     def _ensure_thread(self) -> None:
-        """Start the releaser thread unless it runs; the lock is held."""
+        """Start the releaser thread unless it runs; the lock is held.  (The
+        hand-off model does the thread's work in its own rules instead.)
+        """
         self._thread.ensure_started()
 
     def _stalled(self) -> list[PendingRelease]:
@@ -382,7 +376,7 @@ class Releaser:
           list[PendingRelease]: What is left after ``timeout``
           milliseconds: the releases not sent, and those of the batch
           stuck in flight (it may have been applied), for the caller to
-          hand on (:mod:`.owed`).
+          hand on (:class:`~.resend.OwedReleases`).
         """
         drained = self.drain(timeout)
         # A thread stuck in a call is not waited for again: the drain did.

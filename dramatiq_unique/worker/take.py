@@ -1,36 +1,89 @@
-"""Taking the run lock before the actor runs, in the worker.
+"""Taking the run lock before the actor runs, in the worker, and what a
+delivery does when it cannot run.
 
-A run lock is owned by a token per execution and kept alive as a
-lease.  A delivery that meets a held run lock follows the actor's
-server strategy (:mod:`.conflict`); a copy that another copy of its
-message stands for is skipped.
+A run lock is owned by a token per execution and kept alive as a lease
+(:mod:`.leases`).  :class:`RunLockTaker` turns the backend's answer to a
+take into one :class:`Outcome` and does what :data:`ON_OUTCOME` says for
+it.
+
+**A held lock.**  A delivery that meets a held run lock follows the
+actor's server strategy, looked up in :data:`ON_CONFLICT`.
+``reschedule`` registers the delivery as a waiter, so that the holder's
+release hands the key over at once, and re-enqueues it with a delay as
+a fallback.  Of its copies (and of the retry of the delivery, when a
+call of the reschedule failed after it may have been applied), the
+first to arrive wins; the others, and every stale copy, are skipped
+(:func:`skip_copy`).  ``docs/reliability.md``, "The hand-off model", has
+the rules.
+
+**A superseded message.**  The send side's ``on_conflict="replace"`` and
+``debounce`` (:mod:`..send.guard`) make the newest send the current
+holder of the enqueue lock; each delivery of a replace actor asks
+whether its message is still current before it runs (``current.lua``),
+and is skipped when it is not (:func:`skip_if_superseded`).
+
+**Quiet skips.**  Dramatiq's worker logs ``WARNING Message ... was
+skipped.`` for every ``SkipMessage``.  A rescheduled delivery (and a
+copy that lost its hand-off claim) is skipped on purpose and logs its
+own line at DEBUG, so the WARNING would only flood the log: two waiting
+messages made 117 of them in 106 s.  :class:`QuietSkips` drops exactly
+those records.  A skip by any other middleware (AgeLimit, a user's)
+still logs as before.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any, Optional
+import logging
+import threading
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, NoReturn, Optional, cast
 
 from dramatiq import Message
 from dramatiq.middleware import AgeLimit, SkipMessage
 
-from ..backends.capabilities import Reschedules
-from ..backends.records import CopyVerdict
-from ..clock import JITTER, now_ms
-from ..compat import age_limit_module
-from ..forks import pid
+from ..backends.capabilities import NewestWins, Reschedules
+from ..backends.records import Copy, CopyVerdict, CurrentStatus, Start
+from ..background import JITTER, now_ms, pid
+from ..compat import SKIPPED_MESSAGE_LOG, WORKER_THREAD_LOGGER, age_limit_module
+from ..errors import CopySkipped, LockConflict, Rescheduled, Superseded
 from ..model.spec import ActorSpec
-from ..model.wire import UNIQUE_DIGEST, join_owner
-from ..send.context import LockContext, copy_of, send_order
-from .conflict import Conflict, on_conflict, reserve, skip_copy, wait_longer
-from .coroutines import watch
-from .delivery import Delivery, HandOff, attach, set_fence
-from .superseded import skip_if_superseded
-from .unlock import Unlocker
+from ..model.wire import UNIQUE_DIGEST, UNIQUE_RESCHEDULES, UNIQUE_VIA, UNIQUE_WAITS, join_owner, message_id_of
+from ..send.context import LockContext, copy_of, send_order, store_failure, store_nothing
+from .leases import Delivery, attach, delivery, set_fence, watch
+from .release import HandOff, Unlocker, reschedule_delay, reserve
 
 if TYPE_CHECKING:
     from dramatiq import Broker
     from dramatiq.broker import MessageProxy
+
+class Outcome(Enum):
+    """What one take of a run lock came to."""
+
+    #: The run lock is the delivery's: the actor runs.
+    ACQUIRED = "acquired"
+    #: Another copy of its message stands for this one (a :class:`CopyVerdict`).
+    REFUSED = "refused"
+    #: A delayed copy whose message is still in line for the key.
+    IN_LINE = "in_line"
+    #: Another message holds the key (or it is reserved for one).
+    HELD = "held"
+
+
+class Taken(NamedTuple):
+    """One take of a run lock, and the backend's answer to it."""
+
+    broker: "Broker"
+    message: "MessageProxy"
+    raw: Message
+    state: Delivery
+    key: str
+    owner: str
+    #: Monotonic milliseconds, just before the call: the lease counts from then.
+    taken_at: float
+    #: The enqueue lock the take released with it (``queue_release="run_start"``).
+    queue_key: Optional[str]
+    started: Start
 
 
 class RunLockTaker:
@@ -111,7 +164,7 @@ class RunLockTaker:
         try:
             return found[actor_name]
         except KeyError:
-            age_limit = _age_limit(stack)
+            age_limit = next((middleware for middleware in stack if isinstance(middleware, AgeLimit)), None)
             if age_limit is None:
                 found[actor_name] = (False, None)
             else:
@@ -122,7 +175,10 @@ class RunLockTaker:
         return join_owner(message.message_id, f"{self._token_prefix}.{pid():x}.{next(self._tokens):x}")
 
     def _take_run_lock(self, broker: "Broker", message: "MessageProxy", raw: Message, state: Delivery) -> None:
-        service, spec, threads = self.service, state.spec, self.unlocker.threads
+        """Take the run lock in one call, then do what :data:`ON_OUTCOME`
+        says for its outcome.
+        """
+        service, spec = self.service, state.spec
         key = service.key(spec, state.digest, "run")
         queue_key = None
         if spec.lock.queue_release == "run_start" and not state.queue_released:
@@ -131,11 +187,8 @@ class RunLockTaker:
         taken_at = now_ms()
         # Set before the call: one whose reply is lost may have taken it.
         state.run_key, state.run_owner = key, owner
-        # Releases pending in this process ride in front of the call.
-        releaser = threads.releaser
-        take = releaser.take_run_lock if releaser is not None else service.locks.start
         try:
-            started = take(
+            started = self.unlocker.threads.take_run_lock(
                 key,
                 owner,
                 ttl=service.settings.lease,
@@ -153,25 +206,45 @@ class RunLockTaker:
                 self.unlocker.release_queue_lock(message, state)
                 return
             raise error from e
-        got, state.claimed = started.acquisition, True
+        state.claimed = True
         if started.promoted is not None:
             self.unlocker.hand_over(HandOff(broker, key, started.promoted))  # the free key went to an older waiter
-        if not got.acquired:
+        outcome = outcome_of(started, spec)
+        if outcome is not Outcome.ACQUIRED:
             state.run_key = state.run_owner = None
-            if got.refused:
-                skip_copy(service, message, state, got.refused, started.duplicate_of)
-            conflict = Conflict(service, broker, message, state, key, got.holder)
-            if started.in_line and spec.server == "reschedule":
-                wait_longer(conflict, started.free_in)
-            on_conflict(conflict)
-        if queue_key is not None:
-            self.unlocker.queue_lock_released(message, state, queue_key, started.queue_released)
+        ON_OUTCOME[outcome](self, Taken(broker, message, raw, state, key, owner, taken_at, queue_key, started))
+
+    def _run(self, taken: Taken) -> None:
+        """The run lock is the delivery's: confirm it, fence it, and keep
+        its lease alive while the actor runs.
+        """
+        state, spec, got = taken.state, taken.state.spec, taken.started.acquisition
+        if taken.queue_key is not None:
+            self.unlocker.queue_lock_released(taken.message, state, taken.queue_key, taken.started.queue_released)
         state.run_confirmed, state.fence = True, got.fence
         if spec.actor_name in self.async_actors:
             state.coroutine = watch()
-        state.lease = threads.leases.hold(key, owner, taken_at, actor=spec.actor_name)
+        state.lease = self.unlocker.threads.leases.hold(taken.key, taken.owner, taken.taken_at, actor=spec.actor_name)
         set_fence(got.fence)
-        service.emit("locked", spec, key, raw)
+        self.service.emit("locked", spec, taken.key, taken.raw)
+
+    def _skip_refused(self, taken: Taken) -> NoReturn:
+        """Another copy of the message stands for this one: skip it."""
+        started = taken.started
+        assert started.acquisition.refused is not None
+        skip_copy(self.service, taken.message, taken.state, started.acquisition.refused, started.duplicate_of)
+
+    def _wait_in_line(self, taken: Taken) -> NoReturn:
+        """A delayed copy whose message is still in line: it comes back later."""
+        wait_longer(self._conflict(taken), taken.started.free_in)
+
+    def _meet_holder(self, taken: Taken) -> NoReturn:
+        """Another message holds the key: the actor's server strategy decides."""
+        on_conflict(self._conflict(taken))
+
+    def _conflict(self, taken: Taken) -> Conflict:
+        holder = taken.started.acquisition.holder
+        return Conflict(self.service, taken.broker, taken.message, taken.state, taken.key, holder)
 
     def _settle(self, message: "MessageProxy", state: Delivery, strict: bool = False) -> None:
         """Claim a copy that will not start, so that no other copy of
@@ -195,5 +268,304 @@ class RunLockTaker:
             skip_copy(service, message, state, CopyVerdict.LOST)
 
 
-def _age_limit(stack: list[Any]) -> Optional[AgeLimit]:
-    return next((middleware for middleware in stack if isinstance(middleware, AgeLimit)), None)
+#: What a delivery does, by the outcome of its take.
+ON_OUTCOME: Mapping[Outcome, Callable[[RunLockTaker, Taken], None]] = {
+    Outcome.ACQUIRED: RunLockTaker._run,
+    Outcome.REFUSED: RunLockTaker._skip_refused,
+    Outcome.IN_LINE: RunLockTaker._wait_in_line,
+    Outcome.HELD: RunLockTaker._meet_holder,
+}
+
+
+def outcome_of(started: Start, spec: ActorSpec) -> Outcome:
+    """What the backend's answer to a take comes to, for ``spec``."""
+    got = started.acquisition
+    if got.acquired:
+        return Outcome.ACQUIRED
+    if got.refused:
+        return Outcome.REFUSED
+    if started.in_line and spec.server == "reschedule":
+        return Outcome.IN_LINE
+    return Outcome.HELD
+
+
+#: Why a copy of a message may not run, by the claim's verdict.
+SKIP_REASONS = {
+    CopyVerdict.STALE: "it was rescheduled again, and a later copy of it runs",
+    CopyVerdict.LOST: "the other copy of its reschedule arrived first",
+    CopyVerdict.DONE: "it duplicates a run of its message that succeeded",
+}
+
+
+#: A delayed copy that comes back while its message is still in line
+#: waits twice as long each time, at most this many reschedule delays.
+MAX_BACKOFF = 8
+
+#: A waiter with more than this many waiters ahead of it sends its first
+#: delayed copy twice as late, four times past twice as many, and so on
+#: (at most MAX_BACKOFF delays): its hand-off comes long before, and its
+#: delayed copy, a fallback, would only come back to wait again.
+LINE_STEP = 100
+
+
+class Conflict(NamedTuple):
+    """A delivery that found its run lock held."""
+
+    service: LockContext
+    broker: "Broker"
+    message: "MessageProxy"
+    state: Delivery
+    key: str
+    holder: Optional[str]
+
+
+def on_conflict(conflict: Conflict) -> NoReturn:
+    """Do what the actor's server strategy says."""
+    strategy = conflict.state.spec.server
+    ON_CONFLICT[strategy if strategy is not None else "log"](conflict)
+    raise AssertionError(f"strategy {strategy!r} returned")  # pragma: no cover: every strategy raises
+
+
+def reschedule(conflict: Conflict) -> NoReturn:
+    """Register a hand-off copy as a waiter, then enqueue a delayed copy."""
+    service, broker, message, state, key, _ = conflict
+    spec = state.spec
+    attempt = message.options.get(UNIQUE_RESCHEDULES, 0) + 1
+    options = {UNIQUE_RESCHEDULES: attempt, UNIQUE_DIGEST: state.digest, UNIQUE_WAITS: 0}
+    # Register before enqueueing: a delayed copy that arrived first
+    # would find no record, and the hand-off would run it again.
+    try:
+        handed = message.copy(options={**options, UNIQUE_VIA: "handoff"})
+        waiting = Copy(key, message.message_id, attempt, "handoff")
+        order, ttl = send_order(message), service.settings.lock_ttl
+        rescheduling = Reschedules.require(service.locks, feature="on_conflict='reschedule'")
+        ahead = rescheduling.join_line(waiting, handed.encode(), order=order, ttl=ttl)
+    except Exception as e:
+        # It may have been applied: a hand-off copy of the attempt may come.
+        stand_in(message, state, attempt)
+        raise service.backend_error("register a message waiting for", key, spec, message, e) from e
+    try:
+        delayed = message.copy(options={**options, UNIQUE_VIA: "delay"})
+        # (a backend written against the older wait, which returned None, has no line to tell)
+        factor = _line_factor(ahead if isinstance(ahead, int) else 0)
+        broker.enqueue(delayed, delay=int(reschedule_delay(service, spec) * factor * JITTER.uniform(0.8, 1.2)))
+    except Exception as e:
+        # It may have been applied: the delayed copy may be queued.
+        stand_in(message, state, attempt)
+        raise service.backend_error("reschedule a message waiting for", key, spec, message, e) from e
+    _skip_quietly(conflict)
+    service.logger.debug("Rescheduled %s: run lock %r is held.", message, key)
+    raise Rescheduled(f"run lock {key!r} is held; rescheduled")
+
+
+def wait_longer(conflict: Conflict, free_in: Optional[int]) -> NoReturn:
+    """A delayed copy came back while its message is still in line: the
+    backend changed nothing, and it only comes back later, each time
+    twice as late (at most ``MAX_BACKOFF`` delays), but no later than
+    just after the key's holder runs out (``free_in``), should it die:
+    then the first copy to arrive hands the key to the oldest waiter.
+    Should the enqueue fail, it is rescheduled as a new attempt.
+    """
+    service, broker, message, state, key, _ = conflict
+    waits = message.options.get(UNIQUE_WAITS, 0) + 1
+    base = reschedule_delay(service, state.spec)
+    delay = base * min(2**waits, MAX_BACKOFF) * JITTER.uniform(0.8, 1.2)
+    if free_in is not None and free_in >= 0:
+        delay = min(delay, free_in + base * JITTER.uniform(0.05, 0.25))
+    try:
+        broker.enqueue(message.copy(options={UNIQUE_WAITS: waits}), delay=int(delay))
+    except Exception:
+        # It may have been applied.  A retry of this very copy would have one retry more than
+        # the run that the key is handed to, and run after it: reschedule anew instead, as a
+        # new attempt (the possibly queued copy is then stale), with its own stand-in.
+        reschedule(conflict)
+    _skip_quietly(conflict)
+    service.logger.debug("Rescheduled %s again: it is still in line for run lock %r.", message, key)
+    raise Rescheduled(f"run lock {key!r} is held; still in line")
+
+
+def _skip_quietly(conflict: Conflict) -> None:
+    """Mark a rescheduled delivery as skipped on purpose: a copy of it
+    runs later, and owns its message's locks.
+    """
+    service, _, message, state, key, _ = conflict
+    state.keeps_queue_lock = state.quiet_skip = True
+    store_nothing(message)
+    service.emit("rescheduled", state.spec, key, message)
+
+
+def stand_in(message: "MessageProxy", state: Delivery, attempt: int) -> None:
+    """Make this delivery's retry a third copy of ``attempt``, after a
+    call of the reschedule whose outcome is unknown: the delayed and the
+    hand-off copy may or may not exist, and of the three the first to
+    arrive runs and the others are skipped (Retries re-enqueues this
+    very message, with these options).  Should Retries give up instead,
+    this copy of the attempt is unclaimed: its dead-letter claims it, so
+    that no other copy runs.
+    """
+    message.options[UNIQUE_RESCHEDULES] = attempt
+    message.options[UNIQUE_VIA] = "retry"
+    state.claimed = False
+
+
+def _conflict_error(conflict: Conflict) -> LockConflict:
+    """Tell the conflict, and the error that says it."""
+    service, _, message, state, key, holder = conflict
+    service.emit("conflict", state.spec, key, message, holder)
+    holder_id = message_id_of(holder)
+    return LockConflict(f"Run lock {key!r} is held by message {holder_id}.", key=key, holder=holder_id)
+
+
+def raise_conflict(conflict: Conflict) -> NoReturn:
+    """Fail the delivery with :class:`LockConflict`: Retries retries it."""
+    raise _conflict_error(conflict)
+
+
+def dead_letter(conflict: Conflict) -> NoReturn:
+    """Dead-letter the delivery, and tell a caller waiting on its result."""
+    service, broker, message, _, key, _ = conflict
+    error = _conflict_error(conflict)
+    store_failure(broker, message, error)
+    service.logger.warning("Dead-lettering %s: run lock %r is held by message %s.", message, key, error.holder)
+    message.fail()
+    raise SkipMessage(f"run lock {key!r} is held")
+
+
+def drop(conflict: Conflict) -> NoReturn:
+    """Drop the delivery, and tell a caller waiting on its result."""
+    service, broker, message, _, key, _ = conflict
+    error = _conflict_error(conflict)
+    store_failure(broker, message, error)
+    service.logger.warning("Dropping %s: run lock %r is held by message %s.", message, key, error.holder)
+    raise SkipMessage(f"run lock {key!r} is held")
+
+
+#: The server strategies, by name (``model.spec.STRATEGIES["server"]``).
+ON_CONFLICT: Mapping[str, Callable[[Conflict], NoReturn]] = {
+    "reschedule": reschedule,
+    "log": drop,
+    "raise": raise_conflict,
+    "reject": dead_letter,
+}
+
+
+def skip_copy(
+    service: LockContext,
+    message: "MessageProxy",
+    state: Delivery,
+    verdict: CopyVerdict,
+    duplicate_of: Optional[str] = None,
+) -> NoReturn:
+    """Skip a copy of a message that another copy of it stands for.  A
+    duplicate of a run that succeeded is said at INFO, naming that run:
+    it is the one skip of a message that may be an operator's replay.
+    """
+    state.keeps_queue_lock = state.quiet_skip = True  # the copy that runs owns the message's locks
+    store_nothing(message)
+    reason = SKIP_REASONS[verdict]
+    key = service.key(state.spec, state.digest, "run")
+    service.emit("skipped", state.spec, key, message, duplicate_of, reason=verdict.value)
+    if verdict is CopyVerdict.DONE:
+        service.logger.info(
+            "Skipped %s: it duplicates run %s of message %s, which succeeded (lock %r).",
+            message,
+            duplicate_of or "?",
+            message.message_id,
+            key,
+        )
+    else:
+        service.logger.debug("Skipped %s: %s.", message, reason)
+    raise CopySkipped(f"skipped: {reason}")
+
+
+def _line_factor(ahead: int) -> int:
+    """How many reschedule delays the first delayed copy of a waiter
+    with ``ahead`` waiters ahead of it waits.
+    """
+    factor = 1
+    while ahead > LINE_STEP * factor and factor < MAX_BACKOFF:
+        factor *= 2
+    return factor
+
+
+def skip_if_superseded(
+    service: LockContext, broker: "Broker", message: "MessageProxy", state: Delivery
+) -> None:
+    """Skip this delivery when a newer send superseded its message; else
+    mark the message as started, so that a send from now on leaves it
+    running and opens a new debounce burst.
+
+    A superseded message is not run and not retried, and a caller
+    waiting on its result gets a ``ResultFailure`` naming
+    :class:`Superseded` and the message that replaced it.
+
+    Raises:
+      SkipMessage: when superseded.
+    """
+    spec = state.spec
+    if spec.client != "replace" or state.queue_released:  # an unstamped message took no lock to lose
+        return
+    key = service.key(spec, state.digest, "queue")
+    try:
+        status, by = NewestWins.require(service.locks, feature="on_conflict='replace'").current(key, message.message_id)
+    except Exception as e:
+        error = service.backend_error("check whether it was superseded", key, spec, message, e)
+        if service.settings.on_backend_error == "run_unlocked":
+            service.logger.warning("Running %s without its lock %r.", message, key)
+            return
+        raise error from e
+    if status is not CurrentStatus.SUPERSEDED or by is None:
+        return
+    # The slot it may have kept (a started holder's retry) went with the
+    # check; the replacing message's slot is never its to release.
+    state.queue_released = True
+    state.quiet_skip = True
+    _withdraw_waiter(service, message, state)
+    service.emit("superseded", spec, key, message, by)
+    service.logger.info("Skipped %s: message %s superseded it (lock %r).", message, by, key)
+    why = Superseded(f"Message {message.message_id} was superseded by message {by}.", key=key, by=by)
+    store_failure(broker, message, why)
+    raise SkipMessage(f"superseded by message {by}")
+
+
+def _withdraw_waiter(service: LockContext, message: "MessageProxy", state: Delivery) -> None:
+    """A copy of a rescheduled, superseded message claims its attempt,
+    which takes its waiter off the run lock, so that the key is never
+    handed to it.
+    """
+    if not message.options.get(UNIQUE_RESCHEDULES) or not state.spec.lock.run_lock:
+        return
+    key = service.key(state.spec, state.digest, "run")
+    try:
+        Reschedules.require(service.locks, feature="a rescheduled message").claim(copy_of(message, key))
+    except Exception as e:
+        service.backend_error("withdraw the waiter of", key, state.spec, message, e)
+
+
+_install_mutex = threading.Lock()
+
+
+class QuietSkips(logging.Filter):
+    """Drops ``"Message %s was skipped."`` records whose message the
+    middleware marked ``quiet_skip``; passes every other record.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != SKIPPED_MESSAGE_LOG or not isinstance(record.args, tuple) or not record.args:
+            return True
+        state = delivery(cast("MessageProxy", record.args[0]))
+        return state is None or not state.quiet_skip
+
+
+def install() -> QuietSkips:
+    """Add a :class:`QuietSkips` to Dramatiq's worker-thread logger,
+    once per process, and return it.
+    """
+    logger = logging.getLogger(WORKER_THREAD_LOGGER)
+    with _install_mutex:
+        for existing in logger.filters:
+            if isinstance(existing, QuietSkips):
+                return existing
+        quiet = QuietSkips()
+        logger.addFilter(quiet)
+        return quiet

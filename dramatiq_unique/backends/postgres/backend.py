@@ -30,8 +30,8 @@ except ModuleNotFoundError as e:  # tested in a subprocess: tests/test_postgres.
         name=e.name,
     ) from None
 
+from ...background import pid
 from ...errors import ConfigurationError, LockBackendError
-from ...forks import pid
 from ..base import glob_pattern
 from ..capabilities import BatchedReleases, NewestWins, RenewsNatively, Reschedules, release_then_start
 from ..records import Copy, LockInfo, Release, Start, Waiter
@@ -82,7 +82,7 @@ def check_url(conninfo: str) -> None:
     """Raise ConfigurationError when ``conninfo`` does not parse.  A host
     that does not resolve is no error here: the name may not be in DNS
     yet, so the worker's boot check reports it and the worker goes on,
-    as with Redis (:mod:`dramatiq_unique.worker.boot`).
+    as with Redis (:func:`dramatiq_unique.worker.reap.check_backend`).
     """
     try:
         conninfo_to_dict(conninfo)

@@ -61,10 +61,8 @@ from redis.connection import Connection, SSLConnection, UnixDomainSocketConnecti
 from redis.exceptions import NoScriptError, ResponseError
 from redis.retry import Retry
 
-from ...background import DEFAULT_STUCK_AFTER, Interruptible, calls_deadline, interrupt_at_deadline
-from ...clock import now_ms
+from ...background import DEFAULT_STUCK_AFTER, Interruptible, calls_deadline, interrupt_at_deadline, now_ms, pid
 from ...compat import timeout_in_disguise
-from ...forks import pid
 
 #: How long, in seconds, a caller waits for a round trip led by another
 #: thread when the connection has no socket timeout of its own.

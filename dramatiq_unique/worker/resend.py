@@ -1,0 +1,496 @@
+"""Releases sent again, later: the failed releases a worker sends again
+until they land, and the releases a stopping worker owes, which the next
+one makes.
+
+**Failed releases.**  A release that fails (a dropped connection, a
+timeout, Redis down for a while) would leave its key held until the lock
+expires: 60 s for a run lease, 24 h for an ``until_executed`` enqueue
+lock.  Instead it is queued in :class:`FailedReleases`, and one
+background thread per process (a
+:class:`~..background.BackgroundThread`, a greenlet under gevent) sends
+it again, with backoff, until it is applied, or until the lock would
+have expired anyway, when there is nothing left to free.
+
+A run lock's release is sent on past its lease, for ``record_ttl``:
+besides freeing the lock it ends the run of a rescheduled message in
+its record, so that a duplicate of that run that comes later is
+skipped; the lock itself lapsed and was free meanwhile, and the release
+checks its owner (a token of that one execution), so it frees nothing
+else.
+
+A failed release may have been applied (its reply was lost), so a
+retry that finds the owner gone reports nothing: the lock was freed,
+by the first send or by its expiry, and never by another owner's
+release (the release script checks the owner).  The worker's shutdown
+sends what is left once more, waits at most ``drain_timeout`` (or what
+is left of the shutdown's bound), and hands what is still left on.
+
+**Owed releases.**  A worker that stops while its lock backend is out
+of reach still owes the releases it could not send: the failed releases
+above, and the run lock releases still waiting in the
+:class:`~.releaser.Releaser`.  Left in its memory they would die with
+it, and an ``until_executed`` key would stay held for its ``lock_ttl``
+(24 h by default).  So the stopping process writes them to the broker,
+as one message of a small internal actor (:data:`OWED_ACTOR`) on a
+queue it consumed (:class:`OwedReleases`); whichever worker processes
+that message makes the releases, each checking its owner, and enqueues
+the message again, with backoff, for those the backend still refuses,
+until each lands or its lock would have expired by itself.
+
+What tells a stopping process from a killed one: only a process that
+runs its shutdown hooks writes what it owes.  A SIGKILLed process owes
+nothing it can say, and an ``until_executed`` lock whose worker died
+mid-run is kept until its redelivery runs, as before.
+
+Every release is owner-checked, so making one twice is harmless: the
+second finds its owner gone and changes nothing.  That is what makes an
+enqueue whose outcome is unknown (it failed after its send, or did not
+return within the bound) safe to send again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
+
+import dramatiq
+from dramatiq import Message
+from dramatiq.logging import get_logger
+
+from ..backends.base import LockBackend
+from ..backends.records import Release
+from ..background import DEFAULT_STOP_TIMEOUT, JITTER, BackgroundThread, OneCall, now_ms, pid
+from ..send.context import LockContext
+from .leases import HandOff, LockToRelease
+
+if TYPE_CHECKING:
+    from dramatiq import Broker
+
+#: Milliseconds before the first retry of a failed release; each retry
+#: waits twice as long as the one before, up to ``DEFAULT_MOST_BETWEEN``.
+DEFAULT_FIRST_RETRY = 100
+
+#: The longest wait between two retries, in milliseconds: a key is
+#: accepted again within about this long of the network coming back.
+DEFAULT_MOST_BETWEEN = 1_000
+
+#: How long, in milliseconds, the worker's shutdown waits for them.
+DEFAULT_DRAIN_TIMEOUT = 5_000
+
+#: The most releases sent in one round trip.
+BATCH = 256
+
+#: How a run lock's key ends (``LockContext.key(..., "run")``).
+RUN_SUFFIX = ":run"
+
+
+@dataclass(eq=False)
+class FailedRelease:
+    """One release to send again.
+
+    Attributes:
+      key(str): The lock key.
+      owner(str): The owner the release checks.
+      until(float): Monotonic milliseconds when the lock expires by
+        itself: no retry after that.
+      lock(LockToRelease): What reporting its outcome needs.
+      succeeded(bool): The run succeeded: the release finishes its
+        message (see ``LockBackend.release``).
+    """
+
+    key: str
+    owner: str
+    until: float
+    lock: Optional[LockToRelease] = None
+    due: float = 0.0
+    wait: float = DEFAULT_FIRST_RETRY
+    succeeded: bool = False
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The release call's keyword arguments, as a stopping worker
+        hands the release on to the next (:class:`OwedReleases`).
+        """
+        return {"succeeded": self.succeeded}
+
+
+class LandedReports(Protocol):
+    """Where :class:`FailedReleases` reports, on its thread: ``landed``
+    once a retry is applied, which may return a hand-off, which
+    ``hand_over`` does there too.
+    """
+
+    def landed(self, failed: FailedRelease, outcome: Release) -> Optional[HandOff]: ...
+
+    def hand_over(self, handoff: HandOff) -> None: ...
+
+
+class FailedReleases:
+    """Sends failed releases of one process again, in the background.
+
+    Parameters:
+      backend(LockBackend): Where the locks live.
+      reports(LandedReports): Where the releases that landed are reported.
+      first_retry(int): Milliseconds before the first retry.
+      most_between(int): The longest wait between retries, in ms.
+      drain_timeout(int): How long ``stop`` waits, in ms.
+      record_ttl(int): How long past its lease a run lock's release is
+        still sent, in ms (0: not at all); the middleware passes
+        ``lock_ttl``, the life of a message record.
+    """
+
+    def __init__(
+        self,
+        backend: LockBackend,
+        *,
+        reports: LandedReports,
+        first_retry: int = DEFAULT_FIRST_RETRY,
+        most_between: int = DEFAULT_MOST_BETWEEN,
+        drain_timeout: int = DEFAULT_DRAIN_TIMEOUT,
+        record_ttl: int = 0,
+    ) -> None:
+        self.logger = get_logger(__name__, type(self))
+        self.backend = backend
+        self.reports = reports
+        self.record_ttl = record_ttl
+        self.first_retry = first_retry
+        self.most_between = most_between
+        self.drain_timeout = drain_timeout
+        self._reset()
+        # A greenlet under gevent: it sends with the backend's own client.
+        self._thread = BackgroundThread(
+            name="dramatiq-unique-release-retries", loop=self._run, on_fork=self._reset, on_wake=self._notify
+        )
+
+    def _reset(self) -> None:
+        # Also run in a forked child: what the parent failed to release is
+        # the parent's, and its lock may have been held at the fork.
+        self._failed: list[FailedRelease] = []
+        self._sending = 0
+        self._stuck: list[FailedRelease] = []  # the batch in flight, until its outcome is known
+        self._wakeup = threading.Condition(threading.Lock())
+
+    def _notify(self) -> None:
+        with self._wakeup:
+            self._wakeup.notify_all()
+
+    def submit(self, failed: FailedRelease) -> None:
+        """Queue a release that failed; never waits for the backend."""
+        failed.wait = self.first_retry
+        failed.due = now_ms() + self._jittered(failed.wait)
+        if failed.key.endswith(RUN_SUFFIX):
+            failed.until += self.record_ttl
+        with self._wakeup:
+            self._failed.append(failed)
+            if self._thread.running_in != pid():
+                self._ensure_thread()
+            self._wakeup.notify_all()
+
+    def pending(self) -> int:
+        """How many releases wait for a retry, or are being sent."""
+        with self._wakeup:
+            return len(self._failed) + self._sending
+
+    def step(self, *, force: bool = False) -> None:
+        """Send, in one round trip, the releases due now (``force``: all
+        of them), and report or queue again each outcome.
+        """
+        with self._wakeup:
+            batch = self._take_due(force=force)
+        if batch:
+            self._send(batch)
+
+    def drain(self, timeout: Optional[float] = None) -> bool:
+        """Retry until nothing is left, at most ``timeout`` ms (default
+        ``drain_timeout``), on the calling thread.
+
+        Returns:
+          bool: True when nothing is left.
+        """
+        deadline = now_ms() + (self.drain_timeout if timeout is None else timeout)
+        while self.pending():
+            if now_ms() >= deadline:
+                return False
+            self.step(force=True)
+            with self._wakeup:
+                if self._failed or self._sending:
+                    self._wakeup.wait(timeout=min(self.first_retry, max(deadline - now_ms(), 0)) / 1000)
+        return True
+
+    def stop(self, timeout: Optional[float] = None) -> list[FailedRelease]:
+        """Drain, then end the thread.
+
+        Returns:
+          list[FailedRelease]: What is left: the releases not sent, and
+          those whose send is stuck (it may have been applied), for the
+          caller to hand on (:class:`OwedReleases`); past their ``until`` none.
+        """
+        drained = self.drain(timeout)
+        with self._wakeup:
+            left, self._failed = self._failed, []
+            stuck, self._stuck = self._stuck, []
+        # A thread stuck in a call is not waited for again: the drain did.
+        self._thread.stop(timeout=min(DEFAULT_STOP_TIMEOUT, timeout or DEFAULT_STOP_TIMEOUT) if drained else 0)
+        now = now_ms()
+        return [failed for failed in left + stuck if failed.until > now]
+
+    # The thread ---------------------------------------------------------
+
+    def _ensure_thread(self) -> None:
+        """Start the retry thread unless it runs; the lock is held.  (The
+        hand-off model does the thread's work in its own rules instead.)
+        """
+        self._thread.ensure_started()
+
+    def _run(self, thread: BackgroundThread) -> None:
+        try:
+            while True:
+                with self._wakeup:
+                    batch = self._next(thread)
+                    if batch is None:
+                        thread.retire()  # under the lock: a submission from now on starts a new thread
+                        return
+                self._send(batch)
+        except BaseException:
+            with self._wakeup:
+                thread.retire()  # the next submission starts a new thread (the base logs the error)
+            raise
+
+    def _next(self, thread: BackgroundThread) -> Optional[list[FailedRelease]]:
+        """Wait, holding the lock, for releases due; None to end."""
+        while True:
+            if thread.stopping or not self._failed:
+                return None
+            batch = self._take_due(force=False)
+            if batch:
+                return batch
+            if not self._failed:
+                continue  # every one left had expired: the thread ends
+            self._wakeup.wait(timeout=max(min(f.due for f in self._failed) - now_ms(), 1) / 1000)
+
+    def _take_due(self, *, force: bool) -> list[FailedRelease]:
+        now = now_ms()
+        expired = [f for f in self._failed if f.until <= now]
+        due = [f for f in self._failed if f.until > now and (force or f.due <= now)][:BATCH]
+        self._failed = [f for f in self._failed if f not in expired and f not in due]
+        self._sending += len(due)
+        self._stuck += due
+        for failed in expired:
+            self.logger.warning("Gave up releasing %r: it has expired by itself.", failed.key)
+        return due
+
+    def _send(self, batch: list[FailedRelease]) -> None:
+        try:
+            locks = [(f.key, f.owner, f.succeeded) for f in batch]
+            outcomes: list[Union[Release, Exception]] = self.backend.release_many(locks)
+        except Exception as e:
+            outcomes = [e] * len(batch)
+        again = []
+        for failed, outcome in zip(batch, outcomes):
+            if isinstance(outcome, Exception):
+                self.logger.debug("Sending the release of %r again failed too: %r", failed.key, outcome)
+                failed.wait = min(failed.wait * 2, self.most_between)
+                failed.due = now_ms() + self._jittered(failed.wait)
+                again.append(failed)
+            else:
+                self._land(failed, outcome)
+        with self._wakeup:
+            self._failed += again
+            self._sending -= len(batch)
+            self._stuck = [f for f in self._stuck if f not in batch]
+            self._wakeup.notify_all()
+
+    def _land(self, failed: FailedRelease, outcome: Release) -> None:
+        try:
+            handoff = self.reports.landed(failed, outcome)
+            if handoff is not None:
+                self.reports.hand_over(handoff)
+        except Exception:
+            self.logger.exception("Could not report the release of %r.", failed.key)
+
+    @staticmethod
+    def _jittered(wait: float) -> float:
+        return wait * JITTER.uniform(0.5, 1.0)
+
+
+#: The internal actor that makes owed releases.
+OWED_ACTOR = "dramatiq_unique_owed_releases"
+
+#: Milliseconds before the first retry of a release the backend still
+#: refused; each retry waits twice as long, up to ``OWED_MOST_BETWEEN``.
+OWED_FIRST_RETRY = 500
+
+#: The longest wait between two retries, in milliseconds.
+OWED_MOST_BETWEEN = 5_000
+
+#: How often a stopping process tries its enqueue again within its
+#: bound, in milliseconds.
+ENQUEUE_RETRY = 100
+
+#: The most releases one message carries.
+OWED_BATCH = 1_000
+
+
+@dataclass(frozen=True)
+class OwedRelease:
+    """One release a stopping process could not send.
+
+    Attributes:
+      key(str): The lock key.
+      owner(str): The owner the release checks.
+      until(int): Unix milliseconds when the lock expires by itself:
+        no release is made after that.
+      options(dict): Further keyword arguments of the release call,
+        made again as given.
+    """
+
+    key: str
+    owner: str
+    until: int
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def within(cls, key: str, owner: str, left: float, options: Optional[dict[str, Any]] = None) -> "OwedRelease":
+        """One whose lock expires ``left`` milliseconds from now."""
+        return cls(key, owner, int(time.time() * 1000 + max(left, 0)), dict(options or {}))
+
+    def encode(self) -> dict[str, Any]:
+        return {"key": self.key, "owner": self.owner, "until": self.until, "options": self.options}
+
+    @classmethod
+    def decode(cls, data: dict[str, Any]) -> "OwedRelease":
+        return cls(str(data["key"]), str(data["owner"]), int(data["until"]), dict(data.get("options") or {}))
+
+
+class OwedReleases:
+    """Writes what a stopping process owes, and makes what another owed.
+
+    Parameters:
+      service(LockContext): The middleware's lock context, whose
+        backend makes the owed releases.
+      first_retry(int): Milliseconds before the first retry.
+      most_between(int): The longest wait between retries, in ms.
+    """
+
+    def __init__(
+        self,
+        service: LockContext,
+        *,
+        first_retry: int = OWED_FIRST_RETRY,
+        most_between: int = OWED_MOST_BETWEEN,
+    ) -> None:
+        self.logger = get_logger(__name__, type(self))
+        self.service = service
+        self.first_retry = first_retry
+        self.most_between = most_between
+        self.actor: Optional[dramatiq.Actor[Any, Any]] = None
+
+    def declare(self, broker: "Broker", queue_name: str) -> None:
+        """Declare the internal actor on ``queue_name``, a queue this
+        worker consumes, unless the broker has it already.
+        """
+        if OWED_ACTOR in broker.actors:
+            self.actor = broker.actors[OWED_ACTOR]
+            return
+        # Actor(), not @actor: its options are checked by no middleware.
+        self.actor = dramatiq.Actor(self.make, broker=broker, actor_name=OWED_ACTOR, queue_name=queue_name,
+                                    priority=0, options={})
+
+    # The stopping process ---------------------------------------------------
+
+    def write(self, owed: list[OwedRelease], *, timeout: float) -> bool:
+        """Enqueue ``owed`` for the next worker, trying again for at most
+        ``timeout`` milliseconds, on a thread of its own so that a broker
+        that never answers cannot hold the shutdown.  What could not be
+        written is logged, key by key, and left to expire with its lock.
+
+        Returns:
+          bool: True when every message was enqueued.
+        """
+        if not owed:
+            return True
+        if self.actor is None:
+            self._unwritten(owed, "no queue of this worker runs a locked actor")
+            return False
+        deadline = now_ms() + timeout
+        batches = [owed[i : i + OWED_BATCH] for i in range(0, len(owed), OWED_BATCH)]
+        left: list[list[OwedRelease]] = []
+        for batch in batches:
+            if not self._enqueue_within(self._message(batch, attempt=0), deadline):
+                left.append(batch)
+        if left:
+            self._unwritten([release for batch in left for release in batch], "the broker did not take them")
+            return False
+        self.logger.warning(
+            "%d release(s) could not be sent before shutdown: they were written to queue %r, and the next "
+            "worker makes them.", len(owed), self.actor.queue_name,
+        )
+        return True
+
+    def _enqueue_within(self, message: Message[Any], deadline: float) -> bool:
+        """Enqueue ``message``, again after a failure, until ``deadline``.
+        A failure after the send may have enqueued it: a second copy
+        makes the same owner-checked releases, which is harmless.
+        """
+        assert self.actor is not None
+        while now_ms() < deadline:
+            # On a daemon thread of its own: a broker that never answers holds that thread, not the shutdown.
+            sending = OneCall(partial(self.actor.broker.enqueue, message), name="dramatiq-unique-owed")
+            if not sending.done.wait(timeout=max(deadline - now_ms(), 0) / 1000):
+                return False  # still sending: it may land, or not
+            if sending.error is None:
+                return True
+            self.logger.debug("Could not write owed releases to the broker: %r", sending.error)
+            time.sleep(min(ENQUEUE_RETRY, max(deadline - now_ms(), 0)) / 1000)
+        return False
+
+    def _unwritten(self, owed: list[OwedRelease], why: str) -> None:
+        for release in owed:
+            self.logger.error(
+                "Lock %r of %s could not be released before shutdown, and %s: it expires by itself, or "
+                "`dramatiq-unique release` frees it.", release.key, release.owner, why,
+            )
+
+    def _message(self, owed: list[OwedRelease], *, attempt: int) -> Message[Any]:
+        assert self.actor is not None
+        return self.actor.message_with_options(args=([release.encode() for release in owed],),
+                                               kwargs={"attempt": attempt})
+
+    # The next worker ----------------------------------------------------------
+
+    def make(self, releases: list[dict[str, Any]], attempt: int = 0) -> None:
+        """The actor: make each owed release, and enqueue again, later,
+        those the backend refused.
+        """
+        backend = self.service.locks
+        assert self.actor is not None
+        now = time.time() * 1000
+        left, made = [], 0
+        for release in map(OwedRelease.decode, releases):
+            if release.until <= now:
+                self.logger.warning("Gave up releasing %r: it has expired by itself.", release.key)
+                continue
+            try:
+                outcome = backend.release(release.key, release.owner, **release.options)
+            except Exception as e:
+                self.logger.debug("An owed release of %r failed again: %r", release.key, e)
+                left.append(release)
+                continue
+            made += 1
+            if outcome.promoted is not None:
+                self._hand_over(release.key, outcome.promoted)
+        if made:
+            self.logger.info("Made %d release(s) owed by a worker that stopped.", made)
+        if left:
+            wait = min(self.first_retry * 2**attempt, self.most_between) * JITTER.uniform(0.5, 1.0)
+            self.actor.broker.enqueue(self._message(left, attempt=attempt + 1), delay=int(wait))
+
+    def _hand_over(self, key: str, encoded: bytes) -> None:
+        assert self.actor is not None
+        try:
+            self.actor.broker.enqueue(Message.decode(encoded))
+        except Exception as e:
+            self.logger.warning("Could not hand %r to its next waiter (%r); it runs after its delay.", key, e)
