@@ -204,12 +204,11 @@ def drop_stale_vhosts() -> None:
     """Delete the ``du_test_*`` virtual hosts made before this session
     started that no connection uses: an interrupted session's.
     """
-    listed, connected = rabbitmqctl("list_vhosts", "name"), rabbitmqctl("list_connections", "vhost")
-    if listed is None or connected is None:
-        return
-    in_use = set(connected.split())
-    for name in listed.split():
-        if stale(name) and name not in in_use:
+    listed = rabbitmqctl("list_vhosts", "name")
+    candidates = [name for name in (listed or "").split() if stale(name)]
+    connected = rabbitmqctl("list_connections", "vhost") if candidates else None
+    for name in candidates:
+        if connected is not None and name not in connected.split():
             rabbitmqctl("delete_vhost", name)
 
 
