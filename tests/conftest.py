@@ -94,6 +94,20 @@ def _answers(url: str) -> bool:
         return False
 
 
+def _served_by(port: int, pid: int) -> bool:
+    """Whether the Redis on ``port`` answers, and is process ``pid``: in
+    a parallel run, another process's server may have taken the port
+    that :func:`free_port` gave out.
+    """
+    client = redis.Redis(port=port, socket_connect_timeout=1)
+    try:
+        return bool(client.info("server")["process_id"] == pid)
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
 def start_redis_server(port: int, *extra: str) -> subprocess.Popen[bytes]:
     """Start a throw-away ``redis-server`` on ``port`` and wait for it."""
     server = shutil.which("redis-server")
@@ -107,10 +121,10 @@ def start_redis_server(port: int, *extra: str) -> subprocess.Popen[bytes]:
         stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 10
-    while not _answers(f"redis://127.0.0.1:{port}/0"):
+    while not _served_by(port, process.pid):
         if time.monotonic() > deadline or process.poll() is not None:
             process.kill()
-            pytest.fail(f"redis-server did not start on port {port}.")
+            pytest.fail(f"redis-server did not start on port {port} (or another process's took it first).")
         time.sleep(0.05)
     return process
 
