@@ -205,7 +205,7 @@ def vhost_on(url: str) -> Iterator[str]:
         own = urlunsplit(urlsplit(url)._replace(path=f"/{name}"))
         # Held open all session (no heartbeat, so idle is fine): a virtual
         # host nobody is connected to is one whose session is gone.
-        keeper = pika.BlockingConnection(pika.URLParameters(f"{own}?heartbeat=0"))
+        keeper = pika.BlockingConnection(pika.URLParameters(urlunsplit(urlsplit(own)._replace(query="heartbeat=0"))))
         try:
             yield own
         finally:
