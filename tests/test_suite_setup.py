@@ -110,7 +110,6 @@ HOLD = textwrap.dedent("""
 def test_an_interrupted_session_drops_its_database_and_its_virtual_host(postgres_url, tmp_path):
     # Given a session of the suite on a server of "your own", stopped with Ctrl-C while a test runs
     server = server_of(postgres_url)
-    before = databases(server)
     (tmp_path / "test_hold.py").write_text(HOLD)
     out = tmp_path / "out"
     with open(out, "w") as output:
@@ -130,7 +129,7 @@ def test_an_interrupted_session_drops_its_database_and_its_virtual_host(postgres
         if session.poll() is None:
             session.kill()
     # Then its database is dropped, and its virtual host (when it had one) deleted
-    assert databases(server) == before, out.read_text()[-3000:]
+    assert database not in databases(server), out.read_text()[-3000:]
     if vhost:
         assert vhost not in (rabbitmqctl("list_vhosts", "name") or "").split()
 
