@@ -141,3 +141,17 @@ def test_each_session_has_a_virtual_host_of_its_own_when_rabbitmqctl_can_make_on
         assert rabbitmq_url == RABBITMQ_URL
     else:
         assert own.startswith(SESSION_PREFIX) and own in listed.split()
+
+
+# What a parallel run prints ---------------------------------------------------------
+
+
+def test_a_parallel_run_prints_the_figures_its_workers_measured(tmp_path):
+    # The fault suite's figures, recorded in worker processes, printed by the one that reports
+    (tmp_path / "conftest.py").write_text("from tests.faults.conftest import figure, pytest_terminal_summary  # noqa\n")
+    (tmp_path / "test_measures.py").write_text("def test_measures(figure):\n    figure('recovery_s', 1.5)\n")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "-p", "no:cacheprovider", "test_measures.py"],
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "dramatiq-unique fault figures" in done.stdout and "test_measures: recovery_s = 1.5" in done.stdout
