@@ -3,17 +3,19 @@ every job exactly once, the floor writes a row per job and the lock a
 row per key in PostgreSQL, with each ``synchronous_commit`` setting, so
 that the harness cannot silently measure nothing.
 
-Uses ``REDIS_URL`` and ``DRAMATIQ_UNIQUE_POSTGRES_URL`` when they are
+Uses ``REDIS_URL`` and ``DU_TEST_POSTGRES_URL`` when they are
 set, else a private ``redis-server`` and a private PostgreSQL.
 """
 
 from __future__ import annotations
 
 import os
-import uuid
 from typing import Iterator
 
 import pytest
+
+from tests.conftest import POSTGRES_URL_VARIABLE
+from tests.postgres_server import database_on
 
 from . import pg_costs, pg_document
 from .app import BARE
@@ -39,8 +41,8 @@ def redis_url() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def postgres_url() -> Iterator[str]:
-    if os.environ.get("DRAMATIQ_UNIQUE_POSTGRES_URL"):
-        yield from database_on(os.environ["DRAMATIQ_UNIQUE_POSTGRES_URL"])
+    if os.environ.get(POSTGRES_URL_VARIABLE):
+        yield from database_on(os.environ[POSTGRES_URL_VARIABLE])
         return
     try:
         server = PrivatePostgres().start()
@@ -48,21 +50,6 @@ def postgres_url() -> Iterator[str]:
         pytest.fail(str(e))
     yield server.url
     server.stop()
-
-
-def database_on(url: str) -> Iterator[str]:
-    """A database of the test's own on the server at ``url``, dropped afterwards."""
-    import psycopg
-    from psycopg.conninfo import make_conninfo
-
-    name = f"du_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    try:
-        yield make_conninfo(url, dbname=name)
-    finally:
-        with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 def test_each_contender_runs_every_job_once_and_writes_to_postgres(redis_url: str, postgres_url: str) -> None:

@@ -1,11 +1,13 @@
 """Fixtures on real services.
 
-Redis is a private ``redis-server`` that the suite starts on a free
-port, unless ``REDIS_URL`` names one to use instead: a shared Redis
-(yours on 6379, say) is touched only when ``REDIS_URL`` says so.
-Without either, the tests that need Redis fail with a message saying
-how to get one.  Tests use their own database number and never flush
-anything else.
+Redis is a private ``redis-server`` that each test process starts on
+a free port, unless ``REDIS_URL`` names one to use instead (and then the
+run is serial): a shared Redis (yours on 6379, say) is touched only when
+``REDIS_URL`` says so.  Without either, the tests that need Redis fail
+with a message saying how to get one.  Tests use their own database
+number and never flush anything else.  Each process also has a
+PostgreSQL cluster (tests/postgres_server.py) and a RabbitMQ virtual
+host of its own (``rabbitmq_url``).
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import subprocess
 import tempfile
 import time
 import uuid
-from typing import Iterator
-from urllib.parse import urlsplit
+from typing import Iterator, Optional
+from urllib.parse import urlsplit, urlunsplit
 
 import dramatiq
 import pytest
@@ -35,9 +37,22 @@ TEST_DB = 11
 
 RABBITMQ_URL = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672")
 
+#: The variable that points the suite at a PostgreSQL server of your own.
+#: Not a ``dramatiq_unique_*`` name: the package refuses those it does not know.
+POSTGRES_URL_VARIABLE = "DU_TEST_POSTGRES_URL"
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--soak", action="store_true", help="also run the full-size load and soak tests (marker soak)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    # Each process of a parallel run (setup.cfg's -n) has a redis-server
+    # of its own; the one database REDIS_URL names would be flushed by
+    # all of them under each other's tests, so with it the run is serial.
+    if os.environ.get("REDIS_URL") and getattr(config.option, "numprocesses", None):
+        config.option.numprocesses, config.option.dist, config.option.tx = 0, "no", []
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -79,6 +94,20 @@ def _answers(url: str) -> bool:
         return False
 
 
+def _served_by(port: int, pid: int) -> bool:
+    """Whether the Redis on ``port`` answers, and is process ``pid``: in
+    a parallel run, another process's server may have taken the port
+    that :func:`free_port` gave out.
+    """
+    client = redis.Redis(port=port, socket_connect_timeout=1)
+    try:
+        return bool(client.info("server")["process_id"] == pid)
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
 def start_redis_server(port: int, *extra: str) -> subprocess.Popen[bytes]:
     """Start a throw-away ``redis-server`` on ``port`` and wait for it."""
     server = shutil.which("redis-server")
@@ -92,10 +121,10 @@ def start_redis_server(port: int, *extra: str) -> subprocess.Popen[bytes]:
         stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 10
-    while not _answers(f"redis://127.0.0.1:{port}/0"):
+    while not _served_by(port, process.pid):
         if time.monotonic() > deadline or process.poll() is not None:
             process.kill()
-            pytest.fail(f"redis-server did not start on port {port}.")
+            pytest.fail(f"redis-server did not start on port {port} (or another process's took it first).")
         time.sleep(0.05)
     return process
 
@@ -131,9 +160,11 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
 
 
 @pytest.fixture(scope="session")
-def rabbitmq_url() -> str:
+def rabbitmq_url() -> Iterator[str]:
     """The RabbitMQ that ``RABBITMQ_URL`` names (this machine's by
-    default, on its default virtual host); fails with how to start it.
+    default), on a virtual host of this test process's own when
+    ``RABBITMQ_URL`` names none and ``rabbitmqctl`` may make one; fails
+    with how to start RabbitMQ.
     """
     parts = urlsplit(RABBITMQ_URL)
     host, port = parts.hostname or "127.0.0.1", parts.port or 5672
@@ -141,7 +172,83 @@ def rabbitmq_url() -> str:
         socket.create_connection((host, port), timeout=2).close()
     except OSError:
         pytest.fail(f"RabbitMQ is not reachable at {host}:{port}. Start it with `rabbitmq-server -detached`.")
-    return RABBITMQ_URL
+    if parts.path.strip("/") or shutil.which("rabbitmqctl") is None:
+        yield RABBITMQ_URL
+        return
+    yield from vhost_on(RABBITMQ_URL)
+
+
+def rabbitmqctl(*args: str) -> Optional[str]:
+    """``rabbitmqctl ARGS``'s output, or None when it failed (it needs
+    root or the server's Erlang cookie).
+    """
+    done = subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True, text=True, timeout=60)
+    return done.stdout if done.returncode == 0 else None
+
+
+def vhost_on(url: str) -> Iterator[str]:
+    """``url`` on a fresh virtual host, held by a connection of this
+    session and deleted afterwards; ``url`` itself when ``rabbitmqctl``
+    cannot make one.  The virtual hosts of sessions that ended without
+    deleting theirs are deleted first.
+    """
+    drop_stale_vhosts()
+    name = session_name()
+    if rabbitmqctl("add_vhost", name) is None:
+        yield url
+        return
+    import pika
+
+    user = urlsplit(url).username or "guest"
+    try:
+        rabbitmqctl("set_permissions", "-p", name, user, ".*", ".*", ".*")
+        own = urlunsplit(urlsplit(url)._replace(path=f"/{name}"))
+        # Held open all session (no heartbeat, so idle is fine): a virtual
+        # host nobody is connected to is one whose session is gone.
+        keeper = pika.BlockingConnection(pika.URLParameters(urlunsplit(urlsplit(own)._replace(query="heartbeat=0"))))
+        try:
+            yield own
+        finally:
+            keeper.close()
+    finally:
+        rabbitmqctl("delete_vhost", name)
+
+
+def drop_stale_vhosts() -> None:
+    """Delete the ``du_test_*`` virtual hosts made before this session
+    started that no connection uses: an interrupted session's.
+    """
+    listed = rabbitmqctl("list_vhosts", "name")
+    candidates = [name for name in (listed or "").split() if stale(name)]
+    connected = rabbitmqctl("list_connections", "vhost") if candidates else None
+    for name in candidates:
+        if connected is not None and name not in connected.split():
+            rabbitmqctl("delete_vhost", name)
+
+
+#: When this test process started (Unix time, s).
+STARTED = int(time.time())
+
+#: What the names of the suite's own databases and virtual hosts start with.
+SESSION_PREFIX = "du_test_"
+
+
+def session_name() -> str:
+    """A fresh name for a database or virtual host of this session:
+    ``du_test_<Unix time it was made>_<random>``.
+    """
+    return f"{SESSION_PREFIX}{int(time.time())}_{uuid.uuid4().hex[:8]}"
+
+
+def stale(name: str) -> bool:
+    """Whether ``name`` is a session's database or virtual host made
+    before this session started (made by an older suite, whose names
+    carry no time, counts as made then).
+    """
+    if not name.startswith(SESSION_PREFIX):
+        return False
+    made = name[len(SESSION_PREFIX):].partition("_")[0]
+    return (int(made) if made.isdigit() else 0) < STARTED
 
 
 @pytest.fixture
@@ -191,7 +298,7 @@ def backend(request: pytest.FixtureRequest) -> object:
     return request.getfixturevalue(f"{request.param}_backend")
 
 
-# PostgreSQL: a private cluster per session, or DRAMATIQ_UNIQUE_POSTGRES_URL (tests/postgres_server.py).
+# PostgreSQL: a private cluster per session, or DU_TEST_POSTGRES_URL (tests/postgres_server.py).
 
 
 @pytest.fixture(scope="session")
@@ -200,7 +307,7 @@ def postgres_url() -> Iterator[str]:
     from tests.postgres_server import PostgresServer, database_on
 
     server = None
-    url = os.environ.get("DRAMATIQ_UNIQUE_POSTGRES_URL") or os.environ.get("dramatiq_unique_postgres_url")
+    url = os.environ.get(POSTGRES_URL_VARIABLE)
     if not url:
         server = PostgresServer(free_port())
         server.start()

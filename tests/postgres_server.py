@@ -3,8 +3,10 @@
 The server is a throw-away cluster that ``initdb`` makes in a temporary
 directory, run as the ``postgres`` user when the suite runs as root
 (``initdb`` refuses root), with ``fsync=off``, on a free port.  Set
-``DRAMATIQ_UNIQUE_POSTGRES_URL`` to use a server of your own instead:
-the suite then makes a database of its own there, and drops it.
+``DU_TEST_POSTGRES_URL`` to use a server of your own instead: the suite
+then makes a database of its own there, and drops it, even when
+interrupted; the databases of a session that could not (killed) are
+dropped by the next session that uses that server.
 """
 
 from __future__ import annotations
@@ -15,17 +17,18 @@ import shutil
 import subprocess
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Iterator, Optional
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
+from tests.conftest import session_name, stale
+
 #: Where Debian's packages put the server's programs.
 _DEBIAN_BIN = sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)
 
-INSTALL = "apt-get install postgresql (or set DRAMATIQ_UNIQUE_POSTGRES_URL to a server the suite may use)"
+INSTALL = "apt-get install postgresql (or set DU_TEST_POSTGRES_URL to a server the suite may use)"
 
 
 def _program(name: str) -> Optional[str]:
@@ -104,17 +107,46 @@ class PostgresServer:
 
 
 def database_on(url: str) -> Iterator[str]:
-    """A fresh database on the server at ``url``, dropped afterwards."""
+    """A fresh database on the server at ``url``, held by a connection of
+    this session and dropped afterwards.  The databases of sessions that
+    ended without dropping theirs are dropped first.
+    """
     import psycopg
 
-    name = f"du_test_{uuid.uuid4().hex[:8]}"
+    drop_stale_databases(url)
+    name = session_name()
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {name}")
     try:
-        yield with_database(url, name)
+        # Held open all session: a database nobody is connected to is
+        # one whose session is gone.
+        keeper = psycopg.connect(with_database(url, name), autocommit=True)
+        try:
+            yield with_database(url, name)
+        finally:
+            keeper.close()
     finally:
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def drop_stale_databases(url: str) -> None:
+    """Drop the ``du_test_*`` databases on the server at ``url`` made
+    before this session started that nobody is connected to: an
+    interrupted session's.
+    """
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        idle = [row[0] for row in conn.execute(
+            "SELECT datname FROM pg_database d"
+            " WHERE NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.datname = d.datname)")]
+        for name in filter(stale, idle):
+            try:
+                # No FORCE: a session that connected since is not gone.
+                conn.execute(f"DROP DATABASE IF EXISTS {name}")
+            except psycopg.errors.ObjectInUse:
+                pass
 
 
 def with_database(url: str, name: str) -> str:

@@ -6,7 +6,6 @@ refused when it is declared.
 
 from __future__ import annotations
 
-import os
 import sys
 import types
 from typing import Any, Iterator, Optional, Sequence
@@ -88,11 +87,9 @@ def test_a_postgres_url_goes_to_postgres_backend_from_url(monkeypatch, url):
     assert StandInPostgres.made[1:] == [(url, {}), (url, {"min_replicas": 2, "min_replicas_timeout": 50})]
 
 
-def test_a_real_postgres_backend_when_there_is_one():
-    url = os.environ.get("DRAMATIQ_UNIQUE_POSTGRES_URL")
+def test_a_real_postgres_backend_when_there_is_one(postgres_url):
+    url = postgres_url
     pytest.importorskip("dramatiq_unique.backends.postgres", reason="the PostgreSQL backend is not installed")
-    if not url:
-        pytest.skip("set DRAMATIQ_UNIQUE_POSTGRES_URL to a PostgreSQL database")
     backend = from_url(url)
     assert type(backend).__name__ == "PostgresBackend" and url.split("@")[-1] in backend.describe()
     backend.close()

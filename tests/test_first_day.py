@@ -152,7 +152,8 @@ def test_a_new_warning_fails_the_test_that_raised_it(tmp_path):
         "import warnings\n\n\ndef test_warns():\n    warnings.warn('something new', UserWarning)\n"
     )
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(ROOT / "setup.cfg"),
+        # -n 0: one test, in this process, not setup.cfg's four workers
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-c", str(ROOT / "setup.cfg"),
          "--rootdir", str(tmp_path), str(tmp_path / "test_warns.py")],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
     )

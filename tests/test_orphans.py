@@ -22,7 +22,7 @@ import redis
 
 from dramatiq_unique.ops.admin import Lock, LockAdmin
 from dramatiq_unique.backends.redis import RedisBackend
-from tests.conftest import RABBITMQ_URL, wait_for
+from tests.conftest import wait_for
 from tests.procs import ROOT, WorkerGroup
 
 APP = "tests.apps.orphans"
@@ -34,12 +34,12 @@ WINDOW = 2_000
 class Orphans:
     """One test's namespace, environment, app and locks."""
 
-    def __init__(self, redis_url: str, broker: str, **env: str) -> None:
+    def __init__(self, redis_url: str, broker: str, rabbitmq_url: str = "", **env: str) -> None:
         self.namespace = f"o{uuid.uuid4().hex[:8]}"
         self.env = {
             "ORPHANS_BROKER": broker,
             "ORPHANS_REDIS_URL": redis_url,
-            "ORPHANS_RABBITMQ_URL": RABBITMQ_URL,
+            "ORPHANS_RABBITMQ_URL": rabbitmq_url,
             "ORPHANS_NAMESPACE": self.namespace,
             "dramatiq_unique_provisional_window": str(WINDOW),
             "dramatiq_worker_timeout": "100",
@@ -101,7 +101,7 @@ class Orphans:
         if self._app is not None:
             self._app.broker.close()  # type: ignore[attr-defined]
         if self.env["ORPHANS_BROKER"] == "rabbitmq":
-            connection = pika.BlockingConnection(pika.URLParameters(RABBITMQ_URL))
+            connection = pika.BlockingConnection(pika.URLParameters(self.env["ORPHANS_RABBITMQ_URL"]))
             channel = connection.channel()
             for queue in ("run", "gone", "kept"):
                 for suffix in ("", ".DQ", ".XQ"):
@@ -111,12 +111,13 @@ class Orphans:
 
 
 @pytest.fixture
-def orphans(redis_client, redis_url) -> Iterator:  # type: ignore[no-untyped-def]
+def orphans(redis_client, redis_url, request) -> Iterator:  # type: ignore[no-untyped-def]
     made: list[Orphans] = []
     saved = dict(os.environ)
 
     def make(broker: str = "redis", **env: str) -> Orphans:
-        made.append(Orphans(redis_url, broker, **env))
+        rabbitmq_url = request.getfixturevalue("rabbitmq_url") if broker == "rabbitmq" else ""
+        made.append(Orphans(redis_url, broker, rabbitmq_url, **env))
         return made[-1]
 
     yield make

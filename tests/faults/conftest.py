@@ -15,26 +15,25 @@ import redis
 
 from tests.faults.harness import Harness, RedisServer
 
-FIGURES: list[tuple[str, str, Any]] = []
-
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if not FIGURES:
+    # Read from the tests' reports, not from a list in this process: in a
+    # parallel run (setup.cfg's -n) the tests, and the figures they
+    # record, are in the worker processes, whose reports come here.
+    figures = [(report.nodeid.split("::")[-1], name, value)
+               for reports in terminalreporter.stats.values() for report in reports
+               if getattr(report, "when", None) == "call" for name, value in getattr(report, "user_properties", ())]
+    if not figures:
         return
     terminalreporter.section("dramatiq-unique fault figures")
-    for test, name, value in FIGURES:
+    for test, name, value in figures:
         terminalreporter.write_line(f"{test}: {name} = {value}")
 
 
 @pytest.fixture
-def figure(request: pytest.FixtureRequest, record_property: Callable[[str, Any], None]) -> Callable[[str, Any], None]:
+def figure(record_property: Callable[[str, Any], None]) -> Callable[[str, Any], None]:
     """Record one measured figure of this test."""
-
-    def record(name: str, value: Any) -> None:
-        FIGURES.append((request.node.name, name, value))
-        record_property(name, value)
-
-    return record
+    return record_property
 
 
 @pytest.fixture

@@ -10,14 +10,13 @@ whenever the holder finishes within the reschedule delay.
 
 from __future__ import annotations
 
-import subprocess
 import time
 
 import pytest
 from dramatiq import group
 
 from tests.conftest import wait_for
-from tests.faults.harness import Harness, stopped
+from tests.faults.harness import Harness, rabbitmq_messages, stopped
 
 BROKERS = ["redis", "rabbitmq"]
 EVENTS = "rescheduled,skipped,lock_lost,backend_error"
@@ -27,10 +26,7 @@ def in_flight(h: Harness) -> int:
     """Messages queued, delayed, prefetched or running, anywhere."""
     if h.env["FAULTS_BROKER"] == "redis":
         return h.queued()
-    listed = subprocess.run(["rabbitmqctl", "list_queues", "-q", "name", "messages"], capture_output=True,
-                            text=True, check=True).stdout.split("\n")
-    counts = dict(line.split() for line in listed if len(line.split()) == 2)
-    return sum(int(counts.get(name, 0)) for name in (h.namespace, f"{h.namespace}.DQ"))
+    return rabbitmq_messages(h.env["FAULTS_RABBITMQ_URL"], h.namespace)
 
 
 def copies(h: Harness, event: str, message_id: str) -> int:
