@@ -95,8 +95,10 @@ class Lock:
 
     Attributes:
       key(str): The full backend key.
-      actor(str): The actor part of the key (``@any`` for locks taken
-        with ``unique_across_actors``).
+      actor(str): The actor's name (``@any`` for locks taken with
+        ``unique_across_actors``); for a key an older release wrote for
+        a name holding ``{}()%`` or a leading ``@``, which may name
+        either of two actors, its actor part as written.
       digest(str): The 32 hex characters inside the braces.
       phase(str): ``queue`` for an enqueue lock, ``run`` for a run lock.
       lock(str): The lock type that took it, e.g. ``while_executing``.
@@ -203,8 +205,8 @@ class LockAdmin:
         scope = actor_scope(actor) if actor is not None else None
         glob = pattern or lock_key_glob(prefix=self.prefix, scope=scope, phase=phase)
         for key in self._scan(glob):
-            lock = self._lock(key)
-            if lock is not None and scope in (None, lock.actor) and phase in (None, lock.phase):
+            lock = self._lock(key, scope=scope, phase=phase)
+            if lock is not None:
                 yield lock
 
     def inspect(self, digest: str) -> list[Lock]:
@@ -327,9 +329,13 @@ class LockAdmin:
         """
         return call_backend(self.backend, doing, call, *args)
 
-    def _lock(self, key: str) -> Optional[Lock]:
+    def _lock(self, key: str, *, scope: Optional[str] = None, phase: Optional[str] = None) -> Optional[Lock]:
+        """The live lock at ``key``; None when it is gone or no lock key
+        under the prefix, or not of ``scope`` or ``phase`` when given (a
+        glob matches more than it names: compared exactly here).
+        """
         parts = parse_lock_key(key, prefix=self.prefix)
-        if parts is None:
+        if parts is None or scope not in (None, parts.scope) or phase not in (None, parts.phase):
             return None
         info = self.call(f"inspect {key!r}", self.backend.inspect, key)
         if info is None:
@@ -346,7 +352,7 @@ class LockAdmin:
         )
         return Lock(
             key=info.key,
-            actor=parts.scope,
+            actor=parts.scope if parts.actor is None else parts.actor,
             digest=parts.digest,
             phase=parts.phase,
             lock=info.lock,
