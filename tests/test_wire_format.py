@@ -26,9 +26,9 @@ DAY = 86_400_000
 DIGEST = "0123456789abcdef" * 2
 
 digests = st.text(alphabet="0123456789abcdef", min_size=32, max_size=32)
-# An actor name as the key shows it; a newline is the one character the
-# operators' parser has never read in an actor name.
-scopes = st.text(min_size=1).map(wire.actor_scope).filter(lambda scope: "\n" not in scope)
+# Any actor name, as the key shows it: braces, colons, glob characters,
+# newlines and unicode included.
+scopes = st.text(min_size=1).map(wire.escape_actor)
 
 
 # Keys ---------------------------------------------------------------------
@@ -48,14 +48,16 @@ def test_awkward_keys_parse_back() -> None:
         ("p", "ns:job"),  # and in the actor
         ("p", f"x:{{{DIGEST}}}:run"),  # an actor that looks like a whole key
         ("préfixe", "tâche_日本"),  # unicode
-        ("p", "{braces}"),  # braces, written as parentheses
+        ("p", "{braces}"),  # braces, escaped
+        ("p", "a\nb"),  # a newline
         ("p", wire.ANY_ACTOR),
     ]:
         scope = wire.actor_scope(actor)
         for phase in wire.PHASES:
             key = wire.lock_key(prefix=prefix, scope=scope, digest=DIGEST, phase=phase)
             assert wire.parse_lock_key(key, prefix=prefix) == LockKey(prefix, scope, DIGEST, phase), key
-    assert wire.actor_scope("{braces}") == "(braces)"
+            assert wire.parse_lock_key(key, prefix=prefix).actor == actor
+    assert wire.actor_scope("{braces}") == "%7Bbraces%7D"
 
 
 def test_what_is_not_a_lock_key_does_not_parse() -> None:

@@ -340,7 +340,8 @@ class PrefixLocks:
             if info is not None:
                 slots = [HeldSlot(owner, deadline, info.records.get(owner)) for owner, deadline in info.holders.items()]
                 holders = tuple(sorted(slots, key=lambda slot: (slot.deadline, slot.owner)))
-                yield ListedLock(key, parts.scope, parts.digest, parts.phase, info.lock, info.lock_args, holders, info)
+                actor = parts.scope if parts.actor is None else parts.actor
+                yield ListedLock(key, actor, parts.digest, parts.phase, info.lock, info.lock_args, holders, info)
 
     def call(self, doing: str, call: Callable[..., T], *args: Any) -> T:
         """Run one backend call (see :func:`call_backend`)."""

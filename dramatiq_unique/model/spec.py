@@ -24,7 +24,7 @@ from dramatiq.logging import get_logger
 
 from ..errors import ConfigurationError
 from ..settings import MAX_DURATION, is_duration
-from .wire import ANY_ACTOR, DIGEST_LENGTH, UNIQUE_ACROSS_ACTORS, UNIQUE_ACROSS_QUEUES, actor_scope
+from .wire import ANY_ACTOR, DIGEST_LENGTH, UNIQUE_ACROSS_ACTORS, UNIQUE_ACROSS_QUEUES, escape_actor
 
 if TYPE_CHECKING:
     from dramatiq import Actor
@@ -181,7 +181,7 @@ class ActorSpec:
         """The clear-text actor part of this actor's lock keys."""
         if self.across_actors:
             return ANY_ACTOR
-        return actor_scope(self.actor_name)
+        return escape_actor(self.actor_name)
 
     def digest(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
         """The digest of one send: a hash of the actor name, the queue

@@ -5,8 +5,10 @@ stay readable, so nothing here changes shape without a migration; the
 Lua scripts in ``backends/redis/lua`` write the same texts, and
 ``tests/test_wire_format.py`` checks that they agree.
 
-* Lock keys: ``<prefix>:<scope>:{<digest>}:<phase>``, and the companion
-  keys a backend hangs off one (:func:`lock_key`, :func:`parse_lock_key`).
+* Lock keys: ``<prefix>:<scope>:{<digest>}:<phase>``, the scope being
+  the actor name with ``%{}():`` and a leading ``@`` written as ``%XX``
+  (:func:`escape_actor`), and the companion keys a backend hangs off one
+  (:func:`lock_key`, :func:`parse_lock_key`).
 * Lock owners: a message id (an enqueue lock), or ``<message id>/<token>``
   (a run lock, one token per execution) (:func:`join_owner`,
   :func:`split_owner`).
@@ -41,10 +43,10 @@ PHASES = (QUEUE, RUN)
 #: How many hex characters a digest has (a truncated SHA-256).
 DIGEST_LENGTH = 32
 
-#: A lock key after its prefix and colon.  The actor part is greedy, so
-#: an actor name holding colons (or even ``:{...}:run``) still parses;
-#: one holding a newline does not (``.`` stops there), as it never has.
-_KEY = re.compile(rf"(?P<scope>.+):\{{(?P<digest>[0-9a-f]{{{DIGEST_LENGTH}}})\}}:(?P<phase>queue|run)")
+#: A lock key after its prefix and colon.  The scope holds no colon (an
+#: actor name's colons are escaped), so a key splits into its parts one
+#: way only, whatever its prefix holds.
+_KEY = re.compile(rf"(?P<scope>[^:]+):\{{(?P<digest>[0-9a-f]{{{DIGEST_LENGTH}}})\}}:(?P<phase>queue|run)")
 _DIGEST = re.compile(rf"[0-9a-f]{{{DIGEST_LENGTH}}}")
 _GLOB_SPECIALS = re.compile(r"[*?\[\]\\]")
 
@@ -65,8 +67,8 @@ class LockKey(NamedTuple):
 
     Attributes:
       prefix(str): The middleware's prefix.
-      scope(str): The actor in clear text, braces written as
-        parentheses (``@any`` under ``unique_across_actors``).
+      scope(str): The actor name as :func:`escape_actor` writes it
+        (``@any`` under ``unique_across_actors``).
       digest(str): The 32 hex characters inside the Cluster hash tag.
       phase(str): :data:`QUEUE` or :data:`RUN`.
     """
@@ -76,12 +78,49 @@ class LockKey(NamedTuple):
     digest: str
     phase: str
 
+    @property
+    def actor(self) -> Optional[str]:
+        """The actor name the scope names (:func:`scope_actor`)."""
+        return scope_actor(self.scope)
+
+
+#: What :func:`escape_actor` writes as ``%XX`` (the character's code in
+#: upper-case hex): the escape itself, the braces of the Cluster hash
+#: tag, the parentheses that the old format wrote braces as (so that its
+#: keys read as old), the colon between a key's parts, and a leading
+#: ``@``, so that no actor's scope is :data:`ANY_ACTOR`.
+_ESCAPED = re.compile(r"[%{}():]|^@")
+_ESCAPE = re.compile(r"%([0-9A-F]{2})")
+
+
+def escape_actor(actor: str) -> str:
+    """The scope of the keys of the actor named ``actor``: the name
+    itself, but for the few characters that a key's syntax gives a
+    meaning, written as ``%XX``.  Different names get different scopes,
+    and the common name (letters, digits, ``_``, ``.``, ``-``, and any
+    other character but ``%{}():``) is written unchanged.
+    """
+    return _ESCAPED.sub(lambda found: f"%{ord(found[0]):02X}", actor)
+
 
 def actor_scope(actor: str) -> str:
-    """The actor part of the keys of ``actor``: braces would clash with
-    the Cluster hash tag, so they are written as parentheses.
+    """The scope an operator's actor filter names: :data:`ANY_ACTOR`
+    names the keys of the actors with ``unique_across_actors``, any other
+    text the keys of the actor of that name (:func:`escape_actor`).
     """
-    return actor.replace("{", "(").replace("}", ")")
+    return ANY_ACTOR if actor == ANY_ACTOR else escape_actor(actor)
+
+
+def scope_actor(scope: str) -> Optional[str]:
+    """The actor name a scope names (:data:`ANY_ACTOR` for itself); None
+    for a scope :func:`escape_actor` does not write: one the old format
+    wrote for a name holding ``{}()%`` or a leading ``@``, which may name
+    either of two actors.
+    """
+    if scope == ANY_ACTOR:
+        return ANY_ACTOR
+    actor = _ESCAPE.sub(lambda found: chr(int(found[1], 16)), scope)
+    return actor if escape_actor(actor) == scope else None
 
 
 def lock_key(*, prefix: str, scope: str, digest: str, phase: str) -> str:

@@ -94,8 +94,10 @@ class Lock:
 
     Attributes:
       key(str): The full backend key.
-      actor(str): The actor part of the key (``@any`` for locks taken
-        with ``unique_across_actors``).
+      actor(str): The actor's name (``@any`` for locks taken with
+        ``unique_across_actors``); for a key an older release wrote for
+        a name holding ``{}()%`` or a leading ``@``, which may name
+        either of two actors, its actor part as written.
       digest(str): The 32 hex characters inside the braces.
       phase(str): ``queue`` for an enqueue lock, ``run`` for a run lock.
       lock(str): The lock type that took it, e.g. ``while_executing``.
