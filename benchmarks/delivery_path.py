@@ -44,7 +44,7 @@ PATIENCE = 10.0
 class Touched(NamedTuple):
     """What one delivery touched."""
 
-    files: list[str]
+    files: list[str]  # in the order each first ran
     scripts: list[str]
     classes: list[str]
 
@@ -53,7 +53,7 @@ class Recorder:
     """A profile hook that keeps the package's frames."""
 
     def __init__(self) -> None:
-        self.files: set[str] = set()
+        self.files: dict[str, None] = {}  # in the order they first ran
         self.classes: set[str] = set()
         self.scripts: set[str] = set()
         self.on = False
@@ -68,7 +68,7 @@ class Recorder:
         relative = str(Path(filename).relative_to(PACKAGE))
         if relative == "testing.py":  # the scenario's own wait for the releases
             return
-        self.files.add(relative)
+        self.files.setdefault(relative, None)
         owner = _class_of(code.co_qualname)
         if owner is not None:
             self.classes.add(f"{relative}:{owner}")
@@ -139,7 +139,7 @@ def measure(url: Optional[str] = None) -> Touched:
         threading.setprofile(None)  # type: ignore[arg-type]
         worker.stop()
         broker.close()
-    return Touched(sorted(recorder.files), sorted(recorder.scripts), sorted(recorder.classes))
+    return Touched(list(recorder.files), sorted(recorder.scripts), sorted(recorder.classes))
 
 
 def largest_classes(top: int = 8) -> tuple[int, list[tuple[int, str]]]:
@@ -160,7 +160,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--url", help="the lock backend's URL (default: the stub backend)")
     args = parser.parse_args(argv)
     path = measure(args.url)
-    print(f"files ({len(path.files)}):")
+    print(f"files ({len(path.files)}), in the order each first ran:")
     for name in path.files:
         print(f"  {name}")
     print(f"Lua scripts ({len(path.scripts)}):" + ("" if path.scripts else " none"))
