@@ -19,24 +19,14 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, Iterator, Optional
 
-from ..backends.base import LockBackend, PrefixLocks, call_backend
-from ..backends.records import EnqueueRecord, ListedLock, Waiter
+from ..backends.base import LockBackend, PrefixLocks
+from ..backends.records import EnqueueRecord, Waiter
 from ..errors import UniqueError
-from ..model.wire import (
-    PHASES,
-    QUEUE,
-    RUN,
-    check_key,
-    digest_in,
-    lock_key_glob,
-    message_id_of,
-)
+from ..model.wire import PHASES, QUEUE, RUN, check_key, digest_in, lock_key_glob, message_id_of
 from ..settings import DEFAULT_PREFIX
 from ..worker.reap import DEFAULT_BATCH, DEFAULT_MIN_AGE, Reaper, ReapReport, RedisQueues
-
-T = TypeVar("T")
 
 
 class UnknownLock(UniqueError, LookupError):
@@ -126,19 +116,10 @@ class Lock:
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready dict, with the lock args decoded."""
-        return {
-            "key": self.key,
-            "actor": self.actor,
-            "digest": self.digest,
-            "phase": self.phase,
-            "lock": self.lock,
-            "fence": self.fence,
-            "lock_args": _decoded(self.lock_args),
-            "holders": [holder.as_dict() for holder in self.holders],
-            "waiting": [{"message_id": w.message_id, "since": w.sent_at, "order": w.order} for w in self.waiting],
-            "current": self.current,
-            "superseded": self.superseded,
-        }
+        data = {name: getattr(self, name) for name in ("key", "actor", "digest", "phase", "lock", "fence")}
+        waiting = [{"message_id": w.message_id, "since": w.sent_at, "order": w.order} for w in self.waiting]
+        data.update(lock_args=_decoded(self.lock_args), holders=[h.as_dict() for h in self.holders], waiting=waiting)
+        return {**data, "current": self.current, "superseded": self.superseded}
 
 
 def _decoded(lock_args: Optional[str]) -> Any:
@@ -184,6 +165,8 @@ class LockAdmin:
     def __init__(self, backend: LockBackend, *, prefix: str = DEFAULT_PREFIX) -> None:
         self.backend = backend
         self.prefix = prefix
+        self.listing = PrefixLocks(backend, prefix=prefix)
+        self.call = self.listing.call
 
     def check(self) -> None:
         """Make one backend call, to fail early when it is unreachable."""
@@ -192,41 +175,37 @@ class LockAdmin:
     def locks(
         self, *, actor: Optional[str] = None, pattern: Optional[str] = None, phase: Optional[str] = None
     ) -> Iterator[Lock]:
-        """Iterate over the live locks, in ``SCAN`` order.
-
-        Parameters:
-          actor(str): Only the locks of this actor; ``@any`` for the
-            locks of actors with ``unique_across_actors``.
-          pattern(str): Only the keys matching this Redis glob, matched
-            against the whole key (as with ``redis-cli --scan``).
-          phase(str): Only the ``queue`` (enqueue) or ``run`` locks.
+        """The live locks that :meth:`PrefixLocks.locks` lists for these
+        filters, in ``SCAN`` order, with the waiters of each run lock.
         """
-        for listed in PrefixLocks(self.backend, prefix=self.prefix).locks(actor=actor, pattern=pattern, phase=phase):
-            yield self._lock(listed)
+        for listed in self.listing.locks(actor=actor, pattern=pattern, phase=phase):
+            waiting = []
+            if listed.phase == RUN:
+                waiting = self.call(f"list the waiters of {listed.key!r}", self.backend.waiters, listed.key)
+            key, actor_name, digest, lock_phase, lock, lock_args, slots, info = listed
+            holders = tuple(Holder(h.owner, message_id_of(h.owner) or h.owner, h.deadline, h.record) for h in slots)
+            fields = (info.fence, tuple(waiting), info.current, info.superseded)
+            yield Lock(key, actor_name, digest, lock_phase, lock, holders, lock_args, *fields)
 
     def inspect(self, digest: str) -> list[Lock]:
-        """Describe the live locks of one digest: its enqueue lock, its
-        run lock, or both.
-
-        Parameters:
-          digest(str): The digest, or a whole lock key.
+        """Describe the live locks of one digest (or whole lock key): its
+        enqueue lock, its run lock, or both.
 
         Raises:
           UnknownLock: when no live lock has this digest.
         """
         digest = digest_of(digest)
         glob = lock_key_glob(prefix=self.prefix, digest=digest)
-        found = [lock for lock in self.locks(pattern=glob) if lock.digest == digest]
-        found.sort(key=lambda lock: PHASES.index(lock.phase))
+        found = sorted((lock for lock in self.locks(pattern=glob) if lock.digest == digest), key=_phase_order)
         if not found:
             raise UnknownLock(f"No lock has digest {digest} under prefix {self.prefix!r}.")
         return found
 
     def release(self, digest: str, *, holder: Optional[str] = None, phase: Optional[str] = None) -> list[str]:
-        """Release the locks of a digest, or one of their holders.
+        """Release the locks of a digest (or whole lock key), or one of
+        their holders.
 
         Parameters:
-          digest(str): The digest, or a whole lock key.
           holder(str): Release only this holder: its owner string or its
             message id.  Its release is owner-checked, so a slot that was
             meanwhile taken by someone else is left alone.
@@ -245,20 +224,15 @@ class LockAdmin:
         if not locks:
             raise UnknownLock(f"Digest {digest_of(digest)} has no {phase} lock under prefix {self.prefix!r}.")
         if holder is None:
-            return [lock.key for lock in locks if self._delete(lock.key)]
+            return self._delete(locks)
         slots = [(lock.key, h.owner) for lock in locks for h in lock.holders if holder in (h.owner, h.message_id)]
         if not slots:
             raise UnknownLock(f"Digest {locks[0].digest} has no holder {holder!r}.")
         return self._release_slots(slots)
 
     def release_actor(self, actor: str) -> list[str]:
-        """Delete every lock of one actor.
-
-        Returns:
-          list[str]: The keys that were deleted.
-        """
-        keys = [lock.key for lock in self.locks(actor=actor)]
-        return [key for key in keys if self._delete(key)]
+        """Delete every lock of one actor; return the deleted keys."""
+        return self._delete(list(self.locks(actor=actor)))
 
     def release_queue(self, queue: str) -> list[str]:
         """Release every enqueue-lock holder whose message was last
@@ -275,12 +249,8 @@ class LockAdmin:
         """The ``(key, owner)`` of every enqueue-lock holder whose
         message was last published to ``queue``, as recorded.
         """
-        return [
-            (lock.key, h.owner)
-            for lock in self.locks(phase=QUEUE)
-            for h in lock.holders
-            if h.record is not None and h.record.queue == queue
-        ]
+        locks = self.locks(phase=QUEUE)
+        return [(lock.key, h.owner) for lock in locks for h in lock.holders if h.record and h.record.queue == queue]
 
     def _release_slots(self, slots: list[tuple[str, str]]) -> list[str]:
         """Release each ``(key, owner)`` slot, owner-checked; return
@@ -289,6 +259,9 @@ class LockAdmin:
         release = functools.partial(self.backend.release, hand_over=False)
         held = [self.call(f"release {key!r}", release, key, owner).held for key, owner in slots]
         return [f"{key} {owner}" for (key, owner), was_held in zip(slots, held) if was_held]
+
+    def _delete(self, locks: list[Lock]) -> list[str]:
+        return [lock.key for lock in locks if self.call(f"delete {lock.key!r}", self.backend.delete, lock.key)]
 
     def reap(
         self,
@@ -310,43 +283,10 @@ class LockAdmin:
           min_age(int): Leave locks younger than this alone, in ms.
           batch(int): Locks looked up per broker transaction.
         """
-        reaper = Reaper(
-            self,
-            RedisQueues(broker_client),
-            min_age=DEFAULT_MIN_AGE if min_age is None else min_age,
-            batch=batch or DEFAULT_BATCH,
-        )
+        min_age = DEFAULT_MIN_AGE if min_age is None else min_age
+        reaper = Reaper(self, RedisQueues(broker_client), min_age=min_age, batch=batch or DEFAULT_BATCH)
         return reaper.run(release=release, actor=actor)
 
-    def call(self, doing: str, call: Callable[..., T], *args: Any) -> T:
-        """Run one backend call, turning its failures into
-        :class:`LockBackendError` with a one-line message.
-        """
-        return call_backend(self.backend, doing, call, *args)
 
-    def _lock(self, listed: ListedLock) -> Lock:
-        waiting = []
-        if listed.phase == RUN:
-            waiting = self.call(f"list the waiters of {listed.key!r}", self.backend.waiters, listed.key)
-        return _from_listed(listed, tuple(waiting))
-
-    def _delete(self, key: str) -> bool:
-        return self.call(f"delete {key!r}", self.backend.delete, key)
-
-
-def _from_listed(listed: ListedLock, waiting: tuple[Waiter, ...] = ()) -> Lock:
-    info = listed.info
-    holders = (Holder(h.owner, message_id_of(h.owner) or h.owner, h.deadline, h.record) for h in listed.holders)
-    return Lock(
-        key=info.key,
-        actor=listed.actor,
-        digest=listed.digest,
-        phase=listed.phase,
-        lock=info.lock,
-        holders=tuple(holders),
-        lock_args=info.lock_args,
-        fence=info.fence,
-        waiting=waiting,
-        current=info.current,
-        superseded=info.superseded,
-    )
+def _phase_order(lock: Lock) -> int:
+    return PHASES.index(lock.phase)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ..dashboard.view import duration, remaining
 from ..errors import UniqueError
-from ..model.wire import PHASES, QUEUE, RUN
+from ..model.wire import PHASES, RUN
 
 if TYPE_CHECKING:
     from .admin import Lock, LockAdmin
@@ -61,7 +61,6 @@ def _admin(args: argparse.Namespace) -> "LockAdmin":
     from ..settings import from_environment, masked
     from .admin import LockAdmin
 
-    settings = from_environment()
     url = _locks_url(args)
     if url is None:
         raise CommandError("no lock backend to read locks from: give --url URL or set dramatiq_unique_url.")
@@ -71,7 +70,7 @@ def _admin(args: argparse.Namespace) -> "LockAdmin":
         raise  # a bad URL or a missing extra: its own words
     except Exception as e:
         raise CommandError(f"cannot connect to {masked(url)}: {' '.join(str(e).split())}") from None
-    admin = LockAdmin(backend, prefix=args.prefix or settings.prefix)
+    admin = LockAdmin(backend, prefix=args.prefix or from_environment().prefix)
     admin.check()
     return admin
 
@@ -92,8 +91,9 @@ def _timestamp(deadline: int) -> str:
     return datetime.fromtimestamp(deadline / 1000, tz=timezone.utc).isoformat(timespec="seconds")
 
 
-def _print_json(data: Any) -> None:
+def _print_json(data: Any) -> int:
     print(json.dumps(data, indent=2))
+    return 0
 
 
 def _print_table(rows: list[list[str]], headers: list[str]) -> None:
@@ -102,50 +102,41 @@ def _print_table(rows: list[list[str]], headers: list[str]) -> None:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
 
 
-def _state(lock: "Lock") -> str:
-    """"provisional" while any holder awaits the confirmation of its
-    publish, "confirmed" otherwise; "-" for a run lock.
-    """
-    if lock.phase != QUEUE:
-        return "-"
-    return "provisional" if any(h.provisional for h in lock.holders) else "confirmed"
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' if n != 1 else ''}"
 
 
 def _row(lock: "Lock") -> list[str]:
-    soonest = _remaining(lock.holders[0].deadline)
     oldest = min((h.taken_at for h in lock.holders if h.taken_at is not None), default=None)
-    age = _ago(oldest)
-    waiting = str(len(lock.waiting)) if lock.phase == RUN else "-"
-    row = [lock.actor, lock.digest, lock.phase, lock.lock or "?", str(len(lock.holders)), age, soonest, _state(lock)]
-    return [*row, waiting]
+    # STATE: "provisional" while any holder awaits the confirmation of its publish; "-" for a run lock.
+    state = "provisional" if any(h.provisional for h in lock.holders) else "confirmed"
+    row = [lock.actor, lock.digest, lock.phase, lock.lock or "?", str(len(lock.holders)), _ago(oldest)]
+    run = lock.phase == RUN
+    return [*row, _remaining(lock.holders[0].deadline), "-" if run else state, str(len(lock.waiting)) if run else "-"]
 
 
 def _locks(args: argparse.Namespace) -> int:
     admin = _admin(args)
     locks = list(admin.locks(actor=args.actor, pattern=args.pattern))
     if args.json:
-        _print_json([lock.as_dict() for lock in locks])
-        return 0
+        return _print_json([lock.as_dict() for lock in locks])
     if not locks:
         print(f"No locks under prefix {admin.prefix!r}.")
         return 0
     headers = ["ACTOR", "DIGEST", "PHASE", "LOCK", "HOLDERS", "AGE", "NEXT EXPIRY", "STATE", "WAITING"]
     _print_table([_row(lock) for lock in locks], headers)
-    print(f"{len(locks)} lock{'s' if len(locks) != 1 else ''} under prefix {admin.prefix!r}.")
+    print(f"{_plural(len(locks), 'lock')} under prefix {admin.prefix!r}.")
     return 0
 
 
 def _print_lock(lock: "Lock") -> None:
-    print(f"key        {lock.key}")
-    print(f"actor      {lock.actor}")
-    print(f"digest     {lock.digest}")
-    print(f"phase      {lock.phase}")
-    print(f"lock       {lock.lock or '?'}")
-    print(f"fence      {lock.fence}")
-    print(f"lock args  {lock.lock_args if lock.lock_args is not None else '(not recorded)'}")
+    fields = [("key", lock.key), ("actor", lock.actor), ("digest", lock.digest), ("phase", lock.phase)]
+    fields += [("lock", lock.lock or "?"), ("fence", lock.fence)]
+    fields.append(("lock args", lock.lock_args if lock.lock_args is not None else "(not recorded)"))
     if lock.current is not None:
-        print(f"current    {lock.current}  (superseded {lock.superseded})")
-    print(f"holders    {len(lock.holders)}")
+        fields.append(("current", f"{lock.current}  (superseded {lock.superseded})"))
+    for label, value in [*fields, ("holders", len(lock.holders))]:
+        print(f"{label:11}{value}")
     for holder in lock.holders:
         print(f"  message {holder.message_id}  owner {holder.owner}")
         if holder.taken_at is not None:
@@ -161,8 +152,7 @@ def _print_lock(lock: "Lock") -> None:
 def _inspect(args: argparse.Namespace) -> int:
     locks = _admin(args).inspect(args.digest)
     if args.json:
-        _print_json([lock.as_dict() for lock in locks])
-        return 0
+        return _print_json([lock.as_dict() for lock in locks])
     for n, lock in enumerate(locks):
         if n:
             print()
@@ -191,8 +181,7 @@ def _release(args: argparse.Namespace) -> int:
     if not released:
         raise CommandError("nothing was released: the holder's slot had expired or been taken meanwhile.")
     if args.json:
-        _print_json({"released": released})
-        return 0
+        return _print_json({"released": released})
     for item in released:
         key, _, owner = item.partition(" ")
         print(f"Released holder {owner} of {key}." if owner else f"Released {key}.")
@@ -207,15 +196,14 @@ def _release_many(admin: "LockAdmin", args: argparse.Namespace) -> int:
         count, noun, whose = sum(1 for _ in admin.locks(actor=args.actor)), "lock", f"of actor {args.actor!r}"
     else:
         count, noun, whose = len(admin.queue_holders(args.queue)), "enqueue lock holder", f"of queue {args.queue!r}"
-    if count and not args.yes and not _confirm(f"Release {count} {noun}{'s' if count != 1 else ''} {whose}?"):
+    if count and not args.yes and not _confirm(f"Release {_plural(count, noun)} {whose}?"):
         raise CommandError("aborted: nothing was released.")
     released = []
     if count:
         released = admin.release_actor(args.actor) if args.actor is not None else admin.release_queue(args.queue)
     if args.json:
-        _print_json({"released": released})
-    else:
-        print(f"Released {len(released)} {noun}{'s' if len(released) != 1 else ''} {whose}.")
+        return _print_json({"released": released})
+    print(f"Released {_plural(len(released), noun)} {whose}.")
     return 0
 
 
@@ -238,22 +226,17 @@ def _reap(args: argparse.Namespace) -> int:
     except Exception as e:
         raise CommandError(f"cannot reach the broker's Redis at {masked(url)}: {' '.join(str(e).split())}") from None
     report = admin.reap(client, release=args.yes, actor=args.actor, min_age=args.min_age, batch=args.batch)
+    suspects = report.suspects
     if args.json:
         named = ("key", "actor", "message_id", "lock_args", "queue")
-        suspects = [
-            {**{n: getattr(s, n) for n in named}, "age_ms": s.age, "released": s.released} for s in report.suspects
-        ]
+        found = [{**{n: getattr(s, n) for n in named}, "age_ms": s.age, "released": s.released} for s in suspects]
         totals = {"checked": report.checked, "skipped": report.skipped, "unknown": report.unknown, "released": args.yes}
-        _print_json({**totals, "suspects": suspects})
-        return 0
-    rows = [
-        [s.actor, s.message_id, s.queue, duration(s.age), s.lock_args or "(not recorded)"]
-        for s in report.suspects
-    ]
-    if rows:
+        return _print_json({**totals, "suspects": found})
+    if suspects:
+        rows = [[s.actor, s.message_id, s.queue, duration(s.age), s.lock_args or "(not recorded)"] for s in suspects]
         _print_table(rows, ["ACTOR", "MESSAGE", "QUEUE", "AGE", "LOCK ARGS"])
-    done = sum(1 for s in report.suspects if s.released) if args.yes else len(report.suspects)
-    what = f"{done} enqueue lock{'s' if done != 1 else ''} whose message is in no queue"
+    done = sum(1 for s in suspects if s.released) if args.yes else len(suspects)
+    what = f"{_plural(done, 'enqueue lock')} whose message is in no queue"
     print(f"Released {what}." if args.yes else f"Would release {what} (run with --yes to release them).")
     print(
         f"Looked up {report.checked}; left alone {report.skipped} (provisional, younger than --min-age, "
@@ -304,66 +287,55 @@ def parser() -> argparse.ArgumentParser:
 
     top = argparse.ArgumentParser(prog="dramatiq-unique", description="Unique jobs and per-key locks for Dramatiq.")
     commands = top.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="run the serialize-per-resource scenario and print its timeline")
-    demo.add_argument("--redis", metavar="URL", help="use a RedisBroker, and locks, at URL instead of memory")
-    demo.add_argument("--url", metavar="URL", help="keep the locks at URL (redis://, postgresql://...) instead")
-    demo.add_argument("--json", action=_Refused, reason="the demo prints a timeline for people to read, not JSON.")
-    demo.set_defaults(run=_demo)
     # --url (or --redis) and --prefix: every command that reads locks.
     connection = argparse.ArgumentParser(add_help=False)
-    connection.add_argument(
-        "--url", metavar="URL", help="where the locks are: redis://, postgresql://... (default: $dramatiq_unique_url)"
-    )
+    url_help = "where the locks are: redis://, postgresql://... (default: $dramatiq_unique_url)"
+    connection.add_argument("--url", metavar="URL", help=url_help)
     connection.add_argument("--redis", metavar="URL", help="another name for --url, kept from before it")
     connection.add_argument("--prefix", help="the prefix of the lock keys (default: $dramatiq_unique_prefix or ours)")
     # --json: the commands whose output is data (not the demo's timeline,
     # nor the dashboard, which serves a page).
     data = argparse.ArgumentParser(add_help=False)
     data.add_argument("--json", action="store_true", help="print JSON on stdout instead of text")
-    common = [connection, data]
-    locks = commands.add_parser("locks", parents=common, help="list the live locks, using SCAN")
-    locks.add_argument("--actor", metavar="NAME", help="only the locks of this actor")
-    locks.add_argument("--pattern", metavar="GLOB", help="only the keys matching this Redis glob, e.g. '*:sync_*:*'")
-    locks.set_defaults(run=_locks)
-    inspect = commands.add_parser("inspect", parents=common, help="show the locks of one digest and their holders")
-    inspect.add_argument("digest", metavar="DIGEST", help="the 32 hex characters inside the braces of a lock key")
-    inspect.set_defaults(run=_inspect)
-    release = commands.add_parser("release", parents=common, help="release a digest's locks, a holder, or an actor's")
-    release.add_argument("digest", metavar="DIGEST", nargs="?", help="release the locks of this digest")
-    release.add_argument("--holder", metavar="ID", help="release only this holder (message id or owner)")
-    release.add_argument("--phase", choices=PHASES, help="release only the enqueue or the run lock")
-    release.add_argument("--actor", metavar="NAME", help="release every lock of this actor (asks first)")
-    release.add_argument(
-        "--queue", metavar="NAME", help="release the enqueue locks of the messages published to this queue (asks first)"
+
+    def command(name: str, run: Any, help: str, parents: Sequence[argparse.ArgumentParser] = (connection, data)) -> Any:
+        sub = commands.add_parser(name, parents=list(parents), help=help)
+        sub.set_defaults(run=run)
+        return sub.add_argument
+
+    option = command("demo", _demo, "run the serialize-per-resource scenario and print its timeline", ())
+    option("--redis", metavar="URL", help="use a RedisBroker, and locks, at URL instead of memory")
+    option("--url", metavar="URL", help="keep the locks at URL (redis://, postgresql://...) instead")
+    option("--json", action=_Refused, reason="the demo prints a timeline for people to read, not JSON.")
+    option = command("locks", _locks, "list the live locks, using SCAN")
+    option("--actor", metavar="NAME", help="only the locks of this actor")
+    option("--pattern", metavar="GLOB", help="only the keys matching this Redis glob, e.g. '*:sync_*:*'")
+    option = command("inspect", _inspect, "show the locks of one digest and their holders")
+    option("digest", metavar="DIGEST", help="the 32 hex characters inside the braces of a lock key")
+    option = command("release", _release, "release a digest's locks, a holder, or an actor's")
+    option("digest", metavar="DIGEST", nargs="?", help="release the locks of this digest")
+    option("--holder", metavar="ID", help="release only this holder (message id or owner)")
+    option("--phase", choices=PHASES, help="release only the enqueue or the run lock")
+    option("--actor", metavar="NAME", help="release every lock of this actor (asks first)")
+    queue_help = "release the enqueue locks of the messages published to this queue (asks first)"
+    option("--queue", metavar="NAME", help=queue_help)
+    option("--yes", action="store_true", help="do not ask before releasing an actor's or queue's locks")
+    option = command("reap", _reap, "find (and with --yes release) enqueue locks whose message is in no queue")
+    option("--dry-run", action="store_true", help="only list them (the default)")
+    option("--yes", action="store_true", help="release them")
+    option("--actor", metavar="NAME", help="only the locks of this actor")
+    option("--broker-redis", metavar="URL", help="the Redis broker's Redis (default: the locks' Redis)")
+    option("--min-age", type=int, default=None, metavar="MS", help="leave younger locks alone (default: 10000)")
+    option("--batch", type=int, default=None, metavar="N", help="locks per broker lookup (default: 100)")
+    dashboard_help = "serve the lock dashboard (no authentication: binds 127.0.0.1 by default)"
+    option = command("dashboard", _dashboard, dashboard_help, [connection])
+    option("--host", default=DEFAULT_HOST, help=f"the address to listen on (default: {DEFAULT_HOST})")
+    option("--port", type=int, default=DEFAULT_PORT, help=f"0: any free port (default: {DEFAULT_PORT})")
+    json_reason = (
+        "the dashboard serves a web page and prints no JSON (its address goes to stderr); "
+        "for the locks as JSON run `dramatiq-unique locks --json`, or read the dashboard's /api/locks."
     )
-    release.add_argument("--yes", action="store_true", help="do not ask before releasing an actor's or queue's locks")
-    release.set_defaults(run=_release)
-    reap = commands.add_parser(
-        "reap", parents=common, help="find (and with --yes release) enqueue locks whose message is in no queue"
-    )
-    reap.add_argument("--dry-run", action="store_true", help="only list them (the default)")
-    reap.add_argument("--yes", action="store_true", help="release them")
-    reap.add_argument("--actor", metavar="NAME", help="only the locks of this actor")
-    reap.add_argument("--broker-redis", metavar="URL", help="the Redis broker's Redis (default: the locks' Redis)")
-    reap.add_argument(
-        "--min-age", type=int, default=None, metavar="MS", help="leave younger locks alone (default: 10000)"
-    )
-    reap.add_argument("--batch", type=int, default=None, metavar="N", help="locks per broker lookup (default: 100)")
-    reap.set_defaults(run=_reap)
-    dashboard = commands.add_parser(
-        "dashboard",
-        parents=[connection],
-        help="serve the lock dashboard (no authentication: binds 127.0.0.1 by default)",
-    )
-    dashboard.add_argument("--host", default=DEFAULT_HOST, help=f"the address to listen on (default: {DEFAULT_HOST})")
-    dashboard.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"0: any free port (default: {DEFAULT_PORT})")
-    dashboard.add_argument(
-        "--json",
-        action=_Refused,
-        reason="the dashboard serves a web page and prints no JSON (its address goes to stderr); "
-        "for the locks as JSON run `dramatiq-unique locks --json`, or read the dashboard's /api/locks.",
-    )
-    dashboard.set_defaults(run=_dashboard)
+    option("--json", action=_Refused, reason=json_reason)
     return top
 
 
