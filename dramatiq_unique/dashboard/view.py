@@ -16,26 +16,26 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from datetime import datetime, timezone
 from html import escape
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 from urllib.parse import urlencode
 
-#: The sortable columns: name -> header.
+#: The sortable columns: name -> (header, the direction it sorts in on
+#: its first click: oldest, most held and most waited for first; names
+#: from A).
 SORTS = {
-    "actor": "Actor",
-    "lock": "Lock",
-    "age": "Age",
-    "expires": "Expires",
-    "holders": "Holders",
-    "waiting": "Waiting",
+    "actor": ("Actor", "asc"),
+    "lock": ("Lock", "asc"),
+    "age": ("Age", "desc"),
+    "expires": ("Expires", "asc"),
+    "holders": ("Holders", "desc"),
+    "waiting": ("Waiting", "desc"),
 }
 DEFAULT_SORT = "age"
-#: The direction a column sorts in on its first click: oldest, most
-#: held and most waited for first; names from A.
-FIRST_DIRECTION = {"actor": "asc", "lock": "asc", "age": "desc", "holders": "desc", "expires": "asc",
-                   "waiting": "desc"}
+#: The URL parameters of :class:`Query`'s fields, in their order.
+PARAMS = ("actor", "type", "q", "pattern", "sort", "dir")
 #: Per actor and per lock type, the totals list at most this many rows.
 TOP = 8
 
@@ -53,23 +53,18 @@ class Query:
 
     @classmethod
     def parse(cls, query: Mapping[str, list[str]]) -> "Query":
-        def one(name: str) -> str:
-            return (query.get(name) or [""])[0].strip()
-
-        sort = one("sort") if one("sort") in SORTS else DEFAULT_SORT
-        direction = one("dir") if one("dir") in ("asc", "desc") else FIRST_DIRECTION[sort]
-        return cls(one("actor"), one("type"), one("q"), one("pattern"), sort, direction)
-
-    def params(self, **changes: str) -> dict[str, str]:
-        """The URL parameters that differ from the defaults."""
-        values = {"actor": self.actor, "type": self.lock_type, "q": self.text, "pattern": self.pattern,
-                  "sort": self.sort, "dir": self.direction, **changes}
-        if values["sort"] == DEFAULT_SORT and values["dir"] == FIRST_DIRECTION[DEFAULT_SORT]:
-            values["sort"] = values["dir"] = ""
-        return {name: value for name, value in values.items() if value}
+        actor, lock_type, text, pattern, sort, direction = ((query.get(name) or [""])[0].strip() for name in PARAMS)
+        sort = sort if sort in SORTS else DEFAULT_SORT
+        return cls(actor, lock_type, text, pattern, sort, direction if direction in ("asc", "desc") else SORTS[sort][1])
 
     def href(self, **changes: str) -> str:
-        params = self.params(**changes)
+        """A link to the page with ``changes``, naming only the
+        parameters that differ from the defaults.
+        """
+        values = {**dict(zip(PARAMS, astuple(self))), **changes}
+        if values["sort"] == DEFAULT_SORT and values["dir"] == SORTS[DEFAULT_SORT][1]:
+            values["sort"] = values["dir"] = ""
+        params = {name: value for name, value in values.items() if value}
         return "?" + urlencode(params) if params else "./"
 
 
@@ -80,17 +75,14 @@ def _int(value: Any) -> Optional[int]:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def holders_of(lock: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    return [h for h in lock.get("holders") or () if isinstance(h, Mapping)]
-
-
-def waiting_of(lock: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    return [w for w in lock.get("waiting") or () if isinstance(w, Mapping)]
+def _items(lock: Mapping[str, Any], name: str) -> list[Mapping[str, Any]]:
+    """The lock's ``holders`` or ``waiting`` that are dicts."""
+    return [item for item in lock.get(name) or () if isinstance(item, Mapping)]
 
 
 def _earliest(lock: Mapping[str, Any], field: str) -> Optional[int]:
     """The earliest ``field`` (Unix ms) of the lock's holders; None when none has it."""
-    return min((t for t in (_int(h.get(field)) for h in holders_of(lock)) if t is not None), default=None)
+    return min((t for t in (_int(h.get(field)) for h in _items(lock, "holders")) if t is not None), default=None)
 
 
 def taken_at(lock: Mapping[str, Any]) -> Optional[int]:
@@ -105,12 +97,6 @@ def soonest_deadline(lock: Mapping[str, Any]) -> Optional[int]:
     return _earliest(lock, "deadline")
 
 
-def place_of(holder: Mapping[str, Any]) -> str:
-    """The queue the holder's message was published to, if recorded."""
-    queue = holder.get("queue")
-    return queue if isinstance(queue, str) else ""
-
-
 def lock_type(lock: Mapping[str, Any]) -> str:
     return str(lock.get("lock") or "?")
 
@@ -122,8 +108,8 @@ def actor_of(lock: Mapping[str, Any]) -> str:
 def _searchable(lock: Mapping[str, Any]) -> str:
     parts = [str(lock.get(name) or "") for name in ("key", "digest", "actor", "lock")]
     parts.append(json.dumps(lock.get("lock_args"), sort_keys=True))
-    parts.extend(str(h.get(name) or "") for h in holders_of(lock) for name in ("owner", "message_id"))
-    parts.extend(str(w.get("message_id") or "") for w in waiting_of(lock))
+    parts.extend(str(h.get(name) or "") for h in _items(lock, "holders") for name in ("owner", "message_id"))
+    parts.extend(str(w.get("message_id") or "") for w in _items(lock, "waiting"))
     return "\n".join(parts).lower()
 
 
@@ -144,15 +130,13 @@ def sort_locks(locks: Iterable[Mapping[str, Any]], query: Query, now: int) -> li
         "actor": lambda lock: str(lock.get("actor") or ""),
         "lock": lambda lock: (lock_type(lock), str(lock.get("phase") or "")),
         "age": lambda lock: None if taken_at(lock) is None else now - (taken_at(lock) or 0),
-        "holders": lambda lock: len(holders_of(lock)),
+        "holders": lambda lock: len(_items(lock, "holders")),
         "expires": lambda lock: None if soonest_deadline(lock) is None else (soonest_deadline(lock) or 0) - now,
-        "waiting": lambda lock: len(waiting_of(lock)),
+        "waiting": lambda lock: len(_items(lock, "waiting")),
     }[query.sort]
     by_key = sorted(locks, key=lambda lock: str(lock.get("key") or ""))
-    known = [lock for lock in by_key if value(lock) is not None]
-    unknown = [lock for lock in by_key if value(lock) is None]
-    known.sort(key=value, reverse=query.direction == "desc")
-    return known + unknown
+    known = sorted((lock for lock in by_key if value(lock) is not None), key=value, reverse=query.direction == "desc")
+    return known + [lock for lock in by_key if value(lock) is None]
 
 
 # Formatting ------------------------------------------------------------------
@@ -192,32 +176,45 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
-COPY_ICON = ('<svg viewBox="0 0 16 16" aria-hidden="true"><rect x="5.5" y="5.5" width="8" height="8" rx="1.5"/>'
-             '<path d="M10.5 3.5v-.5a1.5 1.5 0 0 0-1.5-1.5H4A1.5 1.5 0 0 0 2.5 3v5A1.5 1.5 0 0 0 4 9.5h.5"/></svg>')
+def _muted(text: str, title: str = "") -> str:
+    return f'<span class="muted" title="{title}">{text}</span>' if title else f'<span class="muted">{text}</span>'
+
+
+def _clip(tag: str, text: str, css: str = "clip", inner: str = "") -> str:
+    """``text`` ellipsized on one line, the whole of it in its tooltip."""
+    return f'<{tag} class="{css}" title="{_e(text)}">{inner or _e(text)}</{tag}>'
+
+
+COPY_ICON = (
+    '<svg viewBox="0 0 16 16" aria-hidden="true"><rect x="5.5" y="5.5" width="8" height="8" rx="1.5"/>'
+    '<path d="M10.5 3.5v-.5a1.5 1.5 0 0 0-1.5-1.5H4A1.5 1.5 0 0 0 2.5 3v5A1.5 1.5 0 0 0 4 9.5h.5"/></svg>'
+)
 
 
 def copyable(text: str, what: str, css: str) -> str:
-    """One identifier on one line: ellipsized, the whole of it in its
-    tooltip, with a button that copies it."""
-    return (f'<span class="ident"><code class="clip {css}" title="{_e(text)}">{_e(text)}</code>'
-            f'<button type="button" class="copy" data-copy="{_e(text)}" title="Copy {what}" '
-            f'aria-label="Copy {what}">{COPY_ICON}</button></span>')
+    """One identifier on one line, with a button that copies it."""
+    button = f'<button type="button" class="copy" data-copy="{_e(text)}" title="Copy {what}" aria-label="Copy {what}">'
+    return f'<span class="ident">{_clip("code", text, f"clip {css}")}{button}{COPY_ICON}</button></span>'
 
 
 def since(taken: Optional[int], now: int, css: str, prefix: str = "") -> str:
     if taken is None:
         return f'<span class="{css} unknown" title="not recorded">{_e(prefix)}?</span>'
-    return (f'<span class="{css}" data-taken="{taken}" data-prefix="{_e(prefix)}" title="taken {iso(taken)}">'
-            f"{_e(prefix)}{duration(now - taken)}</span>")
+    return (
+        f'<span class="{css}" data-taken="{taken}" data-prefix="{_e(prefix)}" title="taken {iso(taken)}">'
+        f"{_e(prefix)}{duration(now - taken)}</span>"
+    )
 
 
 def countdown(deadline: Optional[int], now: int) -> str:
     if deadline is None:
-        return '<span class="muted" title="no holder">\u2014</span>'
+        return _muted("\u2014", "no holder")
     left = deadline - now
     expired = " expired" if left <= 0 else ""
-    return (f'<span class="remaining{expired}" data-deadline="{deadline}" title="expires {iso(deadline)}">'
-            f"{remaining(left)}</span>")
+    return (
+        f'<span class="remaining{expired}" data-deadline="{deadline}" title="expires {iso(deadline)}">'
+        f"{remaining(left)}</span>"
+    )
 
 
 # The fragments ---------------------------------------------------------------
@@ -225,21 +222,23 @@ def countdown(deadline: Optional[int], now: int) -> str:
 
 def lock_args_html(args: Any) -> str:
     if args is None:
-        return '<span class="muted">not recorded</span>'
+        return _muted("not recorded")
     if isinstance(args, dict):
         entries = [(str(name), value) for name, value in args.items()]
     elif isinstance(args, list):
         entries = [(f"#{i + 1}", value) for i, value in enumerate(args)]
     else:
-        text = json.dumps(args)
-        return f'<code class="clip" title="{_e(text)}">{_e(text)}</code>'
+        return _clip("code", json.dumps(args))
     if not entries:
-        return '<span class="muted">none</span>'
-    items = []
-    for name, value in entries:
-        text = f"{name}: {json.dumps(value)}"
-        items.append(f'<li class="clip" title="{_e(text)}"><span class="name">{_e(name)}: </span>'
-                     f"<code>{_e(json.dumps(value))}</code></li>")
+        return _muted("none")
+    items = [
+        _clip(
+            "li",
+            f"{name}: {json.dumps(value)}",
+            inner=f'<span class="name">{_e(name)}: </span><code>{_e(json.dumps(value))}</code>',
+        )
+        for name, value in entries
+    ]
     return '<ul class="args">' + "".join(items) + "</ul>"
 
 
@@ -250,48 +249,45 @@ def holder_html(lock: Mapping[str, Any], holder: Mapping[str, Any], now: int) ->
     if _int(holder.get("taken_at")) is not None or lock.get("phase") == "queue":
         meta.append(since(_int(holder.get("taken_at")), now, "age", "age "))
     if holder.get("provisional"):
-        meta.append('<span class="badge provisional" title="lapses at its deadline unless its publish is '
-                    'confirmed">provisional</span>')
+        title = "lapses at its deadline unless its publish is confirmed"
+        meta.append(f'<span class="badge provisional" title="{title}">provisional</span>')
     if lock.get("current") is not None and lock.get("current") == message_id:
-        meta.append(f'<span class="badge current" title="the newest send, the one that runs">current, superseded '
-                    f'{_e(lock.get("superseded") or 0)}</span>')
-    place = place_of(holder)
-    if place:
+        superseded = _e(lock.get("superseded") or 0)
+        title = "the newest send, the one that runs"
+        meta.append(f'<span class="badge current" title="{title}">current, superseded {superseded}</span>')
+    place = holder.get("queue")
+    if isinstance(place, str) and place:
         meta.append(f'<span class="place clip" title="published to {_e(place)}">{_e(place)}</span>')
-    release = (f'<button type="button" class="action release-holder" data-owner="{_e(owner)}">'
-               "Release holder</button>")
-    return (f'<li class="holder" data-owner="{_e(owner)}">{copyable(message_id, "message id", "message-id")}'
-            f'<div class="meta">{"".join(meta)}</div><div class="holder-actions">{release}</div></li>')
+    release = f'<button type="button" class="action release-holder" data-owner="{_e(owner)}">Release holder</button>'
+    return (
+        f'<li class="holder" data-owner="{_e(owner)}">{copyable(message_id, "message id", "message-id")}'
+        f'<div class="meta">{"".join(meta)}</div><div class="holder-actions">{release}</div></li>'
+    )
 
 
 def waiting_html(lock: Mapping[str, Any], now: int) -> str:
     if lock.get("phase") != "run":
-        return '<span class="muted" title="only run locks have a waiting line">\u2014</span>'
-    waiters = waiting_of(lock)
-    if not waiters:
-        return '<span class="muted">none</span>'
+        return _muted("\u2014", "only run locks have a waiting line")
     items = []
-    for waiter in waiters:
-        message_id = str(waiter.get("message_id") or "")
-        sent = _int(waiter.get("since"))
-        waited = "" if sent is None else (
-            f'<span class="waited" data-since="{sent}" title="sent {iso(sent)}">{duration(now - sent)}</span>')
-        items.append(f'<li class="waiter" data-message-id="{_e(message_id)}">'
-                     f'{copyable(message_id, "message id", "message-id")}{waited}</li>')
-    return '<ul class="waiting">' + "".join(items) + "</ul>"
+    for waiter in _items(lock, "waiting"):
+        message_id, sent = str(waiter.get("message_id") or ""), _int(waiter.get("since"))
+        waited = "" if sent is None else f'<span class="waited" data-since="{sent}" title="sent {iso(sent)}">'
+        waited += "" if sent is None else f"{duration(now - sent)}</span>"
+        ident = copyable(message_id, "message id", "message-id")
+        items.append(f'<li class="waiter" data-message-id="{_e(message_id)}">{ident}{waited}</li>')
+    return '<ul class="waiting">' + "".join(items) + "</ul>" if items else _muted("none")
 
 
 def row_html(lock: Mapping[str, Any], now: int) -> str:
     key, digest, phase = (str(lock.get(name) or "") for name in ("key", "digest", "phase"))
     actor, kind = actor_of(lock), lock_type(lock)
-    holders = holders_of(lock)
+    holders = _items(lock, "holders")
     holders_list = "".join(holder_html(lock, holder, now) for holder in holders)
     count = f'<div class="count">{len(holders)} holders</div>' if len(holders) > 1 else ""
     return (
         f'<tr class="lock" data-key="{_e(key)}" data-digest="{_e(digest)}" data-phase="{_e(phase)}">'
-        f'<td class="c-actor"><div class="clip actor-name" title="{_e(actor)}">{_e(actor)}</div>'
-        f'{copyable(digest, "digest", "digest")}</td>'
-        f'<td class="c-lock type"><span class="clip lock-name" title="{_e(kind)}">{_e(kind)}</span>'
+        f'<td class="c-actor">{_clip("div", actor, "clip actor-name")}{copyable(digest, "digest", "digest")}</td>'
+        f'<td class="c-lock type">{_clip("span", kind, "clip lock-name")}'
         f'<span class="badge phase phase-{_e(phase)}">{_e(phase)}</span></td>'
         f'<td class="c-args args">{lock_args_html(lock.get("lock_args"))}</td>'
         f'<td class="c-age">{since(taken_at(lock), now, "lock-age")}</td>'
@@ -312,68 +308,73 @@ def rows_html(locks: Sequence[Mapping[str, Any]], now: int, filtered: bool) -> s
 
 def thead_html(query: Query) -> str:
     cells = []
-    for name, title in SORTS.items():
+    ascending = query.direction == "asc"
+    for name, (title, first) in SORTS.items():
         active = query.sort == name
-        direction = ("asc" if query.direction == "desc" else "desc") if active else FIRST_DIRECTION[name]
-        aria = f' aria-sort="{"ascending" if query.direction == "asc" else "descending"}"' if active else ""
-        arrow = ("\u25b2" if query.direction == "asc" else "\u25bc") if active else "\u2195"
+        direction = ("desc" if ascending else "asc") if active else first
+        aria = f' aria-sort="{"ascending" if ascending else "descending"}"' if active else ""
+        arrow = ("\u25b2" if ascending else "\u25bc") if active else "\u2195"
         cells.append(
             f'<th scope="col" class="c-{name}{" sorted" if active else ""}"{aria}>'
             f'<a class="sort" href="{_e(query.href(sort=name, dir=direction))}" data-sort="{name}" '
             f'data-dir="{direction}" title="Sort by {title.lower()}">{title}'
-            f'<span class="arrow" aria-hidden="true">{arrow}</span></a></th>')
+            f'<span class="arrow" aria-hidden="true">{arrow}</span></a></th>'
+        )
         if name == "lock":
             cells.append('<th scope="col" class="c-args">Lock args</th>')
     cells.append('<th scope="col" class="c-actions">Actions</th>')
     return "<tr>" + "".join(cells) + "</tr>"
 
 
-def _card(label: str, value: str, note: str = "", css: str = "") -> str:
+def _card(label: str, value: str, note: str = "") -> str:
     note_html = f'<div class="note">{note}</div>' if note else ""
-    return f'<div class="card {css}"><div class="label">{label}</div><div class="value">{value}</div>{note_html}</div>'
+    return f'<div class="card "><div class="label">{label}</div><div class="value">{value}</div>{note_html}</div>'
 
 
-def _breakdown(title: str, param: str, locks: Sequence[Mapping[str, Any]], name_of: Callable[..., str],
-               query: Query) -> str:
+def _breakdown(
+    title: str, param: str, locks: Sequence[Mapping[str, Any]], name_of: Callable[..., str], query: Query
+) -> str:
     """The locks and holders per ``name_of(lock)``; ``param`` is the
-    URL parameter that filters on it."""
+    URL parameter that filters on it.
+    """
     counts, holders = Counter[str](), Counter[str]()
     for lock in locks:
         counts[name_of(lock)] += 1
-        holders[name_of(lock)] += len(holders_of(lock))
+        holders[name_of(lock)] += len(_items(lock, "holders"))
     most = max(counts.values(), default=0)
     selected = query.actor if param == "actor" else query.lock_type
     rows = []
     for name, n in counts.most_common(TOP):
         # (the page's policy forbids inline styles: a class per tenth)
         tenth = round(10 * n / most) if most else 0
-        active = "active" if selected == name else ""
         rows.append(
-            f'<li class="{active}"><a class="facet clip" href="{_e(query.href(**{param: name}))}" '
-            f'data-param="{param}" data-value="{_e(name)}" title="Show only {_e(name)}">{_e(name)}</a>'
-            f'<span class="bar"><span class="fill w{tenth}"></span></span>'
-            f'<span class="n" title="locks">{n}</span>'
-            f'<span class="n muted" title="holders">{holders[name]}</span></li>')
+            f'<li class="{"active" if selected == name else ""}"><a class="facet clip" '
+            f'href="{_e(query.href(**{param: name}))}" data-param="{param}" data-value="{_e(name)}" '
+            f'title="Show only {_e(name)}">{_e(name)}</a><span class="bar"><span class="fill w{tenth}"></span></span>'
+            f'<span class="n" title="locks">{n}</span><span class="n muted" title="holders">{holders[name]}</span></li>'
+        )
     more = len(counts) - TOP
     more_html = f'<li class="more muted">and {_plural(more, "more")}</li>' if more > 0 else ""
     body = "".join(rows) + more_html if rows else '<li class="muted">none</li>'
-    return (f'<section class="panel" data-totals="{param}"><h2>{title}<span class="cols">'
-            f'<span>locks</span><span>holders</span></span></h2><ul class="breakdown">{body}</ul></section>')
+    return (
+        f'<section class="panel" data-totals="{param}"><h2>{title}<span class="cols">'
+        f'<span>locks</span><span>holders</span></span></h2><ul class="breakdown">{body}</ul></section>'
+    )
 
 
 def summary_html(locks: Sequence[Mapping[str, Any]], query: Query, now: int) -> str:
     """The totals of the listed (filtered) locks: cards, then per actor
-    and per lock type."""
-    holders = sum(len(holders_of(lock)) for lock in locks)
-    waiting = sum(len(waiting_of(lock)) for lock in locks)
+    and per lock type.
+    """
+    holders = sum(len(_items(lock, "holders")) for lock in locks)
+    waiting = sum(len(_items(lock, "waiting")) for lock in locks)
     runs = sum(1 for lock in locks if lock.get("phase") == "run")
-    unknown = sum(1 for lock in locks if taken_at(lock) is None)
-    oldest = min((lock for lock in locks if taken_at(lock) is not None), key=lambda lock: taken_at(lock) or 0,
-                 default=None)
+    dated = [lock for lock in locks if taken_at(lock) is not None]
+    oldest = min(dated, key=lambda lock: taken_at(lock) or 0, default=None)
     soonest = min((d for d in map(soonest_deadline, locks) if d is not None), default=None)
     oldest_note = _e(oldest.get("actor") or "") if oldest is not None else ""
-    if unknown:
-        oldest_note = " \u00b7 ".join(filter(None, [oldest_note, f"{unknown} not recorded"]))
+    if len(locks) > len(dated):
+        oldest_note = " \u00b7 ".join(filter(None, [oldest_note, f"{len(locks) - len(dated)} not recorded"]))
     cards = [
         _card("Locks", f'<span id="total-locks">{len(locks)}</span>', f"{runs} run \u00b7 {len(locks) - runs} queue"),
         _card("Holders", f'<span id="total-holders">{holders}</span>'),
@@ -383,27 +384,30 @@ def summary_html(locks: Sequence[Mapping[str, Any]], query: Query, now: int) -> 
     ]
     return (
         f'<div class="cards">{"".join(cards)}</div><div class="panels">'
-        f'{_breakdown("Per actor", "actor", locks, actor_of, query)}'
-        f'{_breakdown("Per lock type", "type", locks, lock_type, query)}</div>'
+        f"{_breakdown('Per actor', 'actor', locks, actor_of, query)}"
+        f"{_breakdown('Per lock type', 'type', locks, lock_type, query)}</div>"
     )
 
 
 def options_html(values: Iterable[str], selected: str, everything: str) -> str:
     names = sorted(set(values) | ({selected} if selected else set()))
     options = [f'<option value=""{"" if selected else " selected"}>{everything}</option>']
-    options.extend(f'<option value="{_e(name)}"{" selected" if name == selected else ""}>{_e(name)}</option>'
-                   for name in names)
+    options.extend(
+        f'<option value="{_e(name)}"{" selected" if name == selected else ""}>{_e(name)}</option>' for name in names
+    )
     return "".join(options)
 
 
-def status_html(shown: int, query: Query, prefix: str, truncated: bool, limit: int) -> str:
-    sort = f"sorted by {SORTS[query.sort].lower()}, {'ascending' if query.direction == 'asc' else 'descending'}"
-    cut = f" (the first {limit}: narrow the filters to see the rest)" if truncated else ""
-    return f"{_plural(shown, 'lock')}{cut} under prefix <code>{_e(prefix)}</code>, {sort}."
-
-
-def fragments(locks: Sequence[Mapping[str, Any]], seen: Sequence[Mapping[str, Any]], query: Query, *, now: int,
-              prefix: str, truncated: bool, limit: int) -> dict[str, str]:
+def fragments(
+    locks: Sequence[Mapping[str, Any]],
+    seen: Sequence[Mapping[str, Any]],
+    query: Query,
+    *,
+    now: int,
+    prefix: str,
+    truncated: bool,
+    limit: int,
+) -> dict[str, str]:
     """Every part of the page that changes with the data or the query.
 
     Parameters:
@@ -411,11 +415,13 @@ def fragments(locks: Sequence[Mapping[str, Any]], seen: Sequence[Mapping[str, An
       seen: Every lock the scan found, for the filters' choices.
     """
     filtered = bool(query.actor or query.lock_type or query.text or query.pattern)
+    order = f"sorted by {SORTS[query.sort][0].lower()}, {'ascending' if query.direction == 'asc' else 'descending'}"
+    cut = f" (the first {limit}: narrow the filters to see the rest)" if truncated else ""
     return {
         "summary": summary_html(locks, query, now),
         "thead": thead_html(query),
         "rows": rows_html(locks, now, filtered),
-        "status": status_html(len(locks), query, prefix, truncated, limit),
+        "status": f"{_plural(len(locks), 'lock')}{cut} under prefix <code>{_e(prefix)}</code>, {order}.",
         "actors": options_html(map(actor_of, seen), query.actor, "All actors"),
         "types": options_html((lock_type(lock) for lock in seen), query.lock_type, "All lock types"),
         "refreshed": clock(now),
@@ -424,16 +430,8 @@ def fragments(locks: Sequence[Mapping[str, Any]], seen: Sequence[Mapping[str, An
 
 def page_html(template: str, parts: Mapping[str, str], query: Query, now: int, *, error: str = "") -> str:
     """The page with the fragments and the query's values in place."""
-    values = {
-        "now": str(now),
-        "error": _e(error),
-        "error_hidden": "" if error else " hidden",
-        "q": _e(query.text),
-        "pattern": _e(query.pattern),
-        "sort": _e(query.sort),
-        "dir": _e(query.direction),
-        **parts,
-    }
+    values = {"now": str(now), "error": _e(error), "error_hidden": "" if error else " hidden", "q": _e(query.text)}
+    values.update(pattern=_e(query.pattern), sort=_e(query.sort), dir=_e(query.direction), **parts)
     for name, value in values.items():
         template = template.replace("{{" + name + "}}", value)
     return template

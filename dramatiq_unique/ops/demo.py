@@ -114,11 +114,16 @@ def _print_timeline(runs: list[Run], unique: UniqueMiddleware, waiters: set[str]
         label = f"account {r.account}" + (f" #{r.nth}" if r.account == 42 else "")
         print(f"{label:16}|{bar:{width}}| {r.start:5.2f}-{r.end:5.2f} s", file=out)
     rescheduled, waited = unique.events.count("rescheduled"), len(waiters)
-    print(f"{len(runs)} syncs ran once each; {waited} syncs of account 42 waited for its lock, rescheduled "
-          f"{rescheduled} times in all", file=out)
-    print("(each waiting sync is handed the lock when the one before it ends, and its delayed copy,\n"
-          f" {RESCHEDULE_DELAY / 1000:.0f} s later, is rescheduled again if it comes while the lock is held).",
-          file=out)
+    print(
+        f"{len(runs)} syncs ran once each; {waited} syncs of account 42 waited for its lock, rescheduled "
+        f"{rescheduled} times in all",
+        file=out,
+    )
+    print(
+        "(each waiting sync is handed the lock when the one before it ends, and its delayed copy,\n"
+        f" {RESCHEDULE_DELAY / 1000:.0f} s later, is rescheduled again if it comes while the lock is held).",
+        file=out,
+    )
     print(f"Account 42 ran one sync at a time: {'yes' if not overlaps(runs, 42) else 'NO'}.", file=out)
     print(f"Accounts 43 and 44 ran alongside 42: {'yes' if _alongside(runs) else 'no'}.", file=out)
 
