@@ -15,7 +15,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, Callable, Collection, Iterable, Mapping, Optional
+from typing import Any, Callable, Collection, Iterable, Mapping, Optional, Sequence
 from urllib.parse import parse_qs
 
 from ..backends.base import LockBackend
@@ -74,15 +74,15 @@ class Response:
 class HTTPError(Exception):
     """Ends a request with ``status`` and a JSON error message."""
 
-    def __init__(self, status: str, message: str, headers: Optional[list[tuple[str, str]]] = None) -> None:
+    def __init__(self, status: str, message: str, headers: Sequence[tuple[str, str]] = ()) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
-        self.headers = headers or []
+        self.headers = list(headers)
 
 
-def _json(status: str, data: Any, headers: Optional[list[tuple[str, str]]] = None) -> Response:
-    return Response(status, "application/json", json.dumps(data).encode(), headers or [])
+def _json(status: str, data: Any, headers: Sequence[tuple[str, str]] = ()) -> Response:
+    return Response(status, "application/json", json.dumps(data).encode(), list(headers))
 
 
 def _now_ms() -> int:
@@ -143,7 +143,7 @@ class Dashboard:
 
     def _route(self, environ: Mapping[str, Any]) -> Response:
         path = environ.get("PATH_INFO", "")
-        query = parse_qs(environ.get("QUERY_STRING", ""))
+        query = view.Query.parse(parse_qs(environ.get("QUERY_STRING", "")))
         if path == "":
             # Mounted at /locks, the page's relative URLs need /locks/.
             location = environ.get("SCRIPT_NAME", "") + "/"
@@ -161,9 +161,9 @@ class Dashboard:
         if path in FAVICON_PATHS:
             return Response("200 OK", "image/svg+xml", FAVICON, [("Cache-Control", "max-age=86400")])
         if path == "/api/locks":
-            return self._locks(view.Query.parse(query))
+            return self._locks(query)
         if path == "/api/view":
-            return _json("200 OK", self._view(view.Query.parse(query)))
+            return _json("200 OK", self._view(query))
         locks = self.admin.inspect(path[len("/api/locks/") :])
         return _json("200 OK", {"now": _now_ms(), "locks": [lock.as_dict() for lock in locks]})
 
@@ -171,7 +171,7 @@ class Dashboard:
         """(the listed locks, filtered and sorted; every lock the scan
         found; whether the listing was cut at the limit; now)."""
         seen: list[dict[str, Any]] = []
-        listed: list[dict[str, Any]] = []
+        listed = []
         for lock in self.admin.locks(actor=query.actor or None, pattern=query.pattern or None):
             data = lock.as_dict()
             seen.append(data)
@@ -193,8 +193,7 @@ class Dashboard:
         )
         return {"now": now, "count": len(locks), "truncated": truncated, "html": parts}
 
-    def _page(self, query: Mapping[str, list[str]]) -> Response:
-        parsed = view.Query.parse(query)
+    def _page(self, parsed: view.Query) -> Response:
         try:
             data, error = self._view(parsed), ""
         except LockBackendError as e:
@@ -258,20 +257,8 @@ def make_app(
     allowed_hosts: Optional[Collection[str]] = None,
     limit: int = DEFAULT_LIMIT,
 ) -> Dashboard:
-    """Build the dashboard for the locks of ``backend`` under ``prefix``.
-
-    Parameters:
-      backend(LockBackend): Where the locks live.
-      prefix(str): The prefix the middleware was given.
-      allowed_hosts(Collection[str]): Host names the ``Host`` header may
-        carry, or None for any.
-      limit(int): How many locks one listing shows at most.
-
-    Returns:
-      Dashboard: a WSGI application.
-
-    Warning:
-      The dashboard has no authentication of its own.  Mount it behind
-      your own, e.g. a reverse proxy or your web framework's admin.
+    """Build the :class:`Dashboard` (a WSGI application, with no
+    authentication of its own: mount it behind yours) for the locks of
+    ``backend`` under ``prefix``, the prefix the middleware was given.
     """
     return Dashboard(LockAdmin(backend, prefix=prefix), allowed_hosts=allowed_hosts, limit=limit)

@@ -130,8 +130,8 @@ def _locks(args: argparse.Namespace) -> int:
 
 
 def _print_lock(lock: "Lock") -> None:
-    fields = [("key", lock.key), ("actor", lock.actor), ("digest", lock.digest), ("phase", lock.phase)]
-    fields += [("lock", lock.lock or "?"), ("fence", lock.fence)]
+    fields: list[tuple[str, Any]] = [("key", lock.key), ("actor", lock.actor), ("digest", lock.digest)]
+    fields += [("phase", lock.phase), ("lock", lock.lock or "?"), ("fence", lock.fence)]
     fields.append(("lock args", lock.lock_args if lock.lock_args is not None else "(not recorded)"))
     if lock.current is not None:
         fields.append(("current", f"{lock.current}  (superseded {lock.superseded})"))

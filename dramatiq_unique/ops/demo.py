@@ -47,8 +47,7 @@ def _broker(redis_url: Optional[str], url: Optional[str] = None) -> tuple[dramat
         from dramatiq.brokers.redis import RedisBroker
 
         broker = RedisBroker(url=redis_url, namespace="dramatiq-unique-demo")
-    locks = url or redis_url
-    backend = from_url(locks) if locks is not None else None
+    backend = from_url(url or redis_url) if (url or redis_url) is not None else None
     if backend is not None:
         backend.delete_prefix("dramatiq-unique-demo:")  # what an interrupted run left
     unique = UniqueMiddleware(backend=backend, prefix="dramatiq-unique-demo", reschedule_delay=RESCHEDULE_DELAY)
@@ -85,7 +84,11 @@ def run(redis_url: Optional[str] = None, out: Any = None, *, url: Optional[str] 
     try:
         for account in ACCOUNTS:
             sync_account_balance.send(account, time.time())
-        _wait_for(lambda: len(runs) == len(ACCOUNTS), timeout=60)
+        deadline = time.monotonic() + 60
+        while len(runs) < len(ACCOUNTS):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the demo's syncs did not all finish in time")
+            time.sleep(0.02)
     finally:
         worker.stop()
         broker.close()
@@ -93,39 +96,24 @@ def run(redis_url: Optional[str] = None, out: Any = None, *, url: Optional[str] 
     return runs
 
 
-def _wait_for(condition: Any, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the demo's syncs did not all finish in time")
-        time.sleep(0.02)
-
-
 def _print_timeline(runs: list[Run], unique: UniqueMiddleware, waiters: set[str], out: Any) -> None:
-    width = 48
-    total = max(r.end for r in runs)
+    width, total = 48, max(r.end for r in runs)
     scale = width / total
-    print(
-        f"sync_account_balance: lock=while_executing, on_conflict=reschedule, {SYNC_SECONDS:.1f} s per sync", file=out
-    )
-    print(f"{'':16}0 s{'':{width - 6}}{total:4.1f} s", file=out)
+    lines = [f"sync_account_balance: lock=while_executing, on_conflict=reschedule, {SYNC_SECONDS:.1f} s per sync"]
+    lines.append(f"{'':16}0 s{'':{width - 6}}{total:4.1f} s")
     for r in sorted(runs, key=lambda r: (r.account, r.start)):
         bar = " " * int(r.start * scale) + "#" * max(1, int((r.end - r.start) * scale))
         label = f"account {r.account}" + (f" #{r.nth}" if r.account == 42 else "")
-        print(f"{label:16}|{bar:{width}}| {r.start:5.2f}-{r.end:5.2f} s", file=out)
-    rescheduled, waited = unique.events.count("rescheduled"), len(waiters)
-    print(
-        f"{len(runs)} syncs ran once each; {waited} syncs of account 42 waited for its lock, rescheduled "
-        f"{rescheduled} times in all",
-        file=out,
+        lines.append(f"{label:16}|{bar:{width}}| {r.start:5.2f}-{r.end:5.2f} s")
+    waited = f"{len(waiters)} syncs of account 42 waited for its lock"
+    lines.append(
+        f"{len(runs)} syncs ran once each; {waited}, rescheduled {unique.events.count('rescheduled')} times in all"
     )
-    print(
-        "(each waiting sync is handed the lock when the one before it ends, and its delayed copy,\n"
-        f" {RESCHEDULE_DELAY / 1000:.0f} s later, is rescheduled again if it comes while the lock is held).",
-        file=out,
-    )
-    print(f"Account 42 ran one sync at a time: {'yes' if not overlaps(runs, 42) else 'NO'}.", file=out)
-    print(f"Accounts 43 and 44 ran alongside 42: {'yes' if _alongside(runs) else 'no'}.", file=out)
+    lines.append("(each waiting sync is handed the lock when the one before it ends, and its delayed copy,")
+    lines.append(f" {RESCHEDULE_DELAY / 1000:.0f} s later, is rescheduled again if it comes while the lock is held).")
+    lines.append(f"Account 42 ran one sync at a time: {'yes' if not overlaps(runs, 42) else 'NO'}.")
+    lines.append(f"Accounts 43 and 44 ran alongside 42: {'yes' if _alongside(runs) else 'no'}.")
+    print("\n".join(lines), file=out)
 
 
 def overlaps(runs: list[Run], account: int) -> list[tuple[Run, Run]]:
