@@ -47,7 +47,8 @@ def _broker(redis_url: Optional[str], url: Optional[str] = None) -> tuple[dramat
         from dramatiq.brokers.redis import RedisBroker
 
         broker = RedisBroker(url=redis_url, namespace="dramatiq-unique-demo")
-    backend = from_url(url or redis_url) if (url or redis_url) is not None else None
+    locks = url or redis_url
+    backend = from_url(locks) if locks is not None else None
     if backend is not None:
         backend.delete_prefix("dramatiq-unique-demo:")  # what an interrupted run left
     unique = UniqueMiddleware(backend=backend, prefix="dramatiq-unique-demo", reschedule_delay=RESCHEDULE_DELAY)
