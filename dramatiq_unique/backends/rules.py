@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time as mod_time
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from ..model.wire import split_owner
 from .base import glob_pattern
@@ -100,7 +100,14 @@ class LockRules(Reschedules, NewestWins):
             return None
         return entry
 
-    def acquire(
+    def acquire(self, key: str, owner: str, *, copy: Optional[Copy] = None, **take: Any) -> Acquisition:
+        with self._mutex:
+            verdict = self._claim(copy, write=False) if copy is not None else None
+            if verdict is not None:
+                return Acquisition(False, refused=verdict)
+            return self._take(key, owner, **take)
+
+    def _take(
         self,
         key: str,
         owner: str,
@@ -109,27 +116,6 @@ class LockRules(Reschedules, NewestWins):
         limit: int = 1,
         lock: str = "",
         lock_args: Optional[str] = None,
-        provisional: int = 0,
-        where: Optional[str] = None,
-        copy: Optional[Copy] = None,
-    ) -> Acquisition:
-        with self._mutex:
-            verdict = self._claim(copy, write=False) if copy is not None else None
-            if verdict is not None:
-                return Acquisition(False, refused=verdict)
-            return self._take(
-                key, owner, ttl=ttl, limit=limit, lock=lock, lock_args=lock_args, provisional=provisional, where=where
-            )
-
-    def _take(
-        self,
-        key: str,
-        owner: str,
-        *,
-        ttl: int,
-        limit: int,
-        lock: str,
-        lock_args: Optional[str],
         provisional: int = 0,
         where: Optional[str] = None,
         ahead: Optional[Callable[[Entry], bool]] = None,
