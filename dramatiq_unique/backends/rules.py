@@ -164,13 +164,11 @@ class LockRules(Reschedules, NewestWins):
         key: str,
         owner: str,
         *,
-        ttl: int,
-        limit: int,
-        lock: str,
         copy: Copy,
         queue_key: Optional[str] = None,
         order: Optional[int] = None,
         reserve: int = DEFAULT_RESERVE,
+        **take: Any,
     ) -> Start:
         with self._mutex:
             record = self._live_record(copy)
@@ -187,7 +185,7 @@ class LockRules(Reschedules, NewestWins):
                     handed.append(promoted)
                 return promoted is not None
 
-            got = self._take(key, owner, ttl=ttl, limit=limit, lock=lock, lock_args=copy.lock_args, ahead=ahead)
+            got = self._take(key, owner, lock_args=copy.lock_args, ahead=ahead, **take)
             promoted = handed[0][1] if handed else None
             if handed:  # as start.lua: the waiter it went to holds it
                 got = got._replace(holder=handed[0][0])

@@ -68,6 +68,7 @@ DEFAULT_SWEEP_BATCH = 500
 #: How many batches one sweep deletes at most.
 DEFAULT_SWEEP_BATCHES = 20
 
+
 def _without_password(url: str) -> str:
     try:
         params = conninfo_to_dict(url)
@@ -299,8 +300,13 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
             if self.pool is not None and self._pool_pid == pid():
                 return
             self.pool = psycopg_pool.ConnectionPool(
-                self.conninfo, min_size=1, max_size=self._max_size, kwargs=self._kwargs, timeout=self.timeout,
-                open=False, name="dramatiq-unique",
+                self.conninfo,
+                min_size=1,
+                max_size=self._max_size,
+                kwargs=self._kwargs,
+                timeout=self.timeout,
+                open=False,
+                name="dramatiq-unique",
             )
             self.pool.open(wait=False)
             self._pool_pid = pid()
@@ -430,9 +436,7 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
         """
         from .native import NativeExtender
 
-        return NativeExtender(
-            self.conninfo, statement_timeout=self.statement_timeout, fence_memory=self.fence_memory
-        )
+        return NativeExtender(self.conninfo, statement_timeout=self.statement_timeout, fence_memory=self.fence_memory)
 
     # Operators' reads --------------------------------------------------
 
