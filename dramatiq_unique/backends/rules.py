@@ -24,11 +24,13 @@ from .records import (
     Acquisition,
     Copy,
     CopyVerdict,
+    CurrentArgs,
     CurrentCheck,
     CurrentStatus,
     EnqueueRecord,
     LockInfo,
     Release,
+    ReplaceArgs,
     Replacement,
     ReplaceStatus,
     Start,
@@ -365,20 +367,8 @@ class LockRules(Reschedules, NewestWins):
             return None
         return record.by.get(owner) if record is not None else None
 
-    def replace(
-        self,
-        key: str,
-        owner: str,
-        *,
-        ttl: int,
-        lock: str = "",
-        lock_args: Optional[str] = None,
-        keep_started: bool = False,
-        debounce: int = 0,
-        debounce_max: int = 0,
-        superseded_ttl: int,
-        where: str = "",
-    ) -> Replacement:
+    def _replace(self, call: ReplaceArgs) -> Replacement:
+        key, owner, ttl, lock, lock_args, keep_started, debounce, debounce_max, superseded_ttl, where = call
         with self._mutex:
             now = self._now_ms()
             entry = self._live(key, now)
@@ -422,17 +412,8 @@ class LockRules(Reschedules, NewestWins):
             entry.taken(lock, lock_args)
             return Replacement(status, current, delay, self._fence(entry))
 
-    def current(
-        self,
-        key: str,
-        owner: str,
-        *,
-        reenter: bool = False,
-        ttl: int = 0,
-        lock: str = "",
-        copy: Optional[Copy] = None,
-        where: Optional[str] = None,
-    ) -> CurrentCheck:
+    def _current(self, call: CurrentArgs) -> CurrentCheck:
+        key, owner, reenter, ttl, lock, copy, where = call
         with self._mutex:
             now = self._now_ms()
             by = self._superseded_by(key, owner, now)
