@@ -135,3 +135,19 @@ def test_a_failing_connection_shows_no_password(secret_url: str) -> None:
         assert result.returncode != 0
         assert "Traceback" not in result.stderr
         assert PASSWORD not in result.stdout + result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["redis://localhost:6379/0?password=s3cret", "redis://user:s3cret@localhost:6379/0"],
+)
+def test_redis_backend_describe_hides_the_password(url: str) -> None:
+    from dramatiq_unique.backends.redis import RedisBackend
+
+    backend = RedisBackend(url=url)
+    try:
+        assert "s3cret" not in backend.describe()
+        assert "s3cret" not in repr(backend)
+        assert "***" in backend.describe()
+    finally:
+        backend.close()

@@ -317,14 +317,9 @@ class PrefixLocks:
     def locks(
         self, *, actor: Optional[str] = None, pattern: Optional[str] = None, phase: Optional[str] = None
     ) -> Iterator[ListedLock]:
-        """Iterate over the live locks, in ``SCAN`` order, each once.
-
-        Parameters:
-          actor(str): Only the locks of this actor; ``@any`` for the
-            locks of actors with ``unique_across_actors``.
-          pattern(str): Only the keys matching this glob (see
-            :func:`glob_pattern`), matched against the whole key.
-          phase(str): Only the ``queue`` (enqueue) or ``run`` locks.
+        """Iterate over the live locks, in ``SCAN`` order, each once,
+        filtered as :meth:`~dramatiq_unique.ops.admin.LockAdmin.locks`
+        says (``pattern`` is read by :func:`glob_pattern`).
         """
         scope = actor_scope(actor) if actor is not None else None
         glob = pattern or lock_key_glob(prefix=self.prefix, scope=scope, phase=phase)

@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Optional, Protocol, Sequence, TypeVar, Union
 
 from ..errors import ConfigurationError
 from .base import LockBackend
-from .records import Acquisition, Copy, CurrentCheck, Release, Replacement, Start
+from .records import Acquisition, Copy, CurrentArgs, CurrentCheck, Release, ReplaceArgs, Replacement, Start
 
 
 class MissingCapability(ConfigurationError):
@@ -124,7 +124,6 @@ class NewestWins(Capability):
 
     capability = "newest wins (replace, current, unreplace)"
 
-    @abc.abstractmethod
     def replace(
         self,
         key: str,
@@ -154,8 +153,13 @@ class NewestWins(Capability):
           where(str): Where the message is being published, kept in the
             owner's :class:`EnqueueRecord` (with when it was taken).
         """
+        args = (key, owner, ttl, lock, lock_args, keep_started, debounce, debounce_max, superseded_ttl, where)
+        return self._replace(ReplaceArgs(*args))
 
     @abc.abstractmethod
+    def _replace(self, call: ReplaceArgs) -> Replacement:
+        """:meth:`replace`, its arguments in one tuple."""
+
     def current(
         self,
         key: str,
@@ -180,6 +184,11 @@ class NewestWins(Capability):
           CurrentCheck: what was found, and the message it names (see
           :class:`CurrentStatus`).
         """
+        return self._current(CurrentArgs(key, owner, reenter, ttl, lock, copy, where))
+
+    @abc.abstractmethod
+    def _current(self, call: CurrentArgs) -> CurrentCheck:
+        """:meth:`current`, its arguments in one tuple."""
 
     @abc.abstractmethod
     def unreplace(self, key: str, owner: str) -> Optional[str]:

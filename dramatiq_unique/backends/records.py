@@ -253,6 +253,33 @@ class Releasing(NamedTuple):
     reserve: int = DEFAULT_RESERVE
 
 
+class ReplaceArgs(NamedTuple):
+    """The arguments of :meth:`~.capabilities.NewestWins.replace`, in order."""
+
+    key: str
+    owner: str
+    ttl: int
+    lock: str
+    lock_args: Optional[str]
+    keep_started: bool
+    debounce: int
+    debounce_max: int
+    superseded_ttl: int
+    where: str
+
+
+class CurrentArgs(NamedTuple):
+    """The arguments of :meth:`~.capabilities.NewestWins.current`, in order."""
+
+    key: str
+    owner: str
+    reenter: bool
+    ttl: int
+    lock: str
+    copy: Optional[Copy]
+    where: Optional[str]
+
+
 class Waiter(NamedTuple):
     """A message waiting for a run lock, to be handed the key when a
     holder releases it (see :meth:`Reschedules.join_line`).

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time as mod_time
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from ..model.wire import split_owner
 from .base import glob_pattern
@@ -24,11 +24,13 @@ from .records import (
     Acquisition,
     Copy,
     CopyVerdict,
+    CurrentArgs,
     CurrentCheck,
     CurrentStatus,
     EnqueueRecord,
     LockInfo,
     Release,
+    ReplaceArgs,
     Replacement,
     ReplaceStatus,
     Start,
@@ -100,7 +102,14 @@ class LockRules(Reschedules, NewestWins):
             return None
         return entry
 
-    def acquire(
+    def acquire(self, key: str, owner: str, *, copy: Optional[Copy] = None, **take: Any) -> Acquisition:
+        with self._mutex:
+            verdict = self._claim(copy, write=False) if copy is not None else None
+            if verdict is not None:
+                return Acquisition(False, refused=verdict)
+            return self._take(key, owner, **take)
+
+    def _take(
         self,
         key: str,
         owner: str,
@@ -109,27 +118,6 @@ class LockRules(Reschedules, NewestWins):
         limit: int = 1,
         lock: str = "",
         lock_args: Optional[str] = None,
-        provisional: int = 0,
-        where: Optional[str] = None,
-        copy: Optional[Copy] = None,
-    ) -> Acquisition:
-        with self._mutex:
-            verdict = self._claim(copy, write=False) if copy is not None else None
-            if verdict is not None:
-                return Acquisition(False, refused=verdict)
-            return self._take(
-                key, owner, ttl=ttl, limit=limit, lock=lock, lock_args=lock_args, provisional=provisional, where=where
-            )
-
-    def _take(
-        self,
-        key: str,
-        owner: str,
-        *,
-        ttl: int,
-        limit: int,
-        lock: str,
-        lock_args: Optional[str],
         provisional: int = 0,
         where: Optional[str] = None,
         ahead: Optional[Callable[[Entry], bool]] = None,
@@ -178,13 +166,11 @@ class LockRules(Reschedules, NewestWins):
         key: str,
         owner: str,
         *,
-        ttl: int,
-        limit: int,
-        lock: str,
         copy: Copy,
         queue_key: Optional[str] = None,
         order: Optional[int] = None,
         reserve: int = DEFAULT_RESERVE,
+        **take: Any,
     ) -> Start:
         with self._mutex:
             record = self._live_record(copy)
@@ -201,7 +187,7 @@ class LockRules(Reschedules, NewestWins):
                     handed.append(promoted)
                 return promoted is not None
 
-            got = self._take(key, owner, ttl=ttl, limit=limit, lock=lock, lock_args=copy.lock_args, ahead=ahead)
+            got = self._take(key, owner, lock_args=copy.lock_args, ahead=ahead, **take)
             promoted = handed[0][1] if handed else None
             if handed:  # as start.lua: the waiter it went to holds it
                 got = got._replace(holder=handed[0][0])
@@ -381,20 +367,8 @@ class LockRules(Reschedules, NewestWins):
             return None
         return record.by.get(owner) if record is not None else None
 
-    def replace(
-        self,
-        key: str,
-        owner: str,
-        *,
-        ttl: int,
-        lock: str = "",
-        lock_args: Optional[str] = None,
-        keep_started: bool = False,
-        debounce: int = 0,
-        debounce_max: int = 0,
-        superseded_ttl: int,
-        where: str = "",
-    ) -> Replacement:
+    def _replace(self, call: ReplaceArgs) -> Replacement:
+        key, owner, ttl, lock, lock_args, keep_started, debounce, debounce_max, superseded_ttl, where = call
         with self._mutex:
             now = self._now_ms()
             entry = self._live(key, now)
@@ -438,17 +412,8 @@ class LockRules(Reschedules, NewestWins):
             entry.taken(lock, lock_args)
             return Replacement(status, current, delay, self._fence(entry))
 
-    def current(
-        self,
-        key: str,
-        owner: str,
-        *,
-        reenter: bool = False,
-        ttl: int = 0,
-        lock: str = "",
-        copy: Optional[Copy] = None,
-        where: Optional[str] = None,
-    ) -> CurrentCheck:
+    def _current(self, call: CurrentArgs) -> CurrentCheck:
+        key, owner, reenter, ttl, lock, copy, where = call
         with self._mutex:
             now = self._now_ms()
             by = self._superseded_by(key, owner, now)

@@ -68,6 +68,7 @@ DEFAULT_SWEEP_BATCH = 500
 #: How many batches one sweep deletes at most.
 DEFAULT_SWEEP_BATCHES = 20
 
+
 def _without_password(url: str) -> str:
     try:
         params = conninfo_to_dict(url)
@@ -299,8 +300,13 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
             if self.pool is not None and self._pool_pid == pid():
                 return
             self.pool = psycopg_pool.ConnectionPool(
-                self.conninfo, min_size=1, max_size=self._max_size, kwargs=self._kwargs, timeout=self.timeout,
-                open=False, name="dramatiq-unique",
+                self.conninfo,
+                min_size=1,
+                max_size=self._max_size,
+                kwargs=self._kwargs,
+                timeout=self.timeout,
+                open=False,
+                name="dramatiq-unique",
             )
             self.pool.open(wait=False)
             self._pool_pid = pid()
@@ -387,8 +393,8 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
     release = _in_transaction("release", _key)
     join_line = _in_transaction("join_line", _copy_key)
     claim = _in_transaction("claim", _copy_key)
-    replace = _in_transaction("replace", _key)
-    current = _in_transaction("current", _key_and_copy)
+    _replace = _in_transaction("_replace", lambda call: [call.key])
+    _current = _in_transaction("_current", lambda call: _key_and_copy(call.key, copy=call.copy))
     unreplace = _in_transaction("unreplace", _key)
     reap = _in_transaction("reap", _key)
     delete = _in_transaction("delete", _key)
@@ -430,9 +436,7 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
         """
         from .native import NativeExtender
 
-        return NativeExtender(
-            self.conninfo, statement_timeout=self.statement_timeout, fence_memory=self.fence_memory
-        )
+        return NativeExtender(self.conninfo, statement_timeout=self.statement_timeout, fence_memory=self.fence_memory)
 
     # Operators' reads --------------------------------------------------
 

@@ -82,8 +82,10 @@ class NativeExtender:
         if result.status not in (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK):
             raise _error(result.error_message or b"")
         return [
-            tuple(None if value is None else bytes(value).decode() for value in (
-                result.get_value(row, column) for column in range(result.nfields)))
+            tuple(
+                None if value is None else bytes(value).decode()
+                for value in (result.get_value(row, column) for column in range(result.nfields))
+            )
             for row in range(result.ntuples)
         ]
 

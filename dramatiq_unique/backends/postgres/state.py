@@ -136,8 +136,10 @@ def _layout(cls: Any) -> tuple[tuple[str, Any, Codec, Codec], ...]:
     when it has none), its encoder and its decoder.
     """
     hints = _hints(cls)
-    return tuple((field.name, _default(field), _encoder(hints[field.name]), _decoder(hints[field.name]))
-                 for field in dataclasses.fields(cls))
+    return tuple(
+        (field.name, _default(field), _encoder(hints[field.name]), _decoder(hints[field.name]))
+        for field in dataclasses.fields(cls)
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -158,8 +160,9 @@ def encode_dataclass(value: Any) -> dict[str, Any]:
 def decode_dataclass(data: dict[str, Any], cls: Any) -> Any:
     """The instance of dataclass ``cls`` that :func:`encode_dataclass` wrote."""
     decoders = _decoders(cls)
-    return cls(**{name: None if item is None else decoders[name](item)
-                  for name, item in data.items() if name in decoders})
+    return cls(
+        **{name: None if item is None else decoders[name](item) for name, item in data.items() if name in decoders}
+    )
 
 
 class Dumped(NamedTuple):
@@ -184,8 +187,9 @@ def last_fence(state: dict[str, Any]) -> int:
 def load(rules: LockRules, key: str, state: dict[str, Any]) -> None:
     """Put a row's ``state`` of ``key`` into ``rules``."""
     hints = _hints(KeyState)
-    parts = {part: decode_dataclass(state[part], _dataclass_of(hints[part])) if part in state else None
-             for part in _PARTS}
+    parts = {
+        part: decode_dataclass(state[part], _dataclass_of(hints[part])) if part in state else None for part in _PARTS
+    }
     record = _dataclass_of(hints["records"])
     records = {message_id: decode_dataclass(data, record) for message_id, data in state.get("records", {}).items()}
     rules.load_key_state(key, KeyState(**parts, records=records, last_fence=last_fence(state)))

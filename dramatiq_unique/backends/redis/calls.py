@@ -569,4 +569,3 @@ class ScriptCalls(Interruptible):
         if trailer is not None:
             replies[-1] = again[-1]
         return replies
-

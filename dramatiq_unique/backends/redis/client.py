@@ -41,11 +41,13 @@ from ..records import (
     Acquisition,
     Copy,
     CopyVerdict,
+    CurrentArgs,
     CurrentCheck,
     CurrentStatus,
     EnqueueRecord,
     Release,
     Releasing,
+    ReplaceArgs,
     ReplaceStatus,
     Replacement,
     Start,
@@ -500,20 +502,8 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
     def reap(self, key: str, owner: str, record: EnqueueRecord) -> bool:
         return bool(self._call("reap", [key], [owner, record.encode()]))
 
-    def replace(
-        self,
-        key: str,
-        owner: str,
-        *,
-        ttl: int,
-        lock: str = "",
-        lock_args: Optional[str] = None,
-        keep_started: bool = False,
-        debounce: int = 0,
-        debounce_max: int = 0,
-        superseded_ttl: int,
-        where: str = "",
-    ) -> Replacement:
+    def _replace(self, call: ReplaceArgs) -> Replacement:
+        key, owner, ttl, lock, lock_args, keep_started, debounce, debounce_max, superseded_ttl, where = call
         (status, other, fence, delay), acked = self._take(
             "replace",
             [key, wire.superseded_key(key)],
@@ -535,17 +525,8 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
             return release
         return lambda: (self.unreplace(key, owner), release())
 
-    def current(
-        self,
-        key: str,
-        owner: str,
-        *,
-        reenter: bool = False,
-        ttl: int = 0,
-        lock: str = "",
-        copy: Optional[Copy] = None,
-        where: Optional[str] = None,
-    ) -> CurrentCheck:
+    def _current(self, call: CurrentArgs) -> CurrentCheck:
+        key, owner, reenter, ttl, lock, copy, where = call
         keys: list[str] = [key, wire.superseded_key(key)]
         args: list[Any] = [owner, "reenter" if reenter else "start", ttl, lock]
         if reenter and copy is not None:

@@ -6,20 +6,12 @@ none of them on a job's path.
 from __future__ import annotations
 
 from typing import Any, Iterator, Optional
-from urllib.parse import urlsplit, urlunsplit
 
 from ...model import wire
+from ...settings import masked
 from ..base import LockReads
 from ..records import EnqueueRecord, LockInfo, Waiter
 from .calls import as_text
-
-
-def _without_password(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 class RedisReads(LockReads):
@@ -38,7 +30,7 @@ class RedisReads(LockReads):
 
     def describe(self) -> str:
         if self.url:
-            return f"RedisBackend({_without_password(self.url)})"
+            return f"RedisBackend({masked(self.url)})"
         if self.cluster:
             node = self.client.get_default_node()
             return f"RedisBackend(cluster at {node.host}:{node.port})"

@@ -1,4 +1,4 @@
---@include _now
+--@include _live
 --@include _record
 -- confirm: move a provisional enqueue slot to its full lifetime, now
 -- that its message was published.
@@ -11,14 +11,9 @@
 -- when the slot was absent or had lapsed: a slot released meanwhile,
 -- or lapsed and taken by another owner, is never revived.
 local key, owner = KEYS[1], ARGV[1]
-local deadline = redis.call("HGET", key, owner)
+local deadline, now = live_slot(key, owner)
 if not deadline then return 0 end
-local now = now_ms()
-if tonumber(deadline) <= now then
-  redis.call("HDEL", key, owner, "!m:" .. owner)
-  return 0
-end
-local renewed = math.max(tonumber(deadline), now + tonumber(ARGV[2]))
+local renewed = math.max(deadline, now + tonumber(ARGV[2]))
 redis.call("HSET", key, owner, string.format("%.0f", renewed))
 local record = confirmed_record(redis.call("HGET", key, "!m:" .. owner))
 if record then redis.call("HSET", key, "!m:" .. owner, record) end

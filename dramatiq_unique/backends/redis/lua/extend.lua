@@ -1,4 +1,4 @@
---@include _now
+--@include _live
 -- extend: renew one owner's lease on a lock.
 --
 -- KEYS[1]  the lock hash (see _take.lua)
@@ -8,13 +8,8 @@
 -- until ttl from now; 0 when the slot was absent or had lapsed (a
 -- lapsed slot is dropped, never revived).
 local key, owner = KEYS[1], ARGV[1]
-local deadline = redis.call("HGET", key, owner)
+local deadline, now = live_slot(key, owner)
 if not deadline then return 0 end
-local now = now_ms()
-if tonumber(deadline) <= now then
-  redis.call("HDEL", key, owner, "!m:" .. owner)
-  return 0
-end
 local renewed = now + tonumber(ARGV[2])
 redis.call("HSET", key, owner, string.format("%.0f", renewed))
 if redis.call("PTTL", key) < tonumber(ARGV[2]) then
