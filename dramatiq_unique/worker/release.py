@@ -15,41 +15,37 @@ backend that was current when it was made: it is made on first use, and
 a new backend (``UniqueMiddleware.backend = ...``) stops the lock
 threads, so that the next use makes them afresh.
 
-**The releaser.**  A worker thread that has run its actor queues the release of its run
-lock here and moves on to its next message.  The releases pending when
-a worker thread takes its next run lock ride in front of that call, in
-the same round trip (:meth:`BatchedReleases.release_and_start`): under load
-a release costs no round trip of its own.  What no worker thread has
-carried within ``linger`` milliseconds, one background thread per
-process (a :class:`~..background.BackgroundThread`) sends in one round trip (:meth:`LockBackend.release_many`).  Each
-outcome is reported where it arrived, in order with the call it rode
-with; the work a report leaves to do (enqueueing the waiter a release
-handed its key to) is done on the releaser thread.  The release of a run
-that a waiter is likely waiting for goes at once instead, on its worker
-thread (:meth:`Releaser.release_now`): lingering for a start to carry it
-would hold up the hand-off, one after another down a line of waiters.
+**The releaser.**  A worker thread that has run its actor queues its run
+lock's release with the :class:`Releaser` and moves on.  The releases
+pending when a worker thread takes its next run lock ride in front of
+that call, in one round trip (:meth:`BatchedReleases.release_and_start`):
+under load a release costs no round trip of its own.  What no worker
+thread carried within ``linger`` ms, the releaser's background thread
+sends in one round trip (:meth:`LockBackend.release_many`).  Each outcome
+is reported where it arrived, in order with the call it rode with; the
+hand-off a report leaves to do is done on the releaser thread.  The
+release of a run that a waiter likely waits for goes at once, on its
+worker thread (:meth:`Releaser.release_now`): lingering would hold up
+the hand-off, one after another down a line of waiters.
 
 What stays true:
 
-* Each release is submitted once, by the delivery that took the lock,
-  and sent once, by whichever thread takes it off the pending list
-  first (once more if an interrupt meant for the worker thread that
-  carried it, a time limit or a shutdown notice, broke that call); the
-  release script checks the owner, so a release can never free another
-  holder's slot.  A release sent in front of another lock's call is
-  applied before it.
+* Each release is submitted once and sent once, by whichever thread
+  takes it off the pending list first (once more if a time limit or a
+  shutdown notice broke the call that carried it); the release script
+  checks the owner, so a release never frees another holder's slot.  A
+  release sent in front of another lock's call is applied before it.
 * Nothing on a worker thread waits for Redis here but a release it
-  sends now: submitting appends to a list.  A batch that has waited longer than ``stall_after`` for
-  its reply is reported (ERROR log and a ``backend_error`` per lock) by
-  the next submission, so a stuck Redis is never silent.  A release
-  that rides with a run lock's call fails with that call.
-* The lock is released a little later than the message is acked.  If
-  the process dies in between, the key stays held until its lease
-  expires (``lease``, 60 s by default), as after any crash.
-* The worker's shutdown drains the pending releases, waiting at most
+  sends now.  A batch that waited longer than ``stall_after`` for its
+  reply is reported (ERROR log, a ``backend_error`` per lock) by the next
+  submission, so a stuck Redis is never silent.  A release that rides
+  with a run lock's call fails with that call.
+* The lock is released a little after the message is acked: if the
+  process dies in between, the key stays held until its lease expires,
+  as after any crash.
+* The worker's shutdown drains the pending releases, at most
   ``drain_timeout`` (or what is left of the shutdown's bound), and hands
-  what is still left to the middleware, which writes it to the broker
-  for the next worker (:class:`~.resend.OwedReleases`).
+  what is left to the next worker (:class:`~.resend.OwedReleases`).
 """
 
 from __future__ import annotations
@@ -111,16 +107,13 @@ def reserve(service: LockContext, spec: ActorSpec) -> int:
 #: The most releases sent in one round trip.
 DEFAULT_BATCH = 256
 
-#: After how long, in milliseconds, a batch still waiting for its reply
-#: is reported.
+#: After how long, in ms, a batch still waiting for its reply is reported.
 DEFAULT_STALL_AFTER = 1_000
 
-#: How long, in milliseconds, the worker's shutdown waits for pending
-#: releases.
+#: How long, in ms, the worker's shutdown waits for pending releases.
 DEFAULT_DRAIN_TIMEOUT = 10_000
 
-#: How long, in milliseconds, a release waits for a worker thread's run
-#: lock call to carry it before the releaser thread sends it.
+#: How long, in ms, a release waits for a run lock call to carry it.
 DEFAULT_LINGER = 2
 
 #: After how long without a submission, in milliseconds, the releaser
@@ -137,13 +130,10 @@ class Releaser:
         batches releases.
       reports(ReleaseReports): Where outcomes are reported.
       on_stalled(callable): Called, on a worker thread, with the
-        releases of a batch that has waited longer than
-        ``stall_after`` for the backend.
+        releases of a batch that waited longer than ``stall_after``.
       batch(int): The most releases per round trip.
-      stall_after(int): In milliseconds.
-      drain_timeout(int): In milliseconds.
-      linger(int): In milliseconds; 0 sends every release at once from
-        the releaser thread.
+      stall_after, drain_timeout, linger(int): In milliseconds; a
+        ``linger`` of 0 sends every release at once.
     """
 
     def __init__(
@@ -235,13 +225,10 @@ class Releaser:
         return started
 
     def release_now(self, pending: PendingRelease) -> None:
-        """Send one release at once, on the calling thread, with the
-        releases pending now riding in front of it, and do here what the
-        reports leave to do (the hand-off): for a release that a waiter
-        is most likely waiting for, which lingering for a run lock call
-        to ride with, and then a hop to the releaser thread, would only
-        delay.  An interrupt meant for the calling thread (a time limit,
-        a shutdown notice) leaves what it broke to the releaser thread.
+        """Send one release now, on the calling thread, with the releases
+        pending riding in front of it, and do its hand-off here: a waiter
+        most likely waits for it.  An interrupt meant for the calling
+        thread leaves what it broke to the releaser thread.
         """
         with self._lock:
             riders, self._pending = self._pending[: self.batch - 1] + [pending], self._pending[self.batch - 1 :]
@@ -271,12 +258,10 @@ class Releaser:
         return riders
 
     def _unboard(self, riders: list[PendingRelease]) -> None:
-        """Queue again, first, the releases of a call that an interrupt
-        meant for its worker thread broke (a time limit, a shutdown
-        notice): the releaser thread sends them, so their keys are freed
-        now rather than when their leases expire.  The broken call may
-        have applied them: a release found done already is not reported
-        as a lost lock.
+        """Queue again, first, the releases of a call that a time limit or
+        a shutdown notice broke, for the releaser thread to send.  The
+        broken call may have applied them: one found done already is not
+        reported as a lost lock.
         """
         for pending in riders:
             pending.resent = True
@@ -475,9 +460,8 @@ class Unlocker:
 
     def end_run(self, broker: "Broker", message: "MessageProxy", state: Delivery, *, succeeded: bool) -> None:
         """Release the run lock of this delivery, once, and hand the key
-        to its longest waiter: in the background when the backend
-        batches releases (see :class:`dramatiq_unique.worker.release.Releaser`).
-        ``succeeded``: the run leaves nothing to do, and finishes its
+        to its longest waiter: through the :class:`Releaser` when the
+        backend batches releases.  ``succeeded``: the run finishes its
         message (a failed run never does, whatever becomes of its retry).
         """
         if state.run_key is None or state.run_owner is None:
@@ -689,14 +673,11 @@ class WorkerThreads:
 
     def restart(self) -> None:
         """Stop the lock threads: the next use makes each on the backend current then."""
-        leases, releaser, failed = self._leases, self._releaser, self._failed
+        threads = (self._leases, self._releaser, self._failed)
         self._leases = self._releaser = self._failed = None
-        if leases is not None:
-            leases.stop()
-        if releaser is not None:
-            releaser.stop()
-        if failed is not None:
-            failed.stop()
+        for thread in threads:
+            if thread is not None:
+                thread.stop()
 
     def stop(self, left: Callable[[], float]) -> list[OwedRelease]:
         """Stop every thread, each within what ``left`` says is left of

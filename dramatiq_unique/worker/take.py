@@ -37,12 +37,12 @@ import itertools
 import logging
 import threading
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, NoReturn, Optional, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, NoReturn, Optional, cast
 
 from dramatiq import Message
 from dramatiq.middleware import AgeLimit, SkipMessage
 
-from ..backends.capabilities import Capability, NewestWins, Reschedules
+from ..backends.capabilities import NewestWins, Reschedules
 from ..backends.records import Copy, CopyVerdict, CurrentStatus, Start
 from ..background import JITTER, now_ms, pid
 from ..compat import SKIPPED_MESSAGE_LOG, WORKER_THREAD_LOGGER, age_limit_module
@@ -57,16 +57,15 @@ if TYPE_CHECKING:
     from dramatiq import Broker
     from dramatiq.broker import MessageProxy
 
-C = TypeVar("C", bound=Capability)
 
-
-def _can(kind: type[C], service: LockContext, feature: str) -> C:
-    """The backend, as having the capability ``kind``: the middleware
-    checked it when it declared the actor, so a delivery only looks
-    (``require`` names what is missing, had the backend changed since).
+def _reschedules(service: LockContext, feature: str) -> Reschedules:
+    """The backend, as one that reschedules: the middleware checked it
+    when it declared the actor, so a delivery only looks (``require``
+    names what is missing, had the backend changed since).
     """
     backend = service.locks
-    return backend if isinstance(backend, kind) else kind.require(backend, feature=feature)
+    return backend if isinstance(backend, Reschedules) else Reschedules.require(backend, feature=feature)
+
 
 class Outcome(Enum):
     """What one take of a run lock came to."""
@@ -268,7 +267,7 @@ class RunLockTaker:
         if state.claimed or not copy.attempt:
             return
         try:
-            may_run = _can(Reschedules, service, "a rescheduled message").claim(copy)
+            may_run = _reschedules(service, "a rescheduled message").claim(copy)
         except Exception as e:
             error = service.backend_error("settle the copies of", copy.key, state.spec, message, e)
             if strict and service.settings.on_backend_error == "fail":
@@ -349,7 +348,7 @@ def reschedule(conflict: Conflict) -> NoReturn:
         handed = message.copy(options={**options, UNIQUE_VIA: "handoff"})
         waiting = Copy(key, message.message_id, attempt, "handoff")
         order, ttl = send_order(message), service.settings.lock_ttl
-        rescheduling = _can(Reschedules, service, "on_conflict='reschedule'")
+        rescheduling = _reschedules(service, "on_conflict='reschedule'")
         ahead = rescheduling.join_line(waiting, handed.encode(), order=order, ttl=ttl)
     except Exception as e:
         # It may have been applied: a hand-off copy of the attempt may come.
@@ -499,9 +498,7 @@ def _line_factor(ahead: int) -> int:
     return factor
 
 
-def skip_if_superseded(
-    service: LockContext, broker: "Broker", message: "MessageProxy", state: Delivery
-) -> None:
+def skip_if_superseded(service: LockContext, broker: "Broker", message: "MessageProxy", state: Delivery) -> None:
     """Skip this delivery when a newer send superseded its message; else
     mark the message as started, so that a send from now on leaves it
     running and opens a new debounce burst.
@@ -518,7 +515,7 @@ def skip_if_superseded(
         return
     key = service.key(spec, state.digest, "queue")
     try:
-        status, by = _can(NewestWins, service, "on_conflict='replace'").current(key, message.message_id)
+        status, by = NewestWins.require(service.locks, feature="on_conflict='replace'").current(key, message.message_id)
     except Exception as e:
         error = service.backend_error("check whether it was superseded", key, spec, message, e)
         if service.settings.on_backend_error == "run_unlocked":
@@ -548,7 +545,7 @@ def _withdraw_waiter(service: LockContext, message: "MessageProxy", state: Deliv
         return
     key = service.key(state.spec, state.digest, "run")
     try:
-        _can(Reschedules, service, "a rescheduled message").claim(copy_of(message, key))
+        _reschedules(service, "a rescheduled message").claim(copy_of(message, key))
     except Exception as e:
         service.backend_error("withdraw the waiter of", key, state.spec, message, e)
 
