@@ -131,7 +131,7 @@ def section(results: Results, meta: str = "") -> str:
         spread = f"the {inner[0] + 1}th lowest to the {inner[0] + 1}th highest here"
     return f"""{HEADING}
 
-The throughput layer is the releaser (`worker/releaser.py`: releases run off the worker thread,
+The throughput layer is the releaser (`worker/release.py`: releases run off the worker thread,
 riding in front of the next start through `release_and_start`, or sent in batches by a thread of
 their own) and the group commit (`backends/redis/calls.py`: starts of worker threads share a round
 trip).  Each can be switched off: `RedisBackend(release_in_background=False)` releases each run lock

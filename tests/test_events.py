@@ -32,7 +32,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dramatiq_unique"
 #: The modules whose log lines ``LOG_LINES`` documents: the middleware at run time.
 RUNTIME_MODULES = (
     "middleware.py", "send/guard.py", "worker/take.py", "worker/release.py", "worker/leases.py",
-    "worker/releaser.py", "events.py", "model/spec.py", "send/confirm.py",
+    "events.py", "model/spec.py", "send/confirm.py",
     "worker/reap.py", "worker/resend.py", "send/context.py",
 )
 

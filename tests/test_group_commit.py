@@ -21,7 +21,7 @@ from dramatiq_unique.backends.redis.calls import ScriptCalls, _pack, _pack_in_py
 from dramatiq_unique.backends.redis.calls import GroupCommit
 from dramatiq_unique.backends.redis import RedisBackend
 from dramatiq_unique.worker.leases import HandOff
-from dramatiq_unique.worker.releaser import PendingRelease, Releaser
+from dramatiq_unique.worker.release import PendingRelease, Releaser
 
 from .conftest import wait_for
 from .test_releaser import Outcomes, pending

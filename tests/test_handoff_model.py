@@ -62,7 +62,7 @@ from dramatiq_unique.backends.capabilities import BatchedReleases, NewestWins, R
 from dramatiq_unique.model.wire import message_id_of
 from dramatiq_unique.events import LockEvent
 from dramatiq_unique.worker.resend import OWED_ACTOR
-from dramatiq_unique.worker.releaser import Releaser
+from dramatiq_unique.worker.release import Releaser
 from dramatiq_unique.worker.resend import FailedReleases
 
 MAX_RETRIES = 1

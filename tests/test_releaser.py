@@ -19,7 +19,7 @@ from dramatiq.middleware.time_limit import TimeLimitExceeded
 from dramatiq_unique.backends.records import Release
 from dramatiq_unique.backends.redis import RedisBackend
 from dramatiq_unique.worker.leases import HandOff
-from dramatiq_unique.worker.releaser import PendingRelease, Releaser
+from dramatiq_unique.worker.release import PendingRelease, Releaser
 
 from .conftest import make_worker, unique, wait_for
 

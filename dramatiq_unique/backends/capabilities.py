@@ -258,7 +258,7 @@ class BatchedReleases(Capability):
     """Batched releases: :meth:`~LockBackend.release_many` sends its
     releases in one round trip, and :meth:`release_and_start` sends them
     with the next start.  The worker then releases run locks off the
-    worker thread (:class:`~dramatiq_unique.worker.releaser.Releaser`).
+    worker thread (:class:`~dramatiq_unique.worker.release.Releaser`).
     """
 
     capability = "batched releases"

@@ -1,13 +1,12 @@
 """Releasing the locks of a delivery when its run ends, and the worker
 process's background tasks that this needs.
 
-A run lock's release goes to the :class:`~.releaser.Releaser` when the
-backend batches releases, else straight to the backend; a release that
-handed the key to a waiter leaves a :class:`~.leases.HandOff` to
-enqueue, and a release that failed is sent again by
-:class:`~.resend.FailedReleases`.  :class:`LockTroubles` tells what no
-delivery waits for: a lease lost or not renewed, releases stalled in
-the backend.
+A run lock's release goes to the :class:`Releaser` when the backend
+batches releases, else straight to the backend; a release that handed
+the key to a waiter leaves a :class:`~.leases.HandOff` to enqueue, and a
+release that failed is sent again by :class:`~.resend.FailedReleases`.
+:class:`LockTroubles` tells what no delivery waits for: a lease lost or
+not renewed, releases stalled in the backend.
 
 The background tasks of a worker process (lease renewals, batched
 releases, retries of failed releases, hand-off polls, the periodic
@@ -16,40 +15,68 @@ backend that was current when it was made: it is made on first use, and
 a new backend (``UniqueMiddleware.backend = ...``) stops the lock
 threads, so that the next use makes them afresh.
 
-**Hand-off polls.**  When a run lock is released, its longest waiter is
-enqueued at once (the hand-off).  Dramatiq's Redis consumer then finds
-it on its next poll, but a consumer whose queue was empty for the length
-of a job has backed off to 40–160 ms between polls, and a chain of
-same-key jobs pays that on every hand-off.  So, after this process hands
-a key over on a queue it consumes, its consumer polls that queue at most
-every ``poll`` milliseconds (Dramatiq's own first backoff step) until no
-hand-off has happened for ``hold`` milliseconds; then its own backoff
-comes back (:class:`HandoffPolls`).  Only the consumer's backoff cap
-(``timeout``) changes, and only on Dramatiq's Redis consumer; with any
-other broker this does nothing.
+**The releaser.**  A worker thread that has run its actor queues its run
+lock's release with the :class:`Releaser` and moves on.  The releases
+pending when a worker thread takes its next run lock ride in front of
+that call, in one round trip (:meth:`BatchedReleases.release_and_start`):
+under load a release costs no round trip of its own.  What no worker
+thread carried within ``linger`` ms, the releaser's background thread
+sends in one round trip (:meth:`LockBackend.release_many`).  Each outcome
+is reported where it arrived, in order with the call it rode with; the
+hand-off a report leaves to do is done on the releaser thread.  The
+release of a run that a waiter likely waits for goes at once, on its
+worker thread (:meth:`Releaser.release_now`): lingering would hold up
+the hand-off, one after another down a line of waiters.
+
+What stays true:
+
+* Each release is submitted once and sent once, by whichever thread
+  takes it off the pending list first (once more if a time limit or a
+  shutdown notice broke the call that carried it); the release script
+  checks the owner, so a release never frees another holder's slot.  A
+  release sent in front of another lock's call is applied before it.
+* Nothing on a worker thread waits for Redis here but a release it
+  sends now.  A batch that waited longer than ``stall_after`` for its
+  reply is reported (ERROR log, a ``backend_error`` per lock) by the next
+  submission, so a stuck Redis is never silent.  A release that rides
+  with a run lock's call fails with that call.
+* The lock is released a little after the message is acked: if the
+  process dies in between, the key stays held until its lease expires,
+  as after any crash.
+* The worker's shutdown drains the pending releases, at most
+  ``drain_timeout`` (or what is left of the shutdown's bound), and hands
+  what is left to the next worker (:class:`~.resend.OwedReleases`).
 """
 
 from __future__ import annotations
 
 import threading
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
 
 from dramatiq import Message
-from dramatiq.common import q_name
+from dramatiq.logging import get_logger
 
 from ..backends.capabilities import BatchedReleases
 from ..backends.records import Release, Start
-from ..background import BackgroundThread, now_ms, pid
-from ..compat import redis_consumer_backoff, set_redis_consumer_backoff
-from ..events import LockEvent
+from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread, now_ms, pid
 from ..model.spec import ActorSpec
-from ..model.wire import UNIQUE_RESCHEDULES, message_id_of
+from ..model.wire import UNIQUE_RESCHEDULES
 from ..send.context import LockContext
-from .leases import Delivery, HandOff, Lease, LeaseKeeper, LockToRelease, set_fence
+from .leases import (
+    Delivery,
+    FollowUp,
+    HandOff,
+    HandoffPolls,
+    LeaseKeeper,
+    LockToRelease,
+    Outcome,
+    PendingRelease,
+    ReleaseReports,
+    set_fence,
+)
 from .reap import PeriodicReaper, start_reaper
-from .releaser import Outcome, PendingRelease, Releaser, ReleaseReports
-from .resend import RUN_SUFFIX, FailedRelease, FailedReleases, LandedReports, OwedRelease
+from .resend import RUN_SUFFIX, FailedRelease, FailedReleases, LandedReports, LockTroubles, OwedRelease
 
 if TYPE_CHECKING:
     from dramatiq import Broker
@@ -60,13 +87,6 @@ if TYPE_CHECKING:
 #: when its hand-off copy is lost), plus RESERVE_SLACK milliseconds.
 RESERVE_DELAYS = 2
 RESERVE_SLACK = 1_000
-
-#: The longest wait between two polls of a queue that just got a
-#: hand-off, in milliseconds.
-DEFAULT_POLL = 5
-
-#: How long quick polling lasts after the last hand-off, in milliseconds.
-DEFAULT_HOLD = 5_000
 
 #: Guards the lazy creation of the threads: worker threads ask at once.
 _MAKING = threading.Lock()
@@ -82,6 +102,346 @@ def reserve(service: LockContext, spec: ActorSpec) -> int:
     it, in milliseconds.
     """
     return RESERVE_DELAYS * reschedule_delay(service, spec) + RESERVE_SLACK
+
+
+#: The most releases sent in one round trip.
+DEFAULT_BATCH = 256
+
+#: After how long, in ms, a batch still waiting for its reply is reported.
+DEFAULT_STALL_AFTER = 1_000
+
+#: How long, in ms, the worker's shutdown waits for pending releases.
+DEFAULT_DRAIN_TIMEOUT = 10_000
+
+#: How long, in ms, a release waits for a run lock call to carry it.
+DEFAULT_LINGER = 2
+
+#: After how long without a submission, in milliseconds, the releaser
+#: thread stops looking every ``linger`` and waits to be woken: under
+#: load it wakes once per ``linger``, not once per release.
+QUIET_AFTER = 50
+
+
+class Releaser:
+    """Releases run locks of one process in the background.
+
+    Parameters:
+      backend(BatchedReleases): Where the locks live: a backend that
+        batches releases.
+      reports(ReleaseReports): Where outcomes are reported.
+      on_stalled(callable): Called, on a worker thread, with the
+        releases of a batch that waited longer than ``stall_after``.
+      batch(int): The most releases per round trip.
+      stall_after, drain_timeout, linger(int): In milliseconds; a
+        ``linger`` of 0 sends every release at once.
+    """
+
+    def __init__(
+        self,
+        backend: BatchedReleases,
+        *,
+        reports: ReleaseReports,
+        on_stalled: Callable[[list[PendingRelease]], None],
+        batch: int = DEFAULT_BATCH,
+        stall_after: int = DEFAULT_STALL_AFTER,
+        drain_timeout: int = DEFAULT_DRAIN_TIMEOUT,
+        linger: int = DEFAULT_LINGER,
+    ) -> None:
+        # The logger's name predates the merge of this class into this module: operators filter on it.
+        self.logger = get_logger("dramatiq_unique.worker.releaser", type(self))
+        self.backend = backend
+        self.reports = reports
+        self.on_stalled = on_stalled
+        self.batch = batch
+        self.stall_after = stall_after
+        self.drain_timeout = drain_timeout
+        self.linger = linger
+        self._reset()
+        # A greenlet under gevent: it sends with the backend's own client,
+        # whose patched sockets and pool belong to the hub's thread.
+        self._thread = BackgroundThread(
+            name="dramatiq-unique-releaser", loop=self._serve, on_fork=self._reset, on_wake=self._notify
+        )
+
+    def _reset(self) -> None:
+        # Also run in a forked child, before its code runs: the parent
+        # releases what it queued, and its lock may have been held.
+        self._pending: list[PendingRelease] = []
+        self._sending: list[PendingRelease] = []
+        self._riding = 0  # releases sent by worker threads, not yet reported
+        self._draining = 0  # drains waiting: the releaser lingers for none
+        self._last_submitted = 0.0
+        self._follow_ups: list[FollowUp] = []  # what reports left to do, on the releaser thread
+        self._sending_since = 0.0
+        self._stall_reported = False
+        # A plain lock under the condition: the per-job paths take it
+        # directly, without the condition's Python-level __enter__.
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._idle = False
+
+    def _notify(self) -> None:
+        with self._wakeup:
+            self._wakeup.notify_all()
+
+    def submit(self, pending: PendingRelease) -> None:
+        """Queue one release; never waits for the backend."""
+        with self._lock:
+            self._pending.append(pending)
+            self._last_submitted = pending.submitted_at
+            if self._thread.running_in != pid():
+                self._ensure_thread()
+            if self._idle:
+                self._wakeup.notify()  # only an idle releaser needs waking; a busy one looks again
+            stalled = self._stalled() if self._sending else None
+        if stalled:
+            self.on_stalled(stalled)
+
+    def take_run_lock(self, key: str, owner: str, **start: Any) -> Start:
+        """Take a run lock (:meth:`LockBackend.start`, with its keyword
+        arguments), with the releases pending now sent in front of it, in
+        the same round trip.
+
+        Raises:
+          Exception: What the start raised; the releases that rode with
+            it are reported as failed with it.
+        """
+        riders = self._board()
+        if not riders:
+            return self.backend.start(key, owner, **start)
+        try:
+            outcomes, started = self.backend.release_and_start(
+                [pending.releasing() for pending in riders], key, owner, **start
+            )
+        except Exception as e:
+            outcomes, started = [e] * len(riders), e
+        except BaseException:
+            self._unboard(riders)
+            raise
+        # Reported here and in order; the hand-offs the reports left to do go to the releaser thread.
+        self._settled(len(riders), self._reports(riders, outcomes))
+        if isinstance(started, Exception):
+            raise started
+        return started
+
+    def release_now(self, pending: PendingRelease) -> None:
+        """Send one release now, on the calling thread, with the releases
+        pending riding in front of it, and do its hand-off here: a waiter
+        most likely waits for it.  An interrupt meant for the calling
+        thread leaves what it broke to the releaser thread.
+        """
+        with self._lock:
+            riders, self._pending = self._pending[: self.batch - 1] + [pending], self._pending[self.batch - 1 :]
+            self._riding += len(riders)
+        try:
+            outcomes: list[Outcome] = list(self.backend.release_many([rider.releasing() for rider in riders]))
+        except Exception as e:
+            outcomes = [e] * len(riders)
+        except BaseException:
+            self._unboard(riders)
+            raise
+        follow_ups = self._reports(riders, outcomes)
+        try:
+            while follow_ups:
+                self._hand_over(*follow_ups[0])
+                del follow_ups[0]
+        finally:
+            # An interrupted hand-off is done again there: one enqueued twice is skipped as a copy that lost.
+            self._settled(len(riders), follow_ups)
+
+    def _board(self) -> list[PendingRelease]:
+        if not self._pending:
+            return []  # read without the lock: a release missed here goes with the next call
+        with self._lock:
+            riders, self._pending = self._pending[: self.batch], self._pending[self.batch :]
+            self._riding += len(riders)
+        return riders
+
+    def _unboard(self, riders: list[PendingRelease]) -> None:
+        """Queue again, first, the releases of a call that a time limit or
+        a shutdown notice broke, for the releaser thread to send.  The
+        broken call may have applied them: one found done already is not
+        reported as a lost lock.
+        """
+        for pending in riders:
+            pending.resent = True
+        with self._lock:
+            self._pending[:0] = riders
+            self._riding -= len(riders)
+            self._ensure_thread()
+            self._wakeup.notify_all()
+
+    def _reports(self, riders: Sequence[PendingRelease], outcomes: Sequence[Outcome]) -> list[FollowUp]:
+        """Report each release; return what the reports left to do."""
+        follow_ups: list[FollowUp] = []
+        for pending, outcome in zip(riders, outcomes):
+            handoff = self._report(pending, outcome)
+            if handoff is not None:
+                follow_ups.append((pending, handoff))
+        return follow_ups
+
+    def _settled(self, carried: int, follow_ups: list[FollowUp]) -> None:
+        """``carried`` releases that a worker thread sent are reported;
+        ``follow_ups`` is left to the releaser thread.
+        """
+        with self._lock:
+            self._riding -= carried - len(follow_ups)  # a hand-off counts until it is done
+            self._follow_ups += follow_ups
+            if follow_ups:
+                self._ensure_thread()
+            if follow_ups or self._draining:
+                self._wakeup.notify_all()
+
+    def _ensure_thread(self) -> None:
+        """Start the releaser thread unless it runs; the lock is held.  (The
+        hand-off model does the thread's work in its own rules instead.)
+        """
+        self._thread.ensure_started()
+
+    def _stalled(self) -> list[PendingRelease]:
+        """The batch in flight, once, when it has waited too long."""
+        if not self._sending or self._stall_reported or now_ms() - self._sending_since < self.stall_after:
+            return []
+        self._stall_reported = True
+        return list(self._sending)
+
+    def pending(self) -> int:
+        """How many releases are queued, in flight or not yet reported."""
+        with self._wakeup:
+            return self._left()
+
+    def _left(self) -> int:
+        return len(self._pending) + len(self._sending) + self._riding
+
+    def drain(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every submitted release was sent and reported, at
+        most ``timeout`` milliseconds (default ``drain_timeout``).
+
+        Returns:
+          bool: True when nothing is left.
+        """
+        deadline = now_ms() + (self.drain_timeout if timeout is None else timeout)
+        with self._wakeup:
+            self._draining += 1
+            self._wakeup.notify_all()  # a lingering releaser sends at once
+            try:
+                while self._left():
+                    if self._thread.running_in != pid() and not self._riding:
+                        return False
+                    left = deadline - now_ms()
+                    if left <= 0:
+                        return False
+                    self._wakeup.wait(timeout=left / 1000)
+            finally:
+                self._draining -= 1
+        return True
+
+    def stop(self, timeout: Optional[float] = None) -> list[PendingRelease]:
+        """Drain, then end the thread.
+
+        Returns:
+          list[PendingRelease]: What is left after ``timeout``
+          milliseconds: the releases not sent, and those of the batch
+          stuck in flight (it may have been applied), for the caller to
+          hand on (:class:`~.resend.OwedReleases`).
+        """
+        drained = self.drain(timeout)
+        # A thread stuck in a call is not waited for again: the drain did.
+        self._thread.stop(timeout=min(DEFAULT_STOP_TIMEOUT, timeout or DEFAULT_STOP_TIMEOUT) if drained else 0)
+        with self._wakeup:
+            # Left in place too: a stuck call that returns before the
+            # process exits still sends them (twice is harmless).
+            return list(self._sending) + list(self._pending)
+
+    def _serve(self, thread: BackgroundThread) -> None:
+        try:
+            while True:
+                with self._wakeup:
+                    batch, follow_ups = self._next(thread)
+                    if batch is None:
+                        thread.retire()  # under the lock: a submission from now on starts a new thread
+                        return
+                    self._sending, self._sending_since, self._stall_reported = batch, now_ms(), False
+                self._send(batch, follow_ups)
+        except BaseException:
+            with self._wakeup:
+                thread.retire()  # the next submission starts a new thread (the base logs the error)
+                self._wakeup.notify_all()  # and a drain waiting for this one stops waiting
+            raise
+
+    def _send(self, batch: list[PendingRelease], follow_ups: list[FollowUp]) -> None:
+        """Do the hand-offs left to do, then send ``batch`` in one round
+        trip and report each outcome.
+        """
+        for pending, handoff in follow_ups:
+            self._hand_over(pending, handoff)
+        outcomes = self._release(batch)
+        for pending, outcome in zip(batch, outcomes):
+            then = self._report(pending, outcome)
+            if then is not None:
+                self._hand_over(pending, then)
+        with self._wakeup:
+            self._sending = []
+            self._riding -= len(follow_ups)
+            self._wakeup.notify_all()
+
+    def _next(self, thread: BackgroundThread) -> tuple[Optional[list[PendingRelease]], list[FollowUp]]:
+        """Wait, holding the lock, for hand-offs to do or releases that
+        no worker thread carried within ``linger``; None to end.
+        """
+        while True:
+            if self._follow_ups:
+                follow_ups, self._follow_ups = self._follow_ups, []
+                return self._due(force=True), follow_ups
+            due = self._due(force=thread.stopping or self._draining > 0)
+            if due:
+                return due, []
+            if thread.stopping and not self._pending:
+                return None, []
+            # Idle (woken by the next submission) when there is nothing to
+            # send and either nothing to linger for or nothing submitted lately.
+            self._idle = not self._pending and (self.linger <= 0 or now_ms() - self._last_submitted > QUIET_AFTER)
+            look_again = self._linger_left() if self._pending else self.linger
+            self._wakeup.wait(timeout=1.0 if self._idle else look_again / 1000)
+            self._idle = False
+
+    def _due(self, *, force: bool) -> list[PendingRelease]:
+        if not self._pending or not (force or self._linger_left() <= 0):
+            return []
+        batch, self._pending = self._pending[: self.batch], self._pending[self.batch :]
+        return batch
+
+    def _linger_left(self) -> float:
+        first = self._pending[0]
+        return 0.0 if first.resent else first.submitted_at + self.linger - now_ms()
+
+    def _release(self, batch: list[PendingRelease]) -> list[Outcome]:
+        if not batch:
+            return []
+        try:
+            outcomes = self.backend.release_many([pending.releasing() for pending in batch])
+        except Exception as e:
+            return [e] * len(batch)
+        if self._stall_reported:
+            self.logger.warning(
+                "The lock backend answered %d release(s) after %.0f ms.", len(batch), now_ms() - self._sending_since
+            )
+        return outcomes
+
+    def _report(self, pending: PendingRelease, outcome: Outcome) -> Optional[HandOff]:
+        if pending.resent and isinstance(outcome, Release) and not outcome.held and outcome.promoted is None:
+            return None  # the broken call released it: nothing was lost
+        try:
+            return self.reports.released(pending, outcome)
+        except Exception:
+            self.logger.exception("Could not report the release of %r.", pending.key)
+            return None
+
+    def _hand_over(self, pending: PendingRelease, handoff: HandOff) -> None:
+        try:
+            self.reports.hand_over(handoff)
+        except Exception:
+            self.logger.exception("Could not report the release of %r.", pending.key)
 
 
 class Unlocker:
@@ -100,9 +460,8 @@ class Unlocker:
 
     def end_run(self, broker: "Broker", message: "MessageProxy", state: Delivery, *, succeeded: bool) -> None:
         """Release the run lock of this delivery, once, and hand the key
-        to its longest waiter: in the background when the backend
-        batches releases (see :mod:`dramatiq_unique.worker.releaser`).
-        ``succeeded``: the run leaves nothing to do, and finishes its
+        to its longest waiter: through the :class:`Releaser` when the
+        backend batches releases.  ``succeeded``: the run finishes its
         message (a failed run never does, whatever becomes of its retry).
         """
         if state.run_key is None or state.run_owner is None:
@@ -183,7 +542,7 @@ class Unlocker:
         service.emit("lock_lost", state.spec, key, message)
 
     def released(self, pending: PendingRelease, outcome: Outcome) -> Optional[HandOff]:
-        """Report a release the releaser sent (see :class:`~.releaser.ReleaseReports`)."""
+        """Report a release the releaser sent (see :class:`~.leases.ReleaseReports`)."""
         return self._report(pending.lock, outcome) if pending.lock is not None else None
 
     def _report(self, lock: LockToRelease, outcome: Outcome) -> Optional[HandOff]:
@@ -314,14 +673,11 @@ class WorkerThreads:
 
     def restart(self) -> None:
         """Stop the lock threads: the next use makes each on the backend current then."""
-        leases, releaser, failed = self._leases, self._releaser, self._failed
+        threads = (self._leases, self._releaser, self._failed)
         self._leases = self._releaser = self._failed = None
-        if leases is not None:
-            leases.stop()
-        if releaser is not None:
-            releaser.stop()
-        if failed is not None:
-            failed.stop()
+        for thread in threads:
+            if thread is not None:
+                thread.stop()
 
     def stop(self, left: Callable[[], float]) -> list[OwedRelease]:
         """Stop every thread, each within what ``left`` says is left of
@@ -354,108 +710,3 @@ class WorkerThreads:
         if key.endswith(RUN_SUFFIX):
             until = max(until, now_ms() + self.service.settings.lock_ttl)
         return OwedRelease.within(key, owner, until - now_ms(), options)
-
-
-class LockTroubles:
-    """Logs and counts the lock troubles of one middleware.
-
-    Parameters:
-      service(LockContext): The middleware's lock context.
-    """
-
-    def __init__(self, service: LockContext) -> None:
-        self.service = service
-
-    def lost(self, actor: str, key: str, owner: str) -> None:
-        """A run lock that ``owner`` held was lost before its release."""
-        self.service.logger.error(
-            "Lock %r was lost: message %s no longer holds it (its lease expired or it was taken over).",
-            key,
-            message_id_of(owner),
-        )
-        self.service.events.emit(LockEvent("lock_lost", actor, key, message_id_of(owner)))
-
-    def lease_lost(self, lease: Lease) -> None:
-        self.lost(lease.actor, lease.key, lease.owner)
-
-    def renewal_failed(self, lease: Lease) -> None:
-        self.service.events.emit(LockEvent("backend_error", lease.actor, lease.key, message_id_of(lease.owner)))
-
-    def releases_stalled(self, batch: list[PendingRelease]) -> None:
-        """Report releases still waiting for the backend."""
-        self.service.logger.error(
-            "Lock backend %s has not answered %d release(s) for %.0f ms; the keys stay held until it does "
-            "or their leases expire.",
-            self.service.locks.describe(),
-            len(batch),
-            now_ms() - min(pending.submitted_at for pending in batch),
-        )
-        for pending in batch:
-            self.service.events.emit(
-                LockEvent("backend_error", pending.actor, pending.key, message_id_of(pending.owner))
-            )
-
-
-class HandoffPolls:
-    """Speeds up this process's Redis consumers after a hand-off.
-
-    Parameters:
-      poll(int): The backoff cap while a hand-off may follow, in ms.
-      hold(int): How long it lasts after the last hand-off, in ms.
-    """
-
-    def __init__(self, *, poll: int = DEFAULT_POLL, hold: int = DEFAULT_HOLD) -> None:
-        self.poll = poll
-        self.hold = hold
-        self._threads: dict[str, Any] = {}  # queue name -> Dramatiq ConsumerThread
-        self._saved: dict[int, tuple[Any, int]] = {}  # id(consumer) -> (consumer, its own timeout)
-        self._until = 0.0  # monotonic ms
-        self._lock = threading.Lock()
-        # A greenlet under gevent: it writes the consumers' fields, which
-        # the hub's greenlets read (and an actor that holds the hub only
-        # delays the restore).
-        self._timer = BackgroundThread(name="dramatiq-unique-handoff", loop=self._expire, on_fork=self._saved.clear)
-
-    def consumer_booted(self, thread: Any) -> None:
-        """Remember a consumer thread of this worker (``after_consumer_thread_boot``)."""
-        queue = getattr(thread, "queue_name", None)
-        if isinstance(queue, str) and queue == q_name(queue):
-            self._threads[queue] = thread
-
-    def handed_over(self, queue_name: str) -> None:
-        """A message of ``queue_name`` was just handed a key."""
-        consumer: Any = getattr(self._threads.get(q_name(queue_name)), "consumer", None)
-        if redis_consumer_backoff(consumer) is None:
-            return
-        with self._lock:
-            self._until = now_ms() + self.hold
-            backoff = redis_consumer_backoff(consumer)  # read under the lock that guards its writes
-            if id(consumer) not in self._saved and backoff is not None:
-                self._saved[id(consumer)] = (consumer, backoff)
-                set_redis_consumer_backoff(consumer, min(backoff, self.poll))
-        if self._timer.running_in != pid():
-            self._timer.ensure_started()
-
-    def _expire(self, timer: BackgroundThread) -> None:
-        """Restore the consumers' backoff once no hand-off came for
-        ``hold`` ms.  The thread stays, asleep, for the next hand-off:
-        one that ended could miss a hand-off made as it ended.
-        """
-        while not timer.stopping:
-            with self._lock:
-                left = self._until - now_ms()
-                if left <= 0:
-                    self._restore()
-                    left = self.hold  # nothing to restore: look again, asleep, a hold later
-            timer.wait(left)
-
-    def _restore(self) -> None:
-        for consumer, backoff in self._saved.values():
-            set_redis_consumer_backoff(consumer, backoff)
-        self._saved.clear()
-
-    def stop(self) -> None:
-        """Give every consumer its own backoff back."""
-        self._timer.stop()
-        with self._lock:
-            self._restore()

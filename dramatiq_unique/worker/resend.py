@@ -28,7 +28,7 @@ is left of the shutdown's bound), and hands what is still left on.
 **Owed releases.**  A worker that stops while its lock backend is out
 of reach still owes the releases it could not send: the failed releases
 above, and the run lock releases still waiting in the
-:class:`~.releaser.Releaser`.  Left in its memory they would die with
+:class:`~.release.Releaser`.  Left in its memory they would die with
 it, and an ``until_executed`` key would stay held for its ``lock_ttl``
 (24 h by default).  So the stopping process writes them to the broker,
 as one message of a small internal actor (:data:`OWED_ACTOR`) on a
@@ -63,8 +63,10 @@ from dramatiq.logging import get_logger
 from ..backends.base import LockBackend
 from ..backends.records import Release
 from ..background import DEFAULT_STOP_TIMEOUT, JITTER, BackgroundThread, OneCall, now_ms, pid
+from ..events import LockEvent
+from ..model.wire import message_id_of
 from ..send.context import LockContext
-from .leases import HandOff, LockToRelease
+from .leases import HandOff, Lease, LockToRelease, PendingRelease
 
 if TYPE_CHECKING:
     from dramatiq import Broker
@@ -494,3 +496,43 @@ class OwedReleases:
             self.actor.broker.enqueue(Message.decode(encoded))
         except Exception as e:
             self.logger.warning("Could not hand %r to its next waiter (%r); it runs after its delay.", key, e)
+
+
+class LockTroubles:
+    """Logs and counts the lock troubles of one middleware.
+
+    Parameters:
+      service(LockContext): The middleware's lock context.
+    """
+
+    def __init__(self, service: LockContext) -> None:
+        self.service = service
+
+    def lost(self, actor: str, key: str, owner: str) -> None:
+        """A run lock that ``owner`` held was lost before its release."""
+        self.service.logger.error(
+            "Lock %r was lost: message %s no longer holds it (its lease expired or it was taken over).",
+            key,
+            message_id_of(owner),
+        )
+        self.service.events.emit(LockEvent("lock_lost", actor, key, message_id_of(owner)))
+
+    def lease_lost(self, lease: Lease) -> None:
+        self.lost(lease.actor, lease.key, lease.owner)
+
+    def renewal_failed(self, lease: Lease) -> None:
+        self.service.events.emit(LockEvent("backend_error", lease.actor, lease.key, message_id_of(lease.owner)))
+
+    def releases_stalled(self, batch: list[PendingRelease]) -> None:
+        """Report releases still waiting for the backend."""
+        self.service.logger.error(
+            "Lock backend %s has not answered %d release(s) for %.0f ms; the keys stay held until it does "
+            "or their leases expire.",
+            self.service.locks.describe(),
+            len(batch),
+            now_ms() - min(pending.submitted_at for pending in batch),
+        )
+        for pending in batch:
+            self.service.events.emit(
+                LockEvent("backend_error", pending.actor, pending.key, message_id_of(pending.owner))
+            )

@@ -57,6 +57,16 @@ if TYPE_CHECKING:
     from dramatiq import Broker
     from dramatiq.broker import MessageProxy
 
+
+def _reschedules(service: LockContext, feature: str) -> Reschedules:
+    """The backend, as one that reschedules: the middleware checked it
+    when it declared the actor, so a delivery only looks (``require``
+    names what is missing, had the backend changed since).
+    """
+    backend = service.locks
+    return backend if isinstance(backend, Reschedules) else Reschedules.require(backend, feature=feature)
+
+
 class Outcome(Enum):
     """What one take of a run lock came to."""
 
@@ -257,7 +267,7 @@ class RunLockTaker:
         if state.claimed or not copy.attempt:
             return
         try:
-            may_run = Reschedules.require(service.locks, feature="a rescheduled message").claim(copy)
+            may_run = _reschedules(service, "a rescheduled message").claim(copy)
         except Exception as e:
             error = service.backend_error("settle the copies of", copy.key, state.spec, message, e)
             if strict and service.settings.on_backend_error == "fail":
@@ -338,7 +348,7 @@ def reschedule(conflict: Conflict) -> NoReturn:
         handed = message.copy(options={**options, UNIQUE_VIA: "handoff"})
         waiting = Copy(key, message.message_id, attempt, "handoff")
         order, ttl = send_order(message), service.settings.lock_ttl
-        rescheduling = Reschedules.require(service.locks, feature="on_conflict='reschedule'")
+        rescheduling = _reschedules(service, "on_conflict='reschedule'")
         ahead = rescheduling.join_line(waiting, handed.encode(), order=order, ttl=ttl)
     except Exception as e:
         # It may have been applied: a hand-off copy of the attempt may come.
@@ -488,9 +498,7 @@ def _line_factor(ahead: int) -> int:
     return factor
 
 
-def skip_if_superseded(
-    service: LockContext, broker: "Broker", message: "MessageProxy", state: Delivery
-) -> None:
+def skip_if_superseded(service: LockContext, broker: "Broker", message: "MessageProxy", state: Delivery) -> None:
     """Skip this delivery when a newer send superseded its message; else
     mark the message as started, so that a send from now on leaves it
     running and opens a new debounce burst.
@@ -537,7 +545,7 @@ def _withdraw_waiter(service: LockContext, message: "MessageProxy", state: Deliv
         return
     key = service.key(state.spec, state.digest, "run")
     try:
-        Reschedules.require(service.locks, feature="a rescheduled message").claim(copy_of(message, key))
+        _reschedules(service, "a rescheduled message").claim(copy_of(message, key))
     except Exception as e:
         service.backend_error("withdraw the waiter of", key, state.spec, message, e)
 

@@ -250,7 +250,7 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
       release_in_background(bool): True (the default) lets the worker
         release run locks off the worker thread, riding in front of the
         next run lock call or sent by the releaser thread (see
-        :mod:`dramatiq_unique.worker.releaser`); False releases each on
+        :class:`dramatiq_unique.worker.release.Releaser`); False releases each on
         the worker thread, in its own round trip.  Both switches are
         there to measure what each piece buys (``docs/performance.md``,
         "The throughput layer"); the defaults are the fast ones.
