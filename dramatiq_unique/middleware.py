@@ -15,7 +15,8 @@ Hook placement follows how Dramatiq 2.x fires its hooks:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 from dramatiq.logging import get_logger
 from dramatiq.middleware import (
@@ -32,7 +33,8 @@ from dramatiq.middleware import (
 from . import settings as config
 from .backends import for_broker, from_url
 from .backends.base import LockBackend
-from .backends.capabilities import NewestWins, Reschedules
+from .backends.capabilities import BatchedReleases, NewestWins, Reschedules
+from .backends.records import Start
 from .background import now_ms, stop_calls_by
 from .compat import Prometheus, proxied_message
 from .errors import ConfigurationError
@@ -41,10 +43,10 @@ from .model.spec import ACTOR_OPTIONS, ActorSpec, actor_spec
 from .model.wire import UNIQUE_DIGEST
 from .send.context import EnqueueLocks, LockContext, is_fresh
 from .send.guard import EnqueueGuard
-from .worker.leases import Delivery, attach, delivery, track
-from .worker.reap import check_backend
-from .worker.release import LockTroubles, Unlocker
-from .worker.resend import OwedReleases
+from .worker.leases import Delivery, HandoffPolls, LeaseKeeper, attach, delivery, track
+from .worker.reap import PeriodicReaper, check_backend, start_reaper
+from .worker.release import LockTroubles, Releaser, Reports, Unlocker
+from .worker.resend import RUN_SUFFIX, FailedReleases, OwedRelease, OwedReleases
 from .worker.take import RunLockTaker
 from .worker.take import install as quiet_our_skips
 
@@ -67,6 +69,9 @@ _RUN_AFTER = (AgeLimit, TimeLimit, ShutdownNotifications, Callbacks, Pipelines, 
 #: from the SIGTERM to the exit) within the bound.
 _SHUTDOWN_RESERVE = 0.3
 _SHUTDOWN_RESERVE_MOST = 3_000
+
+#: Guards the lazy creation of the threads: worker threads ask at once.
+_MAKING = threading.Lock()
 
 #: Middleware that must come before ours: it counts a delivery in its
 #: before-hook and uncounts it in ``after_skip_message``, so it must see
@@ -176,9 +181,11 @@ class UniqueMiddleware(Middleware):
         self.service = LockContext(settings=self.settings, logger=self.logger, events=self.events, specs=self.specs)
         #: Async actors with a run lock, whose coroutines are tracked.
         self.async_actors: set[str] = set()
-        #: Releases the locks of each delivery; owns the worker's threads.
-        self.unlocker = Unlocker(self.service, troubles=LockTroubles(self.service))
-        self.threads = self.unlocker.threads
+        troubles = LockTroubles(self.service)
+        #: Releases the locks of each delivery.
+        self.unlocker = Unlocker(self.service, troubles=troubles)
+        #: The worker's background tasks, which report releases to the unlocker.
+        self.threads = self.unlocker.threads = WorkerThreads(self.service, reports=self.unlocker, troubles=troubles)
         #: Takes the run lock of each delivery.
         self.taker = RunLockTaker(self.service, self.unlocker, async_actors=self.async_actors)
         if backend is None and self.settings.url is not None:
@@ -464,3 +471,121 @@ def digest_for(actor: "Actor[Any, Any]", *args: Any, **kwargs: Any) -> str:
         if isinstance(middleware, UniqueMiddleware) and actor.actor_name in middleware.specs:
             return middleware.specs[actor.actor_name].digest(args, kwargs)
     raise ConfigurationError(f"Actor {actor.actor_name!r} takes no lock from a UniqueMiddleware on its broker.")
+
+
+class WorkerThreads:
+    """The background tasks of one middleware in a worker process.
+
+    Each thread works on the backend that was current when it was made:
+    it is made on first use, and a new backend stops the lock threads,
+    so that the next use makes them afresh.
+
+    Parameters:
+      service(LockContext): The middleware's lock context.
+      reports(Reports): Where releases report their outcomes.
+      troubles(LockTroubles): Where lost leases and stalled releases
+        are told.
+    """
+
+    def __init__(self, service: LockContext, *, reports: Reports, troubles: LockTroubles) -> None:
+        self.service = service
+        self.reports = reports
+        self.troubles = troubles
+        self.handoffs = HandoffPolls()
+        self._leases: Optional[LeaseKeeper] = None
+        self._releaser: Optional[Releaser] = None
+        self._failed: Optional[FailedReleases] = None
+        self._reaper: Optional[PeriodicReaper] = None
+
+    @property
+    def leases(self) -> LeaseKeeper:
+        """Renews the run leases of this process."""
+        if self._leases is None:
+            # Worker threads ask at once on their first jobs: one keeper, or
+            # a lease held by a second one would be renewed after its release.
+            with _MAKING:
+                if self._leases is None:
+                    self._leases = LeaseKeeper(
+                        self.service.locks,
+                        lease=self.service.settings.lease,
+                        on_lost=self.troubles.lease_lost,
+                        on_error=self.troubles.renewal_failed,
+                    )
+        return self._leases
+
+    @property
+    def releaser(self) -> Optional[Releaser]:
+        """Releases run locks off the worker thread, when the backend
+        batches releases; None when it does not.
+        """
+        backend = self.service.backend
+        if self._releaser is None and isinstance(backend, BatchedReleases) and backend.batches_releases:
+            with _MAKING:  # worker threads ask at once: make one
+                if self._releaser is None:
+                    self._releaser = Releaser(backend, reports=self.reports, on_stalled=self.troubles.releases_stalled)
+        return self._releaser
+
+    @property
+    def take_run_lock(self) -> Callable[..., Start]:
+        """The one take of a run lock (:meth:`LockBackend.start`): the
+        releaser's, which sends the releases pending in this process in
+        front of it, in the same round trip, when the backend batches
+        releases; else the backend's own.
+        """
+        releaser = self.releaser
+        return releaser.take_run_lock if releaser is not None else self.service.locks.start
+
+    @property
+    def failed(self) -> FailedReleases:
+        """Sends the releases that failed again, off the worker thread."""
+        if self._failed is None:
+            with _MAKING:
+                if self._failed is None:
+                    ttl = self.service.settings.lock_ttl
+                    self._failed = FailedReleases(self.service.locks, reports=self.reports, record_ttl=ttl)
+        return self._failed
+
+    def start_reaper(self, broker: "Broker") -> None:
+        """Start the periodic reaper, once, if ``reap_interval`` asks for one."""
+        if self._reaper is None:
+            self._reaper = start_reaper(self.service, broker)
+
+    def restart(self) -> None:
+        """Stop the lock threads: the next use makes each on the backend current then."""
+        threads = (self._leases, self._releaser, self._failed)
+        self._leases = self._releaser = self._failed = None
+        for thread in threads:
+            if thread is not None:
+                thread.stop()
+
+    def stop(self, left: Callable[[], float]) -> list[OwedRelease]:
+        """Stop every thread, each within what ``left`` says is left of
+        the shutdown's bound, in milliseconds.
+
+        Returns:
+          list[OwedRelease]: The releases that could not be sent, for
+          the next worker (:class:`~.resend.OwedReleases`).
+        """
+        self.handoffs.stop()
+        owed: list[OwedRelease] = []
+        if self._releaser is not None:
+            owed += [self._owed(p.key, p.owner, now_ms(), p.options) for p in self._releaser.stop(left())]
+        if self._failed is not None:
+            # After the releaser, whose failures it takes.
+            owed += [self._owed(f.key, f.owner, f.until, f.options) for f in self._failed.stop(left())]
+        if self._leases is not None:
+            self._leases.stop(timeout=left())
+        if self._reaper is not None:
+            self._reaper.stop(timeout=left())
+            self._reaper = None
+        return owed
+
+    def _owed(self, key: str, owner: str, until: float, options: dict[str, Any]) -> OwedRelease:
+        """A release to hand on, from its lock's monotonic expiry.  A run
+        lock's release is made even after its lease ran out: it also
+        ends the run of a rescheduled message in its record, which lives
+        ``lock_ttl``, so that a duplicate of that run is skipped.
+        """
+        if key.endswith(RUN_SUFFIX):
+            until = max(until, now_ms() + self.service.settings.lock_ttl)
+        return OwedRelease.within(key, owner, until - now_ms(), options)

@@ -70,6 +70,12 @@ if TYPE_CHECKING:
     from ..settings import Settings
 
 
+#: A slot handed to a waiter stays reserved for its message this many
+#: reschedule delays, plus RESERVE_SLACK milliseconds.
+RESERVE_DELAYS = 2
+RESERVE_SLACK = 1_000
+
+
 class LockContext:
     """The backend of one middleware, and how its guards report.
 
@@ -104,6 +110,18 @@ class LockContext:
         backend = self.backend
         assert backend is not None
         return backend
+
+    def reschedule_delay(self, spec: "ActorSpec") -> int:
+        """The delay of a rescheduled copy of ``spec``'s messages, in ms."""
+        return spec.reschedule_delay if spec.reschedule_delay is not None else self.settings.reschedule_delay
+
+    def reserve(self, spec: "ActorSpec") -> int:
+        """How long, in ms, a slot handed to a waiter of ``spec`` stays
+        reserved for its message: :data:`RESERVE_DELAYS` reschedule
+        delays (the longest a delayed copy of it takes to come, when its
+        hand-off copy is lost), plus :data:`RESERVE_SLACK`.
+        """
+        return RESERVE_DELAYS * self.reschedule_delay(spec) + RESERVE_SLACK
 
     def key(self, spec: "ActorSpec", digest: str, phase: str) -> str:
         """The backend key of one lock: prefix, actor in clear text, and

@@ -1,5 +1,4 @@
-"""Releasing the locks of a delivery when its run ends, and the worker
-process's background tasks that this needs.
+"""Releasing the locks of a delivery when its run ends.
 
 A run lock's release goes to the :class:`Releaser` when the backend
 batches releases, else straight to the backend; a release that handed
@@ -8,44 +7,13 @@ release that failed is sent again by :class:`~.resend.FailedReleases`.
 :class:`LockTroubles` tells what no delivery waits for: a lease lost or
 not renewed, releases stalled in the backend.
 
-The background tasks of a worker process (lease renewals, batched
-releases, retries of failed releases, hand-off polls, the periodic
-reaper) are made by :class:`WorkerThreads`.  Each thread works on the
-backend that was current when it was made: it is made on first use, and
-a new backend (``UniqueMiddleware.backend = ...``) stops the lock
-threads, so that the next use makes them afresh.
+The background tasks this needs (lease renewals, batched releases,
+retries of failed releases, hand-off polls) are the middleware's
+``WorkerThreads`` (:class:`Threads`).
 
-**The releaser.**  A worker thread that has run its actor queues its run
-lock's release with the :class:`Releaser` and moves on.  The releases
-pending when a worker thread takes its next run lock ride in front of
-that call, in one round trip (:meth:`BatchedReleases.release_and_start`):
-under load a release costs no round trip of its own.  What no worker
-thread carried within ``linger`` ms, the releaser's background thread
-sends in one round trip (:meth:`LockBackend.release_many`).  Each outcome
-is reported where it arrived, in order with the call it rode with; the
-hand-off a report leaves to do is done on the releaser thread.  The
-release of a run that a waiter likely waits for goes at once, on its
-worker thread (:meth:`Releaser.release_now`): lingering would hold up
-the hand-off, one after another down a line of waiters.
-
-What stays true:
-
-* Each release is submitted once and sent once, by whichever thread
-  takes it off the pending list first (once more if a time limit or a
-  shutdown notice broke the call that carried it); the release script
-  checks the owner, so a release never frees another holder's slot.  A
-  release sent in front of another lock's call is applied before it.
-* Nothing on a worker thread waits for Redis here but a release it
-  sends now.  A batch that waited longer than ``stall_after`` for its
-  reply is reported (ERROR log, a ``backend_error`` per lock) by the next
-  submission, so a stuck Redis is never silent.  A release that rides
-  with a run lock's call fails with that call.
-* The lock is released a little after the message is acked: if the
-  process dies in between, the key stays held until its lease expires,
-  as after any crash.
-* The worker's shutdown drains the pending releases, at most
-  ``drain_timeout`` (or what is left of the shutdown's bound), and hands
-  what is left to the next worker (:class:`~.resend.OwedReleases`).
+The releaser batches run locks' releases in the round trips of the
+next starts; what it keeps true is in docs/reliability.md, "The
+releaser".
 """
 
 from __future__ import annotations
@@ -60,7 +28,6 @@ from dramatiq.logging import get_logger
 from ..backends.capabilities import BatchedReleases
 from ..backends.records import Release, Start
 from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread, now_ms, pid
-from ..model.spec import ActorSpec
 from ..model.wire import UNIQUE_RESCHEDULES
 from ..send.context import LockContext
 from .leases import (
@@ -75,34 +42,11 @@ from .leases import (
     ReleaseReports,
     set_fence,
 )
-from .reap import PeriodicReaper, start_reaper
-from .resend import RUN_SUFFIX, FailedRelease, FailedReleases, LandedReports, LockTroubles, OwedRelease
+from .resend import FailedRelease, FailedReleases, LandedReports, LockTroubles
 
 if TYPE_CHECKING:
     from dramatiq import Broker
     from dramatiq.broker import MessageProxy
-
-#: A slot handed to a waiter stays reserved for its message this many
-#: reschedule delays (the longest a delayed copy of it takes to come,
-#: when its hand-off copy is lost), plus RESERVE_SLACK milliseconds.
-RESERVE_DELAYS = 2
-RESERVE_SLACK = 1_000
-
-#: Guards the lazy creation of the threads: worker threads ask at once.
-_MAKING = threading.Lock()
-
-
-def reschedule_delay(service: LockContext, spec: ActorSpec) -> int:
-    """The delay of a rescheduled copy of ``spec``'s messages, in ms."""
-    return spec.reschedule_delay if spec.reschedule_delay is not None else service.settings.reschedule_delay
-
-
-def reserve(service: LockContext, spec: ActorSpec) -> int:
-    """How long a slot handed to a waiter of ``spec`` stays reserved for
-    it, in milliseconds.
-    """
-    return RESERVE_DELAYS * reschedule_delay(service, spec) + RESERVE_SLACK
-
 
 #: The most releases sent in one round trip.
 DEFAULT_BATCH = 256
@@ -453,10 +397,13 @@ class Unlocker:
       troubles(LockTroubles): Where lost locks are told.
     """
 
+    #: The worker's background tasks, which report releases back here:
+    #: the middleware sets them, made with this unlocker.
+    threads: "Threads"
+
     def __init__(self, service: LockContext, *, troubles: LockTroubles) -> None:
         self.service = service
         self.troubles = troubles
-        self.threads = WorkerThreads(service, reports=self, troubles=troubles)
 
     def end_run(self, broker: "Broker", message: "MessageProxy", state: Delivery, *, succeeded: bool) -> None:
         """Release the run lock of this delivery, once, and hand the key
@@ -485,7 +432,7 @@ class Unlocker:
         if lock.lease is not None:
             threads.leases.drop(lock.lease)
         releaser = threads.releaser
-        slot = reserve(self.service, lock.spec)
+        slot = self.service.reserve(lock.spec)
         if releaser is not None:
             actor = lock.spec.actor_name
             pending = PendingRelease(lock.key, lock.owner, actor, lock, succeeded=succeeded, reserve=slot)
@@ -598,115 +545,21 @@ class Reports(ReleaseReports, LandedReports, Protocol):
     """Where the releaser and the retries of failed releases report."""
 
 
-class WorkerThreads:
-    """The background tasks of one middleware in a worker process.
-
-    Parameters:
-      service(LockContext): The middleware's lock context.
-      reports(Reports): Where releases report their outcomes.
-      troubles(LockTroubles): Where lost leases and stalled releases
-        are told.
+class Threads(Protocol):
+    """What releases use of the worker's background tasks (the
+    middleware's ``WorkerThreads``, which makes each on first use).
     """
 
-    def __init__(self, service: LockContext, *, reports: Reports, troubles: LockTroubles) -> None:
-        self.service = service
-        self.reports = reports
-        self.troubles = troubles
-        self.handoffs = HandoffPolls()
-        self._leases: Optional[LeaseKeeper] = None
-        self._releaser: Optional[Releaser] = None
-        self._failed: Optional[FailedReleases] = None
-        self._reaper: Optional[PeriodicReaper] = None
+    handoffs: HandoffPolls
 
     @property
-    def leases(self) -> LeaseKeeper:
-        """Renews the run leases of this process."""
-        if self._leases is None:
-            # Worker threads ask at once on their first jobs: one keeper, or
-            # a lease held by a second one would be renewed after its release.
-            with _MAKING:
-                if self._leases is None:
-                    self._leases = LeaseKeeper(
-                        self.service.locks,
-                        lease=self.service.settings.lease,
-                        on_lost=self.troubles.lease_lost,
-                        on_error=self.troubles.renewal_failed,
-                    )
-        return self._leases
+    def leases(self) -> LeaseKeeper: ...
 
     @property
-    def releaser(self) -> Optional[Releaser]:
-        """Releases run locks off the worker thread, when the backend
-        batches releases; None when it does not.
-        """
-        backend = self.service.backend
-        if self._releaser is None and isinstance(backend, BatchedReleases) and backend.batches_releases:
-            with _MAKING:  # worker threads ask at once: make one
-                if self._releaser is None:
-                    self._releaser = Releaser(backend, reports=self.reports, on_stalled=self.troubles.releases_stalled)
-        return self._releaser
+    def releaser(self) -> Optional[Releaser]: ...
 
     @property
-    def take_run_lock(self) -> Callable[..., Start]:
-        """The one take of a run lock (:meth:`LockBackend.start`): the
-        releaser's, which sends the releases pending in this process in
-        front of it, in the same round trip, when the backend batches
-        releases; else the backend's own.
-        """
-        releaser = self.releaser
-        return releaser.take_run_lock if releaser is not None else self.service.locks.start
+    def failed(self) -> FailedReleases: ...
 
     @property
-    def failed(self) -> FailedReleases:
-        """Sends the releases that failed again, off the worker thread."""
-        if self._failed is None:
-            with _MAKING:
-                if self._failed is None:
-                    ttl = self.service.settings.lock_ttl
-                    self._failed = FailedReleases(self.service.locks, reports=self.reports, record_ttl=ttl)
-        return self._failed
-
-    def start_reaper(self, broker: "Broker") -> None:
-        """Start the periodic reaper, once, if ``reap_interval`` asks for one."""
-        if self._reaper is None:
-            self._reaper = start_reaper(self.service, broker)
-
-    def restart(self) -> None:
-        """Stop the lock threads: the next use makes each on the backend current then."""
-        threads = (self._leases, self._releaser, self._failed)
-        self._leases = self._releaser = self._failed = None
-        for thread in threads:
-            if thread is not None:
-                thread.stop()
-
-    def stop(self, left: Callable[[], float]) -> list[OwedRelease]:
-        """Stop every thread, each within what ``left`` says is left of
-        the shutdown's bound, in milliseconds.
-
-        Returns:
-          list[OwedRelease]: The releases that could not be sent, for
-          the next worker (:class:`~.resend.OwedReleases`).
-        """
-        self.handoffs.stop()
-        owed: list[OwedRelease] = []
-        if self._releaser is not None:
-            owed += [self._owed(p.key, p.owner, now_ms(), p.options) for p in self._releaser.stop(left())]
-        if self._failed is not None:
-            # After the releaser, whose failures it takes.
-            owed += [self._owed(f.key, f.owner, f.until, f.options) for f in self._failed.stop(left())]
-        if self._leases is not None:
-            self._leases.stop(timeout=left())
-        if self._reaper is not None:
-            self._reaper.stop(timeout=left())
-            self._reaper = None
-        return owed
-
-    def _owed(self, key: str, owner: str, until: float, options: dict[str, Any]) -> OwedRelease:
-        """A release to hand on, from its lock's monotonic expiry.  A run
-        lock's release is made even after its lease ran out: it also
-        ends the run of a rescheduled message in its record, which lives
-        ``lock_ttl``, so that a duplicate of that run is skipped.
-        """
-        if key.endswith(RUN_SUFFIX):
-            until = max(until, now_ms() + self.service.settings.lock_ttl)
-        return OwedRelease.within(key, owner, until - now_ms(), options)
+    def take_run_lock(self) -> Callable[..., Start]: ...

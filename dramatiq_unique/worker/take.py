@@ -51,7 +51,7 @@ from ..model.spec import ActorSpec
 from ..model.wire import UNIQUE_DIGEST, UNIQUE_RESCHEDULES, UNIQUE_VIA, UNIQUE_WAITS, join_owner, message_id_of
 from ..send.context import LockContext, copy_of, send_order, store_failure, store_nothing
 from .leases import Delivery, attach, delivery, set_fence, watch
-from .release import HandOff, Unlocker, reschedule_delay, reserve
+from .release import HandOff, Unlocker
 
 if TYPE_CHECKING:
     from dramatiq import Broker
@@ -207,7 +207,7 @@ class RunLockTaker:
                 copy=copy_of(raw, key),
                 queue_key=queue_key,
                 order=send_order(raw),
-                reserve=reserve(service, spec),
+                reserve=service.reserve(spec),
             )
         except Exception as e:
             error = service.backend_error("take the run lock", key, spec, message, e)
@@ -358,7 +358,7 @@ def reschedule(conflict: Conflict) -> NoReturn:
         delayed = message.copy(options={**options, UNIQUE_VIA: "delay"})
         # (a backend written against the older wait, which returned None, has no line to tell)
         factor = _line_factor(ahead if isinstance(ahead, int) else 0)
-        broker.enqueue(delayed, delay=int(reschedule_delay(service, spec) * factor * JITTER.uniform(0.8, 1.2)))
+        broker.enqueue(delayed, delay=int(service.reschedule_delay(spec) * factor * JITTER.uniform(0.8, 1.2)))
     except Exception as e:
         # It may have been applied: the delayed copy may be queued.
         stand_in(message, state, attempt)
@@ -378,7 +378,7 @@ def wait_longer(conflict: Conflict, free_in: Optional[int]) -> NoReturn:
     """
     service, broker, message, state, key, _ = conflict
     waits = message.options.get(UNIQUE_WAITS, 0) + 1
-    base = reschedule_delay(service, state.spec)
+    base = service.reschedule_delay(state.spec)
     delay = base * min(2**waits, MAX_BACKOFF) * JITTER.uniform(0.8, 1.2)
     if free_in is not None and free_in >= 0:
         delay = min(delay, free_in + base * JITTER.uniform(0.05, 0.25))
