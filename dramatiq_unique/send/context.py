@@ -184,21 +184,16 @@ def is_fresh(message: Any) -> bool:
 
 
 class EnqueueLocks:
-    """What every path that takes an enqueue lock shares, and the guarded
-    enqueue call they run in.
+    """What every path that takes an enqueue lock shares (the two-step
+    path and replace in :mod:`.guard`, the fast path in :mod:`.fastpath`),
+    and the guarded enqueue call they run in.
 
     Dramatiq 2.x has no supported way for middleware to cancel an
-    enqueue: an exception from ``before_enqueue`` either reaches the
-    caller or is ignored.  So the middleware wraps its broker's
-    ``enqueue`` once (:meth:`guard`).  The wrapper turns a refused
-    duplicate into a returned, unsent message, and gives back what its
-    call took when the publish fails.  That covers ``send``,
-    ``send_with_options``, ``broker.enqueue``, pipelines, groups and
-    callbacks alike.  A new lock taken in the call holds for the
-    provisional window only, and is confirmed to its full lifetime by
-    the process's :class:`~.confirm.Confirmer` once the publish has
-    returned (see :mod:`dramatiq_unique.send.confirm`): a producer that
-    dies in between leaves a key that frees itself.
+    enqueue, so the middleware wraps its broker's ``enqueue`` once
+    (:meth:`guard`): the wrapper turns a refused duplicate into a
+    returned, unsent message, gives back what its call took when the
+    publish fails, and hands the provisional locks to the
+    :class:`~.confirm.Confirmer` once the publish has returned.
 
     Parameters:
       service(LockContext): The middleware's lock context.
