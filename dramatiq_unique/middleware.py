@@ -79,6 +79,21 @@ _MAKING = threading.Lock()
 _RUN_BEFORE = (Prometheus,)
 
 
+class _OnService:
+    """A setting of the middleware that lives on its :class:`LockContext`,
+    where the guards read it; changing it takes effect at once.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, middleware: Any, owner: Optional[type] = None) -> Any:
+        return getattr(middleware.service, self.name)
+
+    def __set__(self, middleware: Any, value: Any) -> None:
+        setattr(middleware.service, self.name, value)
+
+
 class UniqueMiddleware(Middleware):
     """Locks messages by a digest of their actor, queue and arguments.
 
@@ -258,23 +273,10 @@ class UniqueMiddleware(Middleware):
         self.threads.restart()
         self.service.backend = backend
 
-    @property
-    def enabled(self) -> bool:
-        """False turns all locking off."""
-        return self.service.enabled
-
-    @enabled.setter
-    def enabled(self, enabled: bool) -> None:
-        self.service.enabled = enabled
-
-    @property
-    def record_lock_args(self) -> bool:
-        """Store the lock args JSON with each enqueue lock, for operators."""
-        return self.service.record_lock_args
-
-    @record_lock_args.setter
-    def record_lock_args(self, record: bool) -> None:
-        self.service.record_lock_args = record
+    #: False turns all locking off.
+    enabled = _OnService()
+    #: Store the lock args JSON with each enqueue lock, for operators.
+    record_lock_args = _OnService()
 
     def flush_confirmations(self, timeout: float = 5.0) -> bool:
         """Wait at most ``timeout`` seconds until every provisional

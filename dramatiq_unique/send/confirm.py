@@ -33,32 +33,21 @@ from dramatiq.logging import get_logger
 from ..backends.base import LockBackend
 from ..background import BackgroundThread, now_ms, pid
 
-#: How many locks one round trip confirms at most.
+# The confirmer's limits, in milliseconds unless said: the most locks one
+# round trip confirms; how long it gathers locks before a round trip (a busy
+# producer then shares one round trip, and one wake-up of the thread, among
+# many sends, at the price of this much more time in the crash window); the
+# wait before a failed confirmation is tried again; how long a round trip may
+# take before its thread is abandoned and a new one takes over its locks; how
+# many locks may wait (more lapse after the provisional window, logged); how
+# long an exiting process waits for its confirmations, in seconds; and how
+# long :meth:`Confirmer.stop` waits for the thread once it confirmed what it could.
 DEFAULT_BATCH = 500
-
-#: How long the confirmer gathers locks before a round trip, in
-#: milliseconds: a busy producer then shares one round trip (and one
-#: wake-up of the thread) among many sends, at the price of this much
-#: more time in the crash window.
 DEFAULT_LINGER = 100
-
-#: How long a failed confirmation waits before it is tried again, in
-#: milliseconds.
 RETRY_INTERVAL = 500
-
-#: How long a round trip may take before the thread making it is
-#: abandoned and a new one takes over its locks, in milliseconds.
 CALL_TIMEOUT = 5_000
-
-#: How many locks may wait for confirmation; more are not confirmed and
-#: lapse after the provisional window (logged).
 MAX_WAITING = 100_000
-
-#: How long a process that exits waits for its confirmations, in seconds.
 EXIT_TIMEOUT = 5.0
-
-#: How long :meth:`Confirmer.stop` waits for the thread to end once it
-#: has confirmed what it could, in milliseconds.
 STOP_TIMEOUT = 1_000
 
 

@@ -2,36 +2,16 @@
 guarded enqueue call, what a send stamps on a message, and what a caller
 waiting on a result learns.  A delivery runs no other send module.
 
-The enqueue and process guards, replace and debounce, and the send fast
-path each act for one
-:class:`~dramatiq_unique.middleware.UniqueMiddleware`, but none of them
-holds it.  They use a :class:`LockContext`: where the locks live, how a
-key is made, how an event is told and how a backend failure is
-reported.  The middleware makes the context and the guards; the guards
-import this module and each other downwards only (``guard`` imports
-``fastpath``, both import this module, and this module imports
-``confirm``, never the reverse; the worker side imports the send side,
-never the reverse), and ``tests/test_import_graph.py`` fails on any
-import cycle.
+The guards, replace, debounce and the send fast path each act for one
+middleware through a :class:`LockContext`, never the middleware itself.
+Imports go downwards only (``guard`` imports ``fastpath``, both import
+this module, this module imports ``confirm``; the worker side imports the
+send side), and ``tests/test_import_graph.py`` fails on any cycle.
 
-:class:`EnqueueLocks` is what every way of taking an enqueue lock shares
-(the two-step path and replace in :mod:`.guard`, the fast path in
-:mod:`.fastpath`): the guarded enqueue call, the locks it took, how a
-duplicate is refused, and how a failed take fails closed.
-
-A new message gets its place among its producer's sends of the same
-millisecond (waiters of one key are handed the key in that order); each
-delivery is one copy of its message (:class:`~..backends.records.Copy`),
-named by the options the sends stamped (their names, and how a lock
-owner names its message, are in :mod:`..model.wire`).  The send side
-stamps these, the worker and the operators read them.
-
-Dramatiq's ``Results`` stores ``None`` for any skipped message that is
-not failed, and an exception only when it is dead-lettered.  A message
-that this package drops, dead-letters or supersedes must instead give
-its caller a ``ResultFailure`` naming why (:func:`store_failure`), and a
-copy that is skipped while another copy runs must store nothing at all
-(:func:`store_nothing`).
+A message that this package drops, dead-letters or supersedes gives its
+caller a ``ResultFailure`` naming why (:func:`store_failure`), and a copy
+skipped while another copy runs stores nothing (:func:`store_nothing`):
+Dramatiq's ``Results`` would store ``None`` for both.
 """
 
 from __future__ import annotations
@@ -222,21 +202,16 @@ def is_fresh(message: Any) -> bool:
 
 
 class EnqueueLocks:
-    """What every path that takes an enqueue lock shares, and the guarded
-    enqueue call they run in.
+    """What every path that takes an enqueue lock shares (the two-step
+    path and replace in :mod:`.guard`, the fast path in :mod:`.fastpath`),
+    and the guarded enqueue call they run in.
 
     Dramatiq 2.x has no supported way for middleware to cancel an
-    enqueue: an exception from ``before_enqueue`` either reaches the
-    caller or is ignored.  So the middleware wraps its broker's
-    ``enqueue`` once (:meth:`guard`).  The wrapper turns a refused
-    duplicate into a returned, unsent message, and gives back what its
-    call took when the publish fails.  That covers ``send``,
-    ``send_with_options``, ``broker.enqueue``, pipelines, groups and
-    callbacks alike.  A new lock taken in the call holds for the
-    provisional window only, and is confirmed to its full lifetime by
-    the process's :class:`~.confirm.Confirmer` once the publish has
-    returned (see :mod:`dramatiq_unique.send.confirm`): a producer that
-    dies in between leaves a key that frees itself.
+    enqueue, so the middleware wraps its broker's ``enqueue`` once
+    (:meth:`guard`): the wrapper turns a refused duplicate into a
+    returned, unsent message, gives back what its call took when the
+    publish fails, and hands the provisional locks to the
+    :class:`~.confirm.Confirmer` once the publish has returned.
 
     Parameters:
       service(LockContext): The middleware's lock context.
