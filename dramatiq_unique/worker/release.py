@@ -1,51 +1,15 @@
 """Releasing the locks of a delivery when its run ends, and the worker
-process's background tasks that this needs.
+process's background tasks that this needs (:class:`WorkerThreads`,
+made on first use; a new backend stops the lock threads).
 
 A run lock's release goes to the :class:`Releaser` when the backend
 batches releases, else straight to the backend; a release that handed
 the key to a waiter leaves a :class:`~.leases.HandOff` to enqueue, and a
 release that failed is sent again by :class:`~.resend.FailedReleases`.
-:class:`LockTroubles` tells what no delivery waits for: a lease lost or
-not renewed, releases stalled in the backend.
-
-The background tasks of a worker process (lease renewals, batched
-releases, retries of failed releases, hand-off polls, the periodic
-reaper) are made by :class:`WorkerThreads`.  Each thread works on the
-backend that was current when it was made: it is made on first use, and
-a new backend (``UniqueMiddleware.backend = ...``) stops the lock
-threads, so that the next use makes them afresh.
-
-**The releaser.**  A worker thread that has run its actor queues its run
-lock's release with the :class:`Releaser` and moves on.  The releases
-pending when a worker thread takes its next run lock ride in front of
-that call, in one round trip (:meth:`BatchedReleases.release_and_start`):
-under load a release costs no round trip of its own.  What no worker
-thread carried within ``linger`` ms, the releaser's background thread
-sends in one round trip (:meth:`LockBackend.release_many`).  Each outcome
-is reported where it arrived, in order with the call it rode with; the
-hand-off a report leaves to do is done on the releaser thread.  The
-release of a run that a waiter likely waits for goes at once, on its
-worker thread (:meth:`Releaser.release_now`): lingering would hold up
-the hand-off, one after another down a line of waiters.
-
-What stays true:
-
-* Each release is submitted once and sent once, by whichever thread
-  takes it off the pending list first (once more if a time limit or a
-  shutdown notice broke the call that carried it); the release script
-  checks the owner, so a release never frees another holder's slot.  A
-  release sent in front of another lock's call is applied before it.
-* Nothing on a worker thread waits for Redis here but a release it
-  sends now.  A batch that waited longer than ``stall_after`` for its
-  reply is reported (ERROR log, a ``backend_error`` per lock) by the next
-  submission, so a stuck Redis is never silent.  A release that rides
-  with a run lock's call fails with that call.
-* The lock is released a little after the message is acked: if the
-  process dies in between, the key stays held until its lease expires,
-  as after any crash.
-* The worker's shutdown drains the pending releases, at most
-  ``drain_timeout`` (or what is left of the shutdown's bound), and hands
-  what is left to the next worker (:class:`~.resend.OwedReleases`).
+The releaser's rules (releases riding in front of the next start, the
+``linger``, stalls, the drain at shutdown) are in docs/reliability.md,
+"What is guaranteed", "Graceful shutdown within a bound" and "Order of
+hand-offs".
 """
 
 from __future__ import annotations
@@ -55,11 +19,10 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
 
 from dramatiq import Message
-from dramatiq.logging import get_logger
 
 from ..backends.capabilities import BatchedReleases
 from ..backends.records import Release, Start
-from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread, now_ms, pid
+from ..background import BackgroundThread, Served, now_ms, pid
 from ..model.spec import ActorSpec
 from ..model.wire import UNIQUE_RESCHEDULES
 from ..send.context import LockContext
@@ -122,7 +85,7 @@ DEFAULT_LINGER = 2
 QUIET_AFTER = 50
 
 
-class Releaser:
+class Releaser(Served[BatchedReleases, ReleaseReports, PendingRelease]):
     """Releases run locks of one process in the background.
 
     Parameters:
@@ -147,20 +110,17 @@ class Releaser:
         drain_timeout: int = DEFAULT_DRAIN_TIMEOUT,
         linger: int = DEFAULT_LINGER,
     ) -> None:
-        # The logger's name predates the merge of this class into this module: operators filter on it.
-        self.logger = get_logger("dramatiq_unique.worker.releaser", type(self))
-        self.backend = backend
-        self.reports = reports
         self.on_stalled = on_stalled
         self.batch = batch
         self.stall_after = stall_after
-        self.drain_timeout = drain_timeout
         self.linger = linger
-        self._reset()
-        # A greenlet under gevent: it sends with the backend's own client,
-        # whose patched sockets and pool belong to the hub's thread.
-        self._thread = BackgroundThread(
-            name="dramatiq-unique-releaser", loop=self._serve, on_fork=self._reset, on_wake=self._notify
+        # The logger's name predates the merge of this class into this module: operators filter on it.
+        super().__init__(
+            backend,
+            reports=reports,
+            drain_timeout=drain_timeout,
+            logger="dramatiq_unique.worker.releaser",
+            name="dramatiq-unique-releaser",
         )
 
     def _reset(self) -> None:
@@ -179,10 +139,6 @@ class Releaser:
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._idle = False
-
-    def _notify(self) -> None:
-        with self._wakeup:
-            self._wakeup.notify_all()
 
     def submit(self, pending: PendingRelease) -> None:
         """Queue one release; never waits for the backend."""
@@ -292,12 +248,6 @@ class Releaser:
             if follow_ups or self._draining:
                 self._wakeup.notify_all()
 
-    def _ensure_thread(self) -> None:
-        """Start the releaser thread unless it runs; the lock is held.  (The
-        hand-off model does the thread's work in its own rules instead.)
-        """
-        self._thread.ensure_started()
-
     def _stalled(self) -> list[PendingRelease]:
         """The batch in flight, once, when it has waited too long."""
         if not self._sending or self._stall_reported or now_ms() - self._sending_since < self.stall_after:
@@ -336,38 +286,10 @@ class Releaser:
                 self._draining -= 1
         return True
 
-    def stop(self, timeout: Optional[float] = None) -> list[PendingRelease]:
-        """Drain, then end the thread.
-
-        Returns:
-          list[PendingRelease]: What is left after ``timeout``
-          milliseconds: the releases not sent, and those of the batch
-          stuck in flight (it may have been applied), for the caller to
-          hand on (:class:`~.resend.OwedReleases`).
-        """
-        drained = self.drain(timeout)
-        # A thread stuck in a call is not waited for again: the drain did.
-        self._thread.stop(timeout=min(DEFAULT_STOP_TIMEOUT, timeout or DEFAULT_STOP_TIMEOUT) if drained else 0)
-        with self._wakeup:
-            # Left in place too: a stuck call that returns before the
-            # process exits still sends them (twice is harmless).
-            return list(self._sending) + list(self._pending)
-
-    def _serve(self, thread: BackgroundThread) -> None:
-        try:
-            while True:
-                with self._wakeup:
-                    batch, follow_ups = self._next(thread)
-                    if batch is None:
-                        thread.retire()  # under the lock: a submission from now on starts a new thread
-                        return
-                    self._sending, self._sending_since, self._stall_reported = batch, now_ms(), False
-                self._send(batch, follow_ups)
-        except BaseException:
-            with self._wakeup:
-                thread.retire()  # the next submission starts a new thread (the base logs the error)
-                self._wakeup.notify_all()  # and a drain waiting for this one stops waiting
-            raise
+    def _left_over(self) -> list[PendingRelease]:
+        # Left in place too: a stuck call that returns before the
+        # process exits still sends them (twice is harmless).
+        return list(self._sending) + list(self._pending)
 
     def _send(self, batch: list[PendingRelease], follow_ups: list[FollowUp]) -> None:
         """Do the hand-offs left to do, then send ``batch`` in one round
@@ -385,19 +307,18 @@ class Releaser:
             self._riding -= len(follow_ups)
             self._wakeup.notify_all()
 
-    def _next(self, thread: BackgroundThread) -> tuple[Optional[list[PendingRelease]], list[FollowUp]]:
+    def _next(self, thread: BackgroundThread) -> Optional[tuple[list[PendingRelease], list[FollowUp]]]:
         """Wait, holding the lock, for hand-offs to do or releases that
         no worker thread carried within ``linger``; None to end.
         """
         while True:
-            if self._follow_ups:
-                follow_ups, self._follow_ups = self._follow_ups, []
-                return self._due(force=True), follow_ups
-            due = self._due(force=thread.stopping or self._draining > 0)
-            if due:
-                return due, []
+            follow_ups, self._follow_ups = self._follow_ups, []
+            batch = self._due(force=bool(follow_ups) or thread.stopping or self._draining > 0)
+            if batch or follow_ups:
+                self._sending, self._sending_since, self._stall_reported = batch, now_ms(), False
+                return batch, follow_ups
             if thread.stopping and not self._pending:
-                return None, []
+                return None
             # Idle (woken by the next submission) when there is nothing to
             # send and either nothing to linger for or nothing submitted lately.
             self._idle = not self._pending and (self.linger <= 0 or now_ms() - self._last_submitted > QUIET_AFTER)
