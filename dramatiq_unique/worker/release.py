@@ -61,9 +61,7 @@ def reschedule_delay(service: LockContext, spec: ActorSpec) -> int:
 
 
 def reserve(service: LockContext, spec: ActorSpec) -> int:
-    """How long a slot handed to a waiter of ``spec`` stays reserved for
-    it, in milliseconds.
-    """
+    """How long a slot handed to a waiter of ``spec`` stays reserved for it, in ms."""
     return RESERVE_DELAYS * reschedule_delay(service, spec) + RESERVE_SLACK
 
 
@@ -89,8 +87,7 @@ class Releaser(Served[BatchedReleases, ReleaseReports, PendingRelease]):
     """Releases run locks of one process in the background.
 
     Parameters:
-      backend(BatchedReleases): Where the locks live: a backend that
-        batches releases.
+      backend(BatchedReleases): Where the locks live.
       reports(ReleaseReports): Where outcomes are reported.
       on_stalled(callable): Called, on a worker thread, with the
         releases of a batch that waited longer than ``stall_after``.
@@ -154,13 +151,8 @@ class Releaser(Served[BatchedReleases, ReleaseReports, PendingRelease]):
             self.on_stalled(stalled)
 
     def take_run_lock(self, key: str, owner: str, **start: Any) -> Start:
-        """Take a run lock (:meth:`LockBackend.start`, with its keyword
-        arguments), with the releases pending now sent in front of it, in
-        the same round trip.
-
-        Raises:
-          Exception: What the start raised; the releases that rode with
-            it are reported as failed with it.
+        """Take a run lock (:meth:`LockBackend.start`), with the releases
+        pending now in front of it, in the same round trip; they fail with it.
         """
         riders = self._board()
         if not riders:
@@ -214,10 +206,8 @@ class Releaser(Served[BatchedReleases, ReleaseReports, PendingRelease]):
         return riders
 
     def _unboard(self, riders: list[PendingRelease]) -> None:
-        """Queue again, first, the releases of a call that a time limit or
-        a shutdown notice broke, for the releaser thread to send.  The
-        broken call may have applied them: one found done already is not
-        reported as a lost lock.
+        """Queue again, first, for the releaser thread, the releases of a
+        call that a time limit or a shutdown notice broke (and may have applied).
         """
         for pending in riders:
             pending.resent = True
@@ -237,9 +227,7 @@ class Releaser(Served[BatchedReleases, ReleaseReports, PendingRelease]):
         return follow_ups
 
     def _settled(self, carried: int, follow_ups: list[FollowUp]) -> None:
-        """``carried`` releases that a worker thread sent are reported;
-        ``follow_ups`` is left to the releaser thread.
-        """
+        """``carried`` releases sent by a worker thread are reported; ``follow_ups`` go to the releaser thread."""
         with self._lock:
             self._riding -= carried - len(follow_ups)  # a hand-off counts until it is done
             self._follow_ups += follow_ups
@@ -292,9 +280,7 @@ class Releaser(Served[BatchedReleases, ReleaseReports, PendingRelease]):
         return list(self._sending) + list(self._pending)
 
     def _send(self, batch: list[PendingRelease], follow_ups: list[FollowUp]) -> None:
-        """Do the hand-offs left to do, then send ``batch`` in one round
-        trip and report each outcome.
-        """
+        """Do the hand-offs left to do, then send ``batch`` and report each outcome."""
         for pending, handoff in follow_ups:
             self._hand_over(pending, handoff)
         outcomes = self._release(batch)
@@ -449,9 +435,7 @@ class Unlocker:
         self.queue_lock_released(message, state, key, released.held)
 
     def queue_lock_released(self, message: "MessageProxy", state: Delivery, key: str, held: bool) -> None:
-        """Report the release of an enqueue lock: ``held`` says whether
-        it was still held until then.
-        """
+        """Report the release of an enqueue lock, ``held`` until then or not."""
         service = self.service
         state.queue_released = True
         if held:
@@ -467,10 +451,8 @@ class Unlocker:
         return self._report(pending.lock, outcome) if pending.lock is not None else None
 
     def _report(self, lock: LockToRelease, outcome: Outcome) -> Optional[HandOff]:
-        """Report a run lock's release; return the hand-off to do, if it
-        handed the key to a waiter: the caller does it where no job
-        waits for it.  A release that failed is sent again saying how
-        the run ended.
+        """Report a run lock's release; return the hand-off it left to do,
+        if any.  A release that failed is sent again.
         """
         service, lease = self.service, lock.lease
         if isinstance(outcome, Exception):
@@ -486,9 +468,7 @@ class Unlocker:
         return _handoff(lock, outcome)
 
     def landed(self, failed: FailedRelease, outcome: Release) -> Optional[HandOff]:
-        """Report a release that landed on a retry.  Its first send may
-        have been applied, so an owner found gone is no lost lock.
-        """
+        """Report a release that landed on a retry: an owner found gone is no lost lock."""
         lock = failed.lock
         if lock is None:
             return None
@@ -543,9 +523,7 @@ class WorkerThreads:
     def leases(self) -> LeaseKeeper:
         """Renews the run leases of this process."""
         if self._leases is None:
-            # Worker threads ask at once on their first jobs: one keeper, or
-            # a lease held by a second one would be renewed after its release.
-            with _MAKING:
+            with _MAKING:  # one keeper, or a lease held by a second one would be renewed after its release
                 if self._leases is None:
                     self._leases = LeaseKeeper(
                         self.service.locks,
@@ -569,10 +547,8 @@ class WorkerThreads:
 
     @property
     def take_run_lock(self) -> Callable[..., Start]:
-        """The one take of a run lock (:meth:`LockBackend.start`): the
-        releaser's, which sends the releases pending in this process in
-        front of it, in the same round trip, when the backend batches
-        releases; else the backend's own.
+        """The one take of a run lock: the releaser's (pending releases
+        ride in front of it), else the backend's :meth:`LockBackend.start`.
         """
         releaser = self.releaser
         return releaser.take_run_lock if releaser is not None else self.service.locks.start
@@ -602,11 +578,8 @@ class WorkerThreads:
 
     def stop(self, left: Callable[[], float]) -> list[OwedRelease]:
         """Stop every thread, each within what ``left`` says is left of
-        the shutdown's bound, in milliseconds.
-
-        Returns:
-          list[OwedRelease]: The releases that could not be sent, for
-          the next worker (:class:`~.resend.OwedReleases`).
+        the shutdown's bound (ms); return the releases owed to the next
+        worker (:class:`~.resend.OwedReleases`).
         """
         self.handoffs.stop()
         owed: list[OwedRelease] = []
@@ -623,10 +596,9 @@ class WorkerThreads:
         return owed
 
     def _owed(self, key: str, owner: str, until: float, options: dict[str, Any]) -> OwedRelease:
-        """A release to hand on, from its lock's monotonic expiry.  A run
-        lock's release is made even after its lease ran out: it also
-        ends the run of a rescheduled message in its record, which lives
-        ``lock_ttl``, so that a duplicate of that run is skipped.
+        """A release to hand on, from its lock's monotonic expiry; a run
+        lock's is made past its lease, for ``lock_ttl`` (see
+        :class:`~.resend.FailedReleases`).
         """
         if key.endswith(RUN_SUFFIX):
             until = max(until, now_ms() + self.service.settings.lock_ttl)
