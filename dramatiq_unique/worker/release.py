@@ -77,9 +77,8 @@ DEFAULT_DRAIN_TIMEOUT = 10_000
 #: How long, in ms, a release waits for a run lock call to carry it.
 DEFAULT_LINGER = 2
 
-#: After how long without a submission, in milliseconds, the releaser
-#: thread stops looking every ``linger`` and waits to be woken: under
-#: load it wakes once per ``linger``, not once per release.
+#: After how long without a submission, in ms, the releaser thread stops
+#: looking every ``linger`` and waits to be woken.
 QUIET_AFTER = 50
 
 
@@ -413,9 +412,7 @@ class Unlocker:
 
     def release_queue_lock(self, message: "MessageProxy", state: Delivery, strict: bool = False) -> None:
         """Release the enqueue lock, once, unless the lock type has none
-        or keeps it until it expires; ``strict`` raises on a backend
-        failure so the delivery is retried instead of leaving the lock
-        to block new sends until it expires.
+        or keeps it; ``strict`` raises on a backend failure (the delivery is retried).
         """
         if state.queue_released or state.spec.lock.queue_release in (None, "expiry"):
             return
@@ -535,9 +532,7 @@ class WorkerThreads:
 
     @property
     def releaser(self) -> Optional[Releaser]:
-        """Releases run locks off the worker thread, when the backend
-        batches releases; None when it does not.
-        """
+        """Releases run locks off the worker thread; None unless the backend batches releases."""
         backend = self.service.backend
         if self._releaser is None and isinstance(backend, BatchedReleases) and backend.batches_releases:
             with _MAKING:  # worker threads ask at once: make one
