@@ -2,50 +2,19 @@
 until they land, and the releases a stopping worker owes, which the next
 one makes.
 
-**Failed releases.**  A release that fails (a dropped connection, a
-timeout, Redis down for a while) would leave its key held until the lock
-expires: 60 s for a run lease, 24 h for an ``until_executed`` enqueue
-lock.  Instead it is queued in :class:`FailedReleases`, and one
-background thread per process (a
-:class:`~..background.BackgroundThread`, a greenlet under gevent) sends
-it again, with backoff, until it is applied, or until the lock would
-have expired anyway, when there is nothing left to free.
+**Failed releases.**  A release that fails is queued in
+:class:`FailedReleases`, whose thread sends it again, with backoff,
+until it is applied or the lock would have expired anyway; a run lock's
+release is sent on past its lease, for ``record_ttl``, as it also ends
+the run in its message's record.  A retry that finds the owner gone
+reports nothing: the first send may have been applied.
 
-A run lock's release is sent on past its lease, for ``record_ttl``:
-besides freeing the lock it ends the run of a rescheduled message in
-its record, so that a duplicate of that run that comes later is
-skipped; the lock itself lapsed and was free meanwhile, and the release
-checks its owner (a token of that one execution), so it frees nothing
-else.
-
-A failed release may have been applied (its reply was lost), so a
-retry that finds the owner gone reports nothing: the lock was freed,
-by the first send or by its expiry, and never by another owner's
-release (the release script checks the owner).  The worker's shutdown
-sends what is left once more, waits at most ``drain_timeout`` (or what
-is left of the shutdown's bound), and hands what is still left on.
-
-**Owed releases.**  A worker that stops while its lock backend is out
-of reach still owes the releases it could not send: the failed releases
-above, and the run lock releases still waiting in the
-:class:`~.release.Releaser`.  Left in its memory they would die with
-it, and an ``until_executed`` key would stay held for its ``lock_ttl``
-(24 h by default).  So the stopping process writes them to the broker,
-as one message of a small internal actor (:data:`OWED_ACTOR`) on a
-queue it consumed (:class:`OwedReleases`); whichever worker processes
-that message makes the releases, each checking its owner, and enqueues
-the message again, with backoff, for those the backend still refuses,
-until each lands or its lock would have expired by itself.
-
-What tells a stopping process from a killed one: only a process that
-runs its shutdown hooks writes what it owes.  A SIGKILLed process owes
-nothing it can say, and an ``until_executed`` lock whose worker died
-mid-run is kept until its redelivery runs, as before.
-
-Every release is owner-checked, so making one twice is harmless: the
-second finds its owner gone and changes nothing.  That is what makes an
-enqueue whose outcome is unknown (it failed after its send, or did not
-return within the bound) safe to send again.
+**Owed releases.**  What a stopping worker could not send it writes to
+the broker, as one message of an internal actor (:data:`OWED_ACTOR`),
+which the next worker makes (:class:`OwedReleases`); a SIGKILLed process
+owes nothing it can say.  Every release is owner-checked, so making one
+twice is harmless.  See docs/reliability.md, "Graceful shutdown within
+a bound", "Owed releases outlive the process".
 """
 
 from __future__ import annotations
