@@ -1,35 +1,13 @@
 """The package's background threads, on one base, with the clock and
 the process id they read.
 
-Each background task of a process (the lease keeper, the releaser,
-the confirmer, the retries of failed releases, the periodic reaper, the
-hand-off timer) runs a loop on a :class:`BackgroundThread`, which gives
-every one of them the same life cycle:
-
-* **lazy start**: the thread starts with the first call that needs it
-  (:meth:`~BackgroundThread.ensure_started`, one field read when it
-  runs already), and again after it ended or failed;
-* **fork**: a forked child has none of its parent's threads, so each
-  thread is marked as not running there (``os.register_at_fork``) and
-  its owner's ``on_fork`` resets what the parent left half-done;
-* **stop** and a **bounded drain**: :meth:`~BackgroundThread.stop` wakes
-  the loop and waits for it at most a given time;
-  :meth:`~BackgroundThread.drain` waits, bounded, for a condition;
-* **generations**: a loop that decides, under its owner's lock, to end
-  (nothing left to do) or that its owner gives up on (stuck in a call)
-  is retired at once (:meth:`~BackgroundThread.retire`), so that the next use
-  starts a new thread without waiting for the old one to return; each
-  start has its own generation, and an old thread's exit never clears
-  the running mark of a newer one;
-* **errors are logged, not lost**: an exception that ends a loop is
-  logged with its traceback, and the next use starts a new thread;
-* **gevent**: under ``dramatiq-gevent``'s monkey-patching a thread is a
-  greenlet on the actor's own OS thread.  A task that must go on while
-  an actor holds the hub (lease renewal) asks for ``native=True`` and
-  then runs on a real OS thread, which waits on OS locks only and hands
-  everything that touches patched state (logging, callbacks, events)
-  to the hub with :meth:`~BackgroundThread.report`.  Every other task
-  stays a greenlet, as correct under patching as any of Dramatiq's.
+Each background task of a process (the lease keeper, the releaser, the
+confirmer, the retries of failed releases, the periodic reaper, the
+hand-off timer) runs a loop on a :class:`BackgroundThread`: it starts
+lazily, is reset in a forked child, stops within a bound, logs an error
+that ends it, retires a generation at once, and under gevent chooses a
+greenlet or (``native=True``) an OS thread; see docs/reliability.md,
+"Green threads (gevent)", "One life cycle".
 
 The clock (:func:`now_ms`), the jitter (:data:`JITTER`) and the process
 id (:func:`pid`) live here too: every background task times and
@@ -46,6 +24,7 @@ import random
 import threading
 import time as mod_time
 import weakref
+from abc import abstractmethod
 from typing import Any, Callable, Generic, Optional, TypeVar, Union, cast
 
 from dramatiq.logging import get_logger
@@ -284,22 +263,12 @@ class BackgroundThread:
             return not thread.is_alive()
         # A native thread is never joined: a greenlet would block the hub
         # on its OS lock.  Looked at with sleeps, which yield.
-        return self.drain(lambda: self._finished, timeout=timeout)
-
-    @staticmethod
-    def drain(done: Callable[[], bool], *, timeout: float, poll: float = DEFAULT_POLL) -> bool:
-        """Wait until ``done()`` is true, at most ``timeout`` ms, looking
-        every ``poll`` ms (a sleep, which yields under gevent).
-
-        Returns:
-          bool: whether it became true.
-        """
         deadline = now_ms() + timeout
-        while not done():
+        while not self._finished:
             left = deadline - now_ms()
             if left <= 0:
                 return False
-            mod_time.sleep(min(left, poll) / 1000)
+            mod_time.sleep(min(left, DEFAULT_POLL) / 1000)
         return True
 
     # Crossing back ----------------------------------------------------------
@@ -319,6 +288,98 @@ class BackgroundThread:
 
 def _call(call: Callable[[], None]) -> None:
     call()
+
+
+B = TypeVar("B")
+R = TypeVar("R")
+
+
+class ThreadOwner(Generic[B]):
+    """The owner of one :class:`BackgroundThread` that works on a lock
+    backend: its logger, its backend, and its thread, whose loop is
+    :meth:`_serve` (``thread``: the thread's other arguments).
+    """
+
+    def __init__(self, backend: B, *, logger: str, **thread: Any) -> None:
+        self.logger = get_logger(logger, type(self))
+        self.backend = backend
+        self._thread = BackgroundThread(loop=self._serve, **thread)
+
+    @abstractmethod
+    def _serve(self, thread: BackgroundThread) -> None: ...
+
+
+class Served(ThreadOwner[B], Generic[B, R, T]):
+    """A :class:`ThreadOwner` whose loop waits on the owner's own
+    condition, ``_wakeup`` (made by ``_reset``, run again in a forked
+    child: what the parent queued is the parent's, and its lock may have
+    been held), takes its next work under it (``_next``, None to end)
+    and does it outside (``_send``).  A greenlet under gevent: it sends
+    with the backend's own client.  ``reports`` is where outcomes go.
+    """
+
+    _wakeup: threading.Condition
+
+    def __init__(self, backend: B, *, reports: R, drain_timeout: int, logger: str, name: str) -> None:
+        self.reports = reports
+        self.drain_timeout = drain_timeout
+        self._reset()
+        super().__init__(backend, logger=logger, name=name, on_fork=self._reset, on_wake=self._notify)
+
+    @abstractmethod
+    def _reset(self) -> None: ...
+
+    @abstractmethod
+    def _next(self, thread: BackgroundThread) -> Optional[tuple[Any, ...]]: ...
+
+    @abstractmethod
+    def _send(self, *work: Any) -> None: ...
+
+    @abstractmethod
+    def drain(self, timeout: Optional[float] = None) -> bool: ...
+
+    @abstractmethod
+    def _left_over(self) -> list[T]: ...
+
+    def _notify(self) -> None:
+        with self._wakeup:
+            self._wakeup.notify_all()
+
+    def _ensure_thread(self) -> None:
+        """Start the thread unless it runs; the lock is held.  (The
+        hand-off model does the thread's work in its own rules instead.)
+        """
+        self._thread.ensure_started()
+
+    def _serve(self, thread: BackgroundThread) -> None:
+        try:
+            while True:
+                with self._wakeup:
+                    work = self._next(thread)
+                    if work is None:
+                        thread.retire()  # under the lock: a submission from now on starts a new thread
+                        return
+                self._send(*work)
+        except BaseException:
+            with self._wakeup:
+                thread.retire()  # the next submission starts a new thread (the base logs the error)
+                self._wakeup.notify_all()  # and a drain waiting for this one stops waiting
+            raise
+
+    def stop(self, timeout: Optional[float] = None) -> list[T]:
+        """Drain, then end the thread.
+
+        Returns:
+          list: What is left after ``timeout`` milliseconds (default
+          ``drain_timeout``): the releases not sent, and those of the
+          batch stuck in flight (it may have been applied), for the
+          caller to hand on (:class:`~.worker.resend.OwedReleases`).
+        """
+        drained = self.drain(timeout)
+        # A thread stuck in a call is not waited for again: the drain did.
+        self._thread.stop(timeout=min(DEFAULT_STOP_TIMEOUT, timeout or DEFAULT_STOP_TIMEOUT) if drained else 0)
+        with self._wakeup:
+            return self._left_over()
 
 
 class OneCall(Generic[T]):

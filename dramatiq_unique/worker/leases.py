@@ -60,12 +60,10 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol,
 
 from dramatiq.common import q_name
 
-from dramatiq.logging import get_logger
-
 from ..backends.base import LockBackend
 from ..backends.capabilities import NativeExtender, RenewsNatively
 from ..backends.records import DEFAULT_RESERVE, Release, Releasing
-from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread, OneCall, now_ms, pid
+from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread, OneCall, ThreadOwner, now_ms, pid
 from ..compat import async_to_sync, redis_consumer_backoff, replace_actor_fn, set_redis_consumer_backoff
 from ..model.spec import ActorSpec
 
@@ -247,7 +245,7 @@ class Lease:
     lost: bool = False
 
 
-class LeaseKeeper:
+class LeaseKeeper(ThreadOwner[LockBackend]):
     """Renews leases of ``lease`` milliseconds on ``backend``.
 
     Under gevent's monkey-patching the keeper runs on a native OS
@@ -276,21 +274,18 @@ class LeaseKeeper:
         on_lost: Callable[[Lease], None],
         on_error: Optional[Callable[[Lease], None]] = None,
     ) -> None:
-        self.logger = get_logger(__name__, type(self))
-        self.backend = backend
         self.lease = lease
         self.on_lost = on_lost
         self.on_error = on_error
         self._leases: dict[int, Lease] = {}
-        self._renewal: Optional[OneCall[list[bool]]] = None
-        self._native_extend: Optional[NativeExtender] = None
-        self._thread = BackgroundThread(
-            name="dramatiq-unique-leases", loop=self._serve, native=self._can_renew_natively, on_fork=self._forked
-        )
+        self._forked()
+        name = "dramatiq-unique-leases"
+        super().__init__(backend, logger=__name__, name=name, native=self._can_renew_natively, on_fork=self._forked)
 
     def _forked(self) -> None:
         # The parent's connection and renewal belong to the parent.
-        self._renewal, self._native_extend = None, None
+        self._renewal: Optional[OneCall[list[bool]]] = None
+        self._native_extend: Optional[NativeExtender] = None
 
     def _can_renew_natively(self) -> bool:
         """Called at each start under gevent: find a native connection."""

@@ -72,19 +72,6 @@ DEFAULT_PASS_KEYS = 10_000
 KEPT_AFTER_RUN = ("until_expired",)
 
 
-class ListedHolder(Protocol):
-    """One holder of a listed lock, as the reaper reads it (an
-    :class:`~dramatiq_unique.ops.admin.Holder`, a
-    :class:`~dramatiq_unique.backends.records.HeldSlot`).
-    """
-
-    @property
-    def owner(self) -> str: ...
-
-    @property
-    def record(self) -> Optional[EnqueueRecord]: ...
-
-
 class ListedLock(Protocol):
     """One listed lock, as the reaper reads it (an
     :class:`~dramatiq_unique.ops.admin.Lock`, a
@@ -104,7 +91,11 @@ class ListedLock(Protocol):
     def lock_args(self) -> Optional[str]: ...
 
     @property
-    def holders(self) -> Sequence[ListedHolder]: ...
+    def holders(self) -> Sequence[Any]:
+        """Each with an ``owner`` and a ``record`` (an
+        :class:`~dramatiq_unique.ops.admin.Holder`, a
+        :class:`~dramatiq_unique.backends.records.HeldSlot`).
+        """
 
 
 class LockListing(Protocol):
@@ -122,13 +113,6 @@ class LockListing(Protocol):
     def locks(self, *, actor: Optional[str] = None, phase: Optional[str] = None) -> Iterator[ListedLock]: ...
 
     def call(self, doing: str, call: Callable[..., T], *args: Any) -> T: ...
-
-
-def queue_of(record: EnqueueRecord) -> str:
-    """The queue a record names, without a delay queue's ``.DQ``; "" if
-    none (:attr:`EnqueueRecord.queue`).
-    """
-    return record.queue
 
 
 def _text(value: Any) -> str:

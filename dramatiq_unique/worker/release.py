@@ -23,11 +23,10 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
 
 from dramatiq import Message
-from dramatiq.logging import get_logger
 
 from ..backends.capabilities import BatchedReleases
 from ..backends.records import Release, Start
-from ..background import DEFAULT_STOP_TIMEOUT, BackgroundThread, now_ms, pid
+from ..background import BackgroundThread, Served, now_ms, pid
 from ..model.wire import UNIQUE_RESCHEDULES
 from ..send.context import LockContext
 from .leases import (
@@ -60,18 +59,16 @@ DEFAULT_DRAIN_TIMEOUT = 10_000
 #: How long, in ms, a release waits for a run lock call to carry it.
 DEFAULT_LINGER = 2
 
-#: After how long without a submission, in milliseconds, the releaser
-#: thread stops looking every ``linger`` and waits to be woken: under
-#: load it wakes once per ``linger``, not once per release.
+#: After how long without a submission, in ms, the releaser thread stops
+#: looking every ``linger`` and waits to be woken.
 QUIET_AFTER = 50
 
 
-class Releaser:
+class Releaser(Served[BatchedReleases, ReleaseReports, PendingRelease]):
     """Releases run locks of one process in the background.
 
     Parameters:
-      backend(BatchedReleases): Where the locks live: a backend that
-        batches releases.
+      backend(BatchedReleases): Where the locks live.
       reports(ReleaseReports): Where outcomes are reported.
       on_stalled(callable): Called, on a worker thread, with the
         releases of a batch that waited longer than ``stall_after``.
@@ -91,20 +88,17 @@ class Releaser:
         drain_timeout: int = DEFAULT_DRAIN_TIMEOUT,
         linger: int = DEFAULT_LINGER,
     ) -> None:
-        # The logger's name predates the merge of this class into this module: operators filter on it.
-        self.logger = get_logger("dramatiq_unique.worker.releaser", type(self))
-        self.backend = backend
-        self.reports = reports
         self.on_stalled = on_stalled
         self.batch = batch
         self.stall_after = stall_after
-        self.drain_timeout = drain_timeout
         self.linger = linger
-        self._reset()
-        # A greenlet under gevent: it sends with the backend's own client,
-        # whose patched sockets and pool belong to the hub's thread.
-        self._thread = BackgroundThread(
-            name="dramatiq-unique-releaser", loop=self._serve, on_fork=self._reset, on_wake=self._notify
+        # The logger's name predates the merge of this class into this module: operators filter on it.
+        super().__init__(
+            backend,
+            reports=reports,
+            drain_timeout=drain_timeout,
+            logger="dramatiq_unique.worker.releaser",
+            name="dramatiq-unique-releaser",
         )
 
     def _reset(self) -> None:
@@ -124,10 +118,6 @@ class Releaser:
         self._wakeup = threading.Condition(self._lock)
         self._idle = False
 
-    def _notify(self) -> None:
-        with self._wakeup:
-            self._wakeup.notify_all()
-
     def submit(self, pending: PendingRelease) -> None:
         """Queue one release; never waits for the backend."""
         with self._lock:
@@ -142,13 +132,8 @@ class Releaser:
             self.on_stalled(stalled)
 
     def take_run_lock(self, key: str, owner: str, **start: Any) -> Start:
-        """Take a run lock (:meth:`LockBackend.start`, with its keyword
-        arguments), with the releases pending now sent in front of it, in
-        the same round trip.
-
-        Raises:
-          Exception: What the start raised; the releases that rode with
-            it are reported as failed with it.
+        """Take a run lock (:meth:`LockBackend.start`), with the releases
+        pending now in front of it, in the same round trip; they fail with it.
         """
         riders = self._board()
         if not riders:
@@ -202,10 +187,8 @@ class Releaser:
         return riders
 
     def _unboard(self, riders: list[PendingRelease]) -> None:
-        """Queue again, first, the releases of a call that a time limit or
-        a shutdown notice broke, for the releaser thread to send.  The
-        broken call may have applied them: one found done already is not
-        reported as a lost lock.
+        """Queue again, first, for the releaser thread, the releases of a
+        call that a time limit or a shutdown notice broke (and may have applied).
         """
         for pending in riders:
             pending.resent = True
@@ -225,9 +208,7 @@ class Releaser:
         return follow_ups
 
     def _settled(self, carried: int, follow_ups: list[FollowUp]) -> None:
-        """``carried`` releases that a worker thread sent are reported;
-        ``follow_ups`` is left to the releaser thread.
-        """
+        """``carried`` releases sent by a worker thread are reported; ``follow_ups`` go to the releaser thread."""
         with self._lock:
             self._riding -= carried - len(follow_ups)  # a hand-off counts until it is done
             self._follow_ups += follow_ups
@@ -235,12 +216,6 @@ class Releaser:
                 self._ensure_thread()
             if follow_ups or self._draining:
                 self._wakeup.notify_all()
-
-    def _ensure_thread(self) -> None:
-        """Start the releaser thread unless it runs; the lock is held.  (The
-        hand-off model does the thread's work in its own rules instead.)
-        """
-        self._thread.ensure_started()
 
     def _stalled(self) -> list[PendingRelease]:
         """The batch in flight, once, when it has waited too long."""
@@ -280,43 +255,13 @@ class Releaser:
                 self._draining -= 1
         return True
 
-    def stop(self, timeout: Optional[float] = None) -> list[PendingRelease]:
-        """Drain, then end the thread.
-
-        Returns:
-          list[PendingRelease]: What is left after ``timeout``
-          milliseconds: the releases not sent, and those of the batch
-          stuck in flight (it may have been applied), for the caller to
-          hand on (:class:`~.resend.OwedReleases`).
-        """
-        drained = self.drain(timeout)
-        # A thread stuck in a call is not waited for again: the drain did.
-        self._thread.stop(timeout=min(DEFAULT_STOP_TIMEOUT, timeout or DEFAULT_STOP_TIMEOUT) if drained else 0)
-        with self._wakeup:
-            # Left in place too: a stuck call that returns before the
-            # process exits still sends them (twice is harmless).
-            return list(self._sending) + list(self._pending)
-
-    def _serve(self, thread: BackgroundThread) -> None:
-        try:
-            while True:
-                with self._wakeup:
-                    batch, follow_ups = self._next(thread)
-                    if batch is None:
-                        thread.retire()  # under the lock: a submission from now on starts a new thread
-                        return
-                    self._sending, self._sending_since, self._stall_reported = batch, now_ms(), False
-                self._send(batch, follow_ups)
-        except BaseException:
-            with self._wakeup:
-                thread.retire()  # the next submission starts a new thread (the base logs the error)
-                self._wakeup.notify_all()  # and a drain waiting for this one stops waiting
-            raise
+    def _left_over(self) -> list[PendingRelease]:
+        # Left in place too: a stuck call that returns before the
+        # process exits still sends them (twice is harmless).
+        return list(self._sending) + list(self._pending)
 
     def _send(self, batch: list[PendingRelease], follow_ups: list[FollowUp]) -> None:
-        """Do the hand-offs left to do, then send ``batch`` in one round
-        trip and report each outcome.
-        """
+        """Do the hand-offs left to do, then send ``batch`` and report each outcome."""
         for pending, handoff in follow_ups:
             self._hand_over(pending, handoff)
         outcomes = self._release(batch)
@@ -329,19 +274,18 @@ class Releaser:
             self._riding -= len(follow_ups)
             self._wakeup.notify_all()
 
-    def _next(self, thread: BackgroundThread) -> tuple[Optional[list[PendingRelease]], list[FollowUp]]:
+    def _next(self, thread: BackgroundThread) -> Optional[tuple[list[PendingRelease], list[FollowUp]]]:
         """Wait, holding the lock, for hand-offs to do or releases that
         no worker thread carried within ``linger``; None to end.
         """
         while True:
-            if self._follow_ups:
-                follow_ups, self._follow_ups = self._follow_ups, []
-                return self._due(force=True), follow_ups
-            due = self._due(force=thread.stopping or self._draining > 0)
-            if due:
-                return due, []
+            follow_ups, self._follow_ups = self._follow_ups, []
+            batch = self._due(force=bool(follow_ups) or thread.stopping or self._draining > 0)
+            if batch or follow_ups:
+                self._sending, self._sending_since, self._stall_reported = batch, now_ms(), False
+                return batch, follow_ups
             if thread.stopping and not self._pending:
-                return None, []
+                return None
             # Idle (woken by the next submission) when there is nothing to
             # send and either nothing to linger for or nothing submitted lately.
             self._idle = not self._pending and (self.linger <= 0 or now_ms() - self._last_submitted > QUIET_AFTER)
@@ -453,9 +397,7 @@ class Unlocker:
 
     def release_queue_lock(self, message: "MessageProxy", state: Delivery, strict: bool = False) -> None:
         """Release the enqueue lock, once, unless the lock type has none
-        or keeps it until it expires; ``strict`` raises on a backend
-        failure so the delivery is retried instead of leaving the lock
-        to block new sends until it expires.
+        or keeps it; ``strict`` raises on a backend failure (the delivery is retried).
         """
         if state.queue_released or state.spec.lock.queue_release in (None, "expiry"):
             return
@@ -475,9 +417,7 @@ class Unlocker:
         self.queue_lock_released(message, state, key, released.held)
 
     def queue_lock_released(self, message: "MessageProxy", state: Delivery, key: str, held: bool) -> None:
-        """Report the release of an enqueue lock: ``held`` says whether
-        it was still held until then.
-        """
+        """Report the release of an enqueue lock, ``held`` until then or not."""
         service = self.service
         state.queue_released = True
         if held:
@@ -493,10 +433,8 @@ class Unlocker:
         return self._report(pending.lock, outcome) if pending.lock is not None else None
 
     def _report(self, lock: LockToRelease, outcome: Outcome) -> Optional[HandOff]:
-        """Report a run lock's release; return the hand-off to do, if it
-        handed the key to a waiter: the caller does it where no job
-        waits for it.  A release that failed is sent again saying how
-        the run ended.
+        """Report a run lock's release; return the hand-off it left to do,
+        if any.  A release that failed is sent again.
         """
         service, lease = self.service, lock.lease
         if isinstance(outcome, Exception):
@@ -512,9 +450,7 @@ class Unlocker:
         return _handoff(lock, outcome)
 
     def landed(self, failed: FailedRelease, outcome: Release) -> Optional[HandOff]:
-        """Report a release that landed on a retry.  Its first send may
-        have been applied, so an owner found gone is no lost lock.
-        """
+        """Report a release that landed on a retry: an owner found gone is no lost lock."""
         lock = failed.lock
         if lock is None:
             return None

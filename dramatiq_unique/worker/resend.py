@@ -2,50 +2,19 @@
 until they land, and the releases a stopping worker owes, which the next
 one makes.
 
-**Failed releases.**  A release that fails (a dropped connection, a
-timeout, Redis down for a while) would leave its key held until the lock
-expires: 60 s for a run lease, 24 h for an ``until_executed`` enqueue
-lock.  Instead it is queued in :class:`FailedReleases`, and one
-background thread per process (a
-:class:`~..background.BackgroundThread`, a greenlet under gevent) sends
-it again, with backoff, until it is applied, or until the lock would
-have expired anyway, when there is nothing left to free.
+**Failed releases.**  A release that fails is queued in
+:class:`FailedReleases`, whose thread sends it again, with backoff,
+until it is applied or the lock would have expired anyway; a run lock's
+release is sent on past its lease, for ``record_ttl``, as it also ends
+the run in its message's record.  A retry that finds the owner gone
+reports nothing: the first send may have been applied.
 
-A run lock's release is sent on past its lease, for ``record_ttl``:
-besides freeing the lock it ends the run of a rescheduled message in
-its record, so that a duplicate of that run that comes later is
-skipped; the lock itself lapsed and was free meanwhile, and the release
-checks its owner (a token of that one execution), so it frees nothing
-else.
-
-A failed release may have been applied (its reply was lost), so a
-retry that finds the owner gone reports nothing: the lock was freed,
-by the first send or by its expiry, and never by another owner's
-release (the release script checks the owner).  The worker's shutdown
-sends what is left once more, waits at most ``drain_timeout`` (or what
-is left of the shutdown's bound), and hands what is still left on.
-
-**Owed releases.**  A worker that stops while its lock backend is out
-of reach still owes the releases it could not send: the failed releases
-above, and the run lock releases still waiting in the
-:class:`~.release.Releaser`.  Left in its memory they would die with
-it, and an ``until_executed`` key would stay held for its ``lock_ttl``
-(24 h by default).  So the stopping process writes them to the broker,
-as one message of a small internal actor (:data:`OWED_ACTOR`) on a
-queue it consumed (:class:`OwedReleases`); whichever worker processes
-that message makes the releases, each checking its owner, and enqueues
-the message again, with backoff, for those the backend still refuses,
-until each lands or its lock would have expired by itself.
-
-What tells a stopping process from a killed one: only a process that
-runs its shutdown hooks writes what it owes.  A SIGKILLed process owes
-nothing it can say, and an ``until_executed`` lock whose worker died
-mid-run is kept until its redelivery runs, as before.
-
-Every release is owner-checked, so making one twice is harmless: the
-second finds its owner gone and changes nothing.  That is what makes an
-enqueue whose outcome is unknown (it failed after its send, or did not
-return within the bound) safe to send again.
+**Owed releases.**  What a stopping worker could not send it writes to
+the broker, as one message of an internal actor (:data:`OWED_ACTOR`),
+which the next worker makes (:class:`OwedReleases`); a SIGKILLed process
+owes nothing it can say.  Every release is owner-checked, so making one
+twice is harmless.  See docs/reliability.md, "Graceful shutdown within
+a bound", "Owed releases outlive the process".
 """
 
 from __future__ import annotations
@@ -62,7 +31,7 @@ from dramatiq.logging import get_logger
 
 from ..backends.base import LockBackend
 from ..backends.records import Release
-from ..background import DEFAULT_STOP_TIMEOUT, JITTER, BackgroundThread, OneCall, now_ms, pid
+from ..background import JITTER, BackgroundThread, OneCall, Served, now_ms, pid
 from ..events import LockEvent
 from ..model.wire import message_id_of
 from ..send.context import LockContext
@@ -130,7 +99,7 @@ class LandedReports(Protocol):
     def hand_over(self, handoff: HandOff) -> None: ...
 
 
-class FailedReleases:
+class FailedReleases(Served[LockBackend, "LandedReports", FailedRelease]):
     """Sends failed releases of one process again, in the background.
 
     Parameters:
@@ -154,18 +123,11 @@ class FailedReleases:
         drain_timeout: int = DEFAULT_DRAIN_TIMEOUT,
         record_ttl: int = 0,
     ) -> None:
-        self.logger = get_logger(__name__, type(self))
-        self.backend = backend
-        self.reports = reports
         self.record_ttl = record_ttl
         self.first_retry = first_retry
         self.most_between = most_between
-        self.drain_timeout = drain_timeout
-        self._reset()
-        # A greenlet under gevent: it sends with the backend's own client.
-        self._thread = BackgroundThread(
-            name="dramatiq-unique-release-retries", loop=self._run, on_fork=self._reset, on_wake=self._notify
-        )
+        name = "dramatiq-unique-release-retries"
+        super().__init__(backend, reports=reports, drain_timeout=drain_timeout, logger=__name__, name=name)
 
     def _reset(self) -> None:
         # Also run in a forked child: what the parent failed to release is
@@ -174,10 +136,6 @@ class FailedReleases:
         self._sending = 0
         self._stuck: list[FailedRelease] = []  # the batch in flight, until its outcome is known
         self._wakeup = threading.Condition(threading.Lock())
-
-    def _notify(self) -> None:
-        with self._wakeup:
-            self._wakeup.notify_all()
 
     def submit(self, failed: FailedRelease) -> None:
         """Queue a release that failed; never waits for the backend."""
@@ -222,53 +180,23 @@ class FailedReleases:
                     self._wakeup.wait(timeout=min(self.first_retry, max(deadline - now_ms(), 0)) / 1000)
         return True
 
-    def stop(self, timeout: Optional[float] = None) -> list[FailedRelease]:
-        """Drain, then end the thread.
-
-        Returns:
-          list[FailedRelease]: What is left: the releases not sent, and
-          those whose send is stuck (it may have been applied), for the
-          caller to hand on (:class:`OwedReleases`); past their ``until`` none.
-        """
-        drained = self.drain(timeout)
-        with self._wakeup:
-            left, self._failed = self._failed, []
-            stuck, self._stuck = self._stuck, []
-        # A thread stuck in a call is not waited for again: the drain did.
-        self._thread.stop(timeout=min(DEFAULT_STOP_TIMEOUT, timeout or DEFAULT_STOP_TIMEOUT) if drained else 0)
+    def _left_over(self) -> list[FailedRelease]:
+        # Past their ``until`` none.
+        left, self._failed = self._failed + self._stuck, []
+        self._stuck = []
         now = now_ms()
-        return [failed for failed in left + stuck if failed.until > now]
+        return [failed for failed in left if failed.until > now]
 
     # The thread ---------------------------------------------------------
 
-    def _ensure_thread(self) -> None:
-        """Start the retry thread unless it runs; the lock is held.  (The
-        hand-off model does the thread's work in its own rules instead.)
-        """
-        self._thread.ensure_started()
-
-    def _run(self, thread: BackgroundThread) -> None:
-        try:
-            while True:
-                with self._wakeup:
-                    batch = self._next(thread)
-                    if batch is None:
-                        thread.retire()  # under the lock: a submission from now on starts a new thread
-                        return
-                self._send(batch)
-        except BaseException:
-            with self._wakeup:
-                thread.retire()  # the next submission starts a new thread (the base logs the error)
-            raise
-
-    def _next(self, thread: BackgroundThread) -> Optional[list[FailedRelease]]:
+    def _next(self, thread: BackgroundThread) -> Optional[tuple[list[FailedRelease]]]:
         """Wait, holding the lock, for releases due; None to end."""
         while True:
             if thread.stopping or not self._failed:
                 return None
             batch = self._take_due(force=False)
             if batch:
-                return batch
+                return (batch,)
             if not self._failed:
                 continue  # every one left had expired: the thread ends
             self._wakeup.wait(timeout=max(min(f.due for f in self._failed) - now_ms(), 1) / 1000)
