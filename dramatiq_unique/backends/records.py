@@ -268,6 +268,19 @@ class ReplaceArgs(NamedTuple):
     where: str
 
 
+class TakeArgs(NamedTuple):
+    """The keywords of :meth:`~.base.LockBackend.acquire` that say what
+    to take, with its defaults: what the backends' take reads.
+    """
+
+    ttl: int
+    limit: int = 1
+    lock: str = ""
+    lock_args: Optional[str] = None
+    provisional: int = 0
+    where: Optional[str] = None
+
+
 class CurrentArgs(NamedTuple):
     """The arguments of :meth:`~.capabilities.NewestWins.current`, in order."""
 

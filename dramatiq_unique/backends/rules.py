@@ -34,6 +34,7 @@ from .records import (
     Replacement,
     ReplaceStatus,
     Start,
+    TakeArgs,
     Waiter,
 )
 
@@ -107,24 +108,15 @@ class LockRules(Reschedules, NewestWins):
             verdict = self._claim(copy, write=False) if copy is not None else None
             if verdict is not None:
                 return Acquisition(False, refused=verdict)
-            return self._take(key, owner, **take)
+            return self._take(key, owner, TakeArgs(**take))
 
     def _take(
-        self,
-        key: str,
-        owner: str,
-        *,
-        ttl: int,
-        limit: int = 1,
-        lock: str = "",
-        lock_args: Optional[str] = None,
-        provisional: int = 0,
-        where: Optional[str] = None,
-        ahead: Optional[Callable[[Entry], bool]] = None,
+        self, key: str, owner: str, take: TakeArgs, ahead: Optional[Callable[[Entry], bool]] = None
     ) -> Acquisition:
         """As take() of _take.lua; ``ahead`` as its ``ahead``: when it
         returns True, nothing is taken and the outcome names no holder.
         """
+        ttl, limit, lock, lock_args, provisional, where = take
         now = self._now_ms()
         entry = self._live(key, now) or Entry()
         short = 0 < provisional < ttl
@@ -187,7 +179,7 @@ class LockRules(Reschedules, NewestWins):
                     handed.append(promoted)
                 return promoted is not None
 
-            got = self._take(key, owner, lock_args=copy.lock_args, ahead=ahead, **take)
+            got = self._take(key, owner, TakeArgs(lock_args=copy.lock_args, **take), ahead)
             promoted = handed[0][1] if handed else None
             if handed:  # as start.lua: the waiter it went to holds it
                 got = got._replace(holder=handed[0][0])

@@ -51,6 +51,7 @@ from ..records import (
     ReplaceStatus,
     Replacement,
     Start,
+    TakeArgs,
 )
 from .calls import Call, ScriptCalls, as_text, default_retry
 from .native import native_extend
@@ -103,6 +104,12 @@ def _release_keys(key: str, owner: str) -> list[str]:
     """
     message = f"{key}{wire.MESSAGE_SUFFIX}{_message_of(owner)}"
     return [key, f"{key}{wire.WAIT_SUFFIX}", f"{key}{wire.BODIES_SUFFIX}", message]
+
+
+def _take_args(owner: str, take: TakeArgs) -> list[Any]:
+    """The ARGV of _take.lua's take() for ``owner``."""
+    ttl, limit, lock, lock_args, provisional, where = take
+    return [owner, ttl, limit, lock, lock_args or "", provisional, int(where is not None), where or ""]
 
 
 def _copy_args(copy: Copy) -> list[Any]:
@@ -334,21 +341,9 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         # promoted message could not be enqueued from here.
         return lambda: self.release(key, owner, hand_over=False)
 
-    def acquire(
-        self,
-        key: str,
-        owner: str,
-        *,
-        ttl: int,
-        limit: int = 1,
-        lock: str = "",
-        lock_args: Optional[str] = None,
-        provisional: int = 0,
-        where: Optional[str] = None,
-        copy: Optional[Copy] = None,
-    ) -> Acquisition:
+    def acquire(self, key: str, owner: str, *, copy: Optional[Copy] = None, **take: Any) -> Acquisition:
         keys = [key]
-        args: list[Any] = [owner, ttl, limit, lock, lock_args or "", provisional, int(where is not None), where or ""]
+        args = _take_args(owner, TakeArgs(**take))
         if copy is not None:
             keys, args = keys + _records(copy), args + _copy_args(copy)
         reply, acked = self._take("acquire", keys, args)
@@ -366,18 +361,7 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         return None if self.calls is None else self.client
 
     def acquire_and_dispatch(
-        self,
-        key: str,
-        owner: str,
-        *,
-        ttl: int,
-        limit: int,
-        lock: str,
-        lock_args: Optional[str],
-        where: str,
-        dispatch: str,
-        namespace: str,
-        arguments: Sequence[Any],
+        self, key: str, owner: str, *, dispatch: str, namespace: str, arguments: Sequence[Any], **take: Any
     ) -> Acquisition:
         """:meth:`SendsWithPublish.acquire_and_dispatch` in one round trip
         (send.lua), on a standalone client, the broker's own Redis.
@@ -392,7 +376,7 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         name = f"send:{hashlib.sha1(dispatch.encode()).hexdigest()}"
         if name not in self.calls.sources:
             self.calls.add(name, send_script(dispatch))
-        args = [owner, ttl, limit, lock, lock_args or "", 0, 1, where, *arguments]
+        args = [*_take_args(owner, TakeArgs(**take)), *arguments]
         reply, acked = self._take(name, [key, namespace], args)
         if isinstance(reply, int):
             # The same script enqueued the message: its lock is kept, so
