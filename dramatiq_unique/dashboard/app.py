@@ -167,9 +167,7 @@ class Dashboard:
         locks = self.admin.inspect(path[len("/api/locks/") :])
         return _json("200 OK", {"now": _now_ms(), "locks": [lock.as_dict() for lock in locks]})
 
-    def _listing(self, query: view.Query) -> tuple[list[Mapping[str, Any]], list[dict[str, Any]], bool, int]:
-        """(the listed locks, filtered and sorted; every lock the scan
-        found; whether the listing was cut at the limit; now)."""
+    def _listing(self, query: view.Query) -> view.Listing:
         seen: list[dict[str, Any]] = []
         listed = []
         for lock in self.admin.locks(actor=query.actor or None, pattern=query.pattern or None):
@@ -187,11 +185,10 @@ class Dashboard:
         """The page's fragments for ``query``; with ``failed``, of no
         locks (the listing failed).
         """
-        locks, seen, truncated, now = self._listing(query) if not failed else ([], [], False, _now_ms())
-        parts = view.fragments(
-            locks, seen, query, now=now, prefix=self.admin.prefix, truncated=truncated, limit=self.limit
-        )
-        return {"now": now, "count": len(locks), "truncated": truncated, "html": parts}
+        listing = self._listing(query) if not failed else ([], [], False, _now_ms())
+        locks, _, truncated, now = listing
+        html = view.fragments(listing, query, self.admin.prefix, self.limit)
+        return {"now": now, "count": len(locks), "truncated": truncated, "html": html}
 
     def _page(self, parsed: view.Query) -> Response:
         try:

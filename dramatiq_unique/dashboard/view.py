@@ -1,15 +1,12 @@
-"""What the dashboard page shows, rendered on the server: the filters,
-the totals, and the lock table, as HTML fragments.
+"""The dashboard page's filters, totals and lock table, rendered on the
+server as HTML fragments, from the dicts of :meth:`Lock.as_dict`.
 
-The first response of the page already holds them (a screenshot or a
-page without its script shows the locks, never "Loading"), and the
-page's script asks ``api/view`` for the same fragments on each refresh,
-sort or filter.  There is one renderer, this one; every piece of lock
-data goes through :func:`html.escape`.
-
-It works on the JSON-ready dicts of :meth:`Lock.as_dict`, and reads
-every field defensively: a lock or holder that lacks a field (say, the
-time a run lock was taken, on older data) shows ``?`` for it.
+The page's first response already holds them (a screenshot or a page
+without its script shows the locks, never "Loading"), and its script
+asks ``api/view`` for the same fragments on each refresh, sort or
+filter: this is the one renderer, and every piece of lock data goes
+through :func:`html.escape`.  A field a lock or holder lacks (say, when
+a run lock was taken, on older data) shows ``?``.
 """
 
 from __future__ import annotations
@@ -68,9 +65,6 @@ class Query:
         return "?" + urlencode(params) if params else "./"
 
 
-# Reading a lock dict, defensively -----------------------------------------
-
-
 def _int(value: Any) -> Optional[int]:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
@@ -86,15 +80,9 @@ def _earliest(lock: Mapping[str, Any], field: str) -> Optional[int]:
 
 
 def taken_at(lock: Mapping[str, Any]) -> Optional[int]:
-    """When the lock was taken, in Unix ms: its own ``taken_at`` if it
-    has one, else its oldest holder's; None when nothing recorded it.
-    """
+    """When the lock was taken (Unix ms): its own ``taken_at``, else its oldest holder's, else None."""
     own = _int(lock.get("taken_at"))
     return own if own is not None else _earliest(lock, "taken_at")
-
-
-def soonest_deadline(lock: Mapping[str, Any]) -> Optional[int]:
-    return _earliest(lock, "deadline")
 
 
 def lock_type(lock: Mapping[str, Any]) -> str:
@@ -129,17 +117,14 @@ def sort_locks(locks: Iterable[Mapping[str, Any]], query: Query, now: int) -> li
     value: Callable[[Mapping[str, Any]], Any] = {
         "actor": lambda lock: str(lock.get("actor") or ""),
         "lock": lambda lock: (lock_type(lock), str(lock.get("phase") or "")),
-        "age": lambda lock: None if taken_at(lock) is None else now - (taken_at(lock) or 0),
+        "age": lambda lock: None if (taken := taken_at(lock)) is None else now - taken,
         "holders": lambda lock: len(_items(lock, "holders")),
-        "expires": lambda lock: None if soonest_deadline(lock) is None else (soonest_deadline(lock) or 0) - now,
+        "expires": lambda lock: None if (deadline := _earliest(lock, "deadline")) is None else deadline - now,
         "waiting": lambda lock: len(_items(lock, "waiting")),
     }[query.sort]
     by_key = sorted(locks, key=lambda lock: str(lock.get("key") or ""))
     known = sorted((lock for lock in by_key if value(lock) is not None), key=value, reverse=query.direction == "desc")
     return known + [lock for lock in by_key if value(lock) is None]
-
-
-# Formatting ------------------------------------------------------------------
 
 
 def duration(ms: float) -> str:
@@ -172,7 +157,7 @@ def _e(value: Any) -> str:
     return escape(str(value), quote=True)
 
 
-def _plural(n: int, word: str) -> str:
+def plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
@@ -197,27 +182,23 @@ def copyable(text: str, what: str, css: str) -> str:
     return f'<span class="ident">{_clip("code", text, f"clip {css}")}{button}{COPY_ICON}</button></span>'
 
 
+def _timed(css: str, data: str, verb: str, ms: int, text: str) -> str:
+    """A time that the page's script keeps counting from ``data``; its date in the tooltip."""
+    return f'<span class="{css}" {data} title="{verb} {iso(ms)}">{text}</span>'
+
+
 def since(taken: Optional[int], now: int, css: str, prefix: str = "") -> str:
     if taken is None:
         return f'<span class="{css} unknown" title="not recorded">{_e(prefix)}?</span>'
-    return (
-        f'<span class="{css}" data-taken="{taken}" data-prefix="{_e(prefix)}" title="taken {iso(taken)}">'
-        f"{_e(prefix)}{duration(now - taken)}</span>"
-    )
+    data = f'data-taken="{taken}" data-prefix="{_e(prefix)}"'
+    return _timed(css, data, "taken", taken, f"{_e(prefix)}{duration(now - taken)}")
 
 
 def countdown(deadline: Optional[int], now: int) -> str:
     if deadline is None:
         return _muted("\u2014", "no holder")
-    left = deadline - now
-    expired = " expired" if left <= 0 else ""
-    return (
-        f'<span class="remaining{expired}" data-deadline="{deadline}" title="expires {iso(deadline)}">'
-        f"{remaining(left)}</span>"
-    )
-
-
-# The fragments ---------------------------------------------------------------
+    css = "remaining expired" if deadline <= now else "remaining"
+    return _timed(css, f'data-deadline="{deadline}"', "expires", deadline, remaining(deadline - now))
 
 
 def lock_args_html(args: Any) -> str:
@@ -231,14 +212,11 @@ def lock_args_html(args: Any) -> str:
         return _clip("code", json.dumps(args))
     if not entries:
         return _muted("none")
-    items = [
-        _clip(
-            "li",
-            f"{name}: {json.dumps(value)}",
-            inner=f'<span class="name">{_e(name)}: </span><code>{_e(json.dumps(value))}</code>',
-        )
-        for name, value in entries
-    ]
+    items = []
+    for name, value in entries:
+        text = json.dumps(value)
+        inner = f'<span class="name">{_e(name)}: </span><code>{_e(text)}</code>'
+        items.append(_clip("li", f"{name}: {text}", inner=inner))
     return '<ul class="args">' + "".join(items) + "</ul>"
 
 
@@ -251,7 +229,7 @@ def holder_html(lock: Mapping[str, Any], holder: Mapping[str, Any], now: int) ->
     if holder.get("provisional"):
         title = "lapses at its deadline unless its publish is confirmed"
         meta.append(f'<span class="badge provisional" title="{title}">provisional</span>')
-    if lock.get("current") is not None and lock.get("current") == message_id:
+    if lock.get("current") == message_id:
         superseded = _e(lock.get("superseded") or 0)
         title = "the newest send, the one that runs"
         meta.append(f'<span class="badge current" title="{title}">current, superseded {superseded}</span>')
@@ -271,8 +249,7 @@ def waiting_html(lock: Mapping[str, Any], now: int) -> str:
     items = []
     for waiter in _items(lock, "waiting"):
         message_id, sent = str(waiter.get("message_id") or ""), _int(waiter.get("since"))
-        waited = "" if sent is None else f'<span class="waited" data-since="{sent}" title="sent {iso(sent)}">'
-        waited += "" if sent is None else f"{duration(now - sent)}</span>"
+        waited = "" if sent is None else _timed("waited", f'data-since="{sent}"', "sent", sent, duration(now - sent))
         ident = copyable(message_id, "message id", "message-id")
         items.append(f'<li class="waiter" data-message-id="{_e(message_id)}">{ident}{waited}</li>')
     return '<ul class="waiting">' + "".join(items) + "</ul>" if items else _muted("none")
@@ -291,19 +268,12 @@ def row_html(lock: Mapping[str, Any], now: int) -> str:
         f'<span class="badge phase phase-{_e(phase)}">{_e(phase)}</span></td>'
         f'<td class="c-args args">{lock_args_html(lock.get("lock_args"))}</td>'
         f'<td class="c-age">{since(taken_at(lock), now, "lock-age")}</td>'
-        f'<td class="c-expires">{countdown(soonest_deadline(lock), now)}</td>'
+        f'<td class="c-expires">{countdown(_earliest(lock, "deadline"), now)}</td>'
         f'<td class="c-holders">{count}<ul class="holders">{holders_list}</ul></td>'
         f'<td class="c-waiting">{waiting_html(lock, now)}</td>'
         f'<td class="c-actions"><button type="button" class="action danger release-lock">Release lock</button></td>'
         "</tr>"
     )
-
-
-def rows_html(locks: Sequence[Mapping[str, Any]], now: int, filtered: bool) -> str:
-    if not locks:
-        text = "No lock matches the filters." if filtered else "No locks are held."
-        return f'<tr class="empty"><td colspan="8">{text}</td></tr>'
-    return "".join(row_html(lock, now) for lock in locks)
 
 
 def thead_html(query: Query) -> str:
@@ -331,12 +301,16 @@ def _card(label: str, value: str, note: str = "") -> str:
     return f'<div class="card "><div class="label">{label}</div><div class="value">{value}</div>{note_html}</div>'
 
 
-def _breakdown(
-    title: str, param: str, locks: Sequence[Mapping[str, Any]], name_of: Callable[..., str], query: Query
-) -> str:
-    """The locks and holders per ``name_of(lock)``; ``param`` is the
-    URL parameter that filters on it.
-    """
+#: The totals' panels: the URL parameter that filters on a name -> (title, the name of a lock).
+PANELS: dict[str, tuple[str, Callable[[Mapping[str, Any]], str]]] = {
+    "actor": ("Per actor", actor_of),
+    "type": ("Per lock type", lock_type),
+}
+
+
+def _breakdown(param: str, locks: Sequence[Mapping[str, Any]], query: Query) -> str:
+    """The locks and holders per name of the ``param`` panel."""
+    title, name_of = PANELS[param]
     counts, holders = Counter[str](), Counter[str]()
     for lock in locks:
         counts[name_of(lock)] += 1
@@ -354,7 +328,7 @@ def _breakdown(
             f'<span class="n" title="locks">{n}</span><span class="n muted" title="holders">{holders[name]}</span></li>'
         )
     more = len(counts) - TOP
-    more_html = f'<li class="more muted">and {_plural(more, "more")}</li>' if more > 0 else ""
+    more_html = f'<li class="more muted">and {plural(more, "more")}</li>' if more > 0 else ""
     body = "".join(rows) + more_html if rows else '<li class="muted">none</li>'
     return (
         f'<section class="panel" data-totals="{param}"><h2>{title}<span class="cols">'
@@ -369,9 +343,9 @@ def summary_html(locks: Sequence[Mapping[str, Any]], query: Query, now: int) -> 
     holders = sum(len(_items(lock, "holders")) for lock in locks)
     waiting = sum(len(_items(lock, "waiting")) for lock in locks)
     runs = sum(1 for lock in locks if lock.get("phase") == "run")
-    dated = [lock for lock in locks if taken_at(lock) is not None]
-    oldest = min(dated, key=lambda lock: taken_at(lock) or 0, default=None)
-    soonest = min((d for d in map(soonest_deadline, locks) if d is not None), default=None)
+    dated = [(taken, lock) for lock in locks if (taken := taken_at(lock)) is not None]
+    oldest_at, oldest = min(dated, key=lambda pair: pair[0], default=(None, None))
+    soonest = min((d for d in (_earliest(lock, "deadline") for lock in locks) if d is not None), default=None)
     oldest_note = _e(oldest.get("actor") or "") if oldest is not None else ""
     if len(locks) > len(dated):
         oldest_note = " \u00b7 ".join(filter(None, [oldest_note, f"{len(locks) - len(dated)} not recorded"]))
@@ -379,14 +353,11 @@ def summary_html(locks: Sequence[Mapping[str, Any]], query: Query, now: int) -> 
         _card("Locks", f'<span id="total-locks">{len(locks)}</span>', f"{runs} run \u00b7 {len(locks) - runs} queue"),
         _card("Holders", f'<span id="total-holders">{holders}</span>'),
         _card("Waiting", f'<span id="total-waiting">{waiting}</span>', "messages in run-lock lines"),
-        _card("Oldest", since(taken_at(oldest), now, "lock-age") if oldest is not None else "\u2014", oldest_note),
+        _card("Oldest", since(oldest_at, now, "lock-age") if oldest_at is not None else "\u2014", oldest_note),
         _card("Next expiry", countdown(soonest, now) if soonest is not None else "\u2014"),
     ]
-    return (
-        f'<div class="cards">{"".join(cards)}</div><div class="panels">'
-        f"{_breakdown('Per actor', 'actor', locks, actor_of, query)}"
-        f"{_breakdown('Per lock type', 'type', locks, lock_type, query)}</div>"
-    )
+    panels = "".join(_breakdown(param, locks, query) for param in PANELS)
+    return f'<div class="cards">{"".join(cards)}</div><div class="panels">{panels}</div>'
 
 
 def options_html(values: Iterable[str], selected: str, everything: str) -> str:
@@ -398,30 +369,25 @@ def options_html(values: Iterable[str], selected: str, everything: str) -> str:
     return "".join(options)
 
 
-def fragments(
-    locks: Sequence[Mapping[str, Any]],
-    seen: Sequence[Mapping[str, Any]],
-    query: Query,
-    *,
-    now: int,
-    prefix: str,
-    truncated: bool,
-    limit: int,
-) -> dict[str, str]:
-    """Every part of the page that changes with the data or the query.
+#: A listing: the listed locks, filtered and sorted; every lock the scan
+#: found, for the filters' choices; whether the listing was cut at the
+#: limit; and when it was made, in Unix ms.
+Listing = tuple[Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]], bool, int]
 
-    Parameters:
-      locks: The listed locks, filtered and sorted.
-      seen: Every lock the scan found, for the filters' choices.
-    """
+
+def fragments(listing: Listing, query: Query, prefix: str, limit: int) -> dict[str, str]:
+    """Every part of the page that changes with the data or the query."""
+    locks, seen, truncated, now = listing
     filtered = bool(query.actor or query.lock_type or query.text or query.pattern)
+    empty = "No lock matches the filters." if filtered else "No locks are held."
+    rows = "".join(row_html(lock, now) for lock in locks) or f'<tr class="empty"><td colspan="8">{empty}</td></tr>'
     order = f"sorted by {SORTS[query.sort][0].lower()}, {'ascending' if query.direction == 'asc' else 'descending'}"
     cut = f" (the first {limit}: narrow the filters to see the rest)" if truncated else ""
     return {
         "summary": summary_html(locks, query, now),
         "thead": thead_html(query),
-        "rows": rows_html(locks, now, filtered),
-        "status": f"{_plural(len(locks), 'lock')}{cut} under prefix <code>{_e(prefix)}</code>, {order}.",
+        "rows": rows,
+        "status": f"{plural(len(locks), 'lock')}{cut} under prefix <code>{_e(prefix)}</code>, {order}.",
         "actors": options_html(map(actor_of, seen), query.actor, "All actors"),
         "types": options_html((lock_type(lock) for lock in seen), query.lock_type, "All lock types"),
         "refreshed": clock(now),

@@ -5,13 +5,8 @@ lock, owned by a message id) or ``...:run`` (a run lock, owned by
 ``<message_id>/<nonce>``).  Keys are found with ``SCAN`` through
 :meth:`LockBackend.scan`, never ``KEYS``, and the ``:wait``,
 ``:bodies``, ``:m:<message id>`` and ``:superseded`` companions of a
-lock are never listed or touched.
-
-Examples:
-  >>> admin = LockAdmin(from_url("redis://127.0.0.1:6379/0"))
-  >>> for lock in admin.locks(actor="sync_account_balance"):
-  ...     print(lock.digest, lock.phase, lock.holders)
-  >>> admin.release("9f86d081884c7d659a2feaa0c55ad015", holder="b4a1...")
+lock are never listed or touched.  See docs/operations.md, "The same
+in Python".
 """
 
 from __future__ import annotations
@@ -35,15 +30,10 @@ class UnknownLock(UniqueError, LookupError):
 
 @dataclass(frozen=True)
 class Holder:
-    """One holder of a lock.
-
-    Attributes:
-      owner(str): The owner string, as the backend stores it.
-      message_id(str): The message that holds the slot.
-      deadline(int): When the slot expires, in Unix milliseconds.
-      record(EnqueueRecord): When it was taken (every lock type and
-        strategy records it), and for an enqueue lock whether it is
-        still provisional and where its message went.
+    """One holder of a lock: its ``owner`` string as the backend stores
+    it, the ``message_id`` that holds the slot, its ``deadline`` (Unix
+    ms), and the ``record`` of when it was taken and, for an enqueue
+    lock, whether it is still provisional and where its message went.
     """
 
     owner: str
@@ -53,14 +43,12 @@ class Holder:
 
     @property
     def taken_at(self) -> Optional[int]:
-        """When the slot was taken, in Unix milliseconds, if recorded."""
+        """When the slot was taken, in Unix ms, if recorded."""
         return self.record.taken_at if self.record is not None else None
 
     @property
     def queue(self) -> Optional[str]:
-        """The queue an enqueue-lock holder's message was last
-        published to (without ``.DQ``), if recorded.
-        """
+        """The queue its message was last published to (without ``.DQ``), if recorded."""
         return (self.record.queue or None) if self.record is not None else None
 
     @property
@@ -71,35 +59,26 @@ class Holder:
         return self.record is not None and self.record.provisional_until > 0
 
     def as_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict, ``record`` read as its ``taken_at``,
-        ``provisional`` and ``queue``.
-        """
+        """A JSON-ready dict, ``record`` read as its ``taken_at``, ``provisional`` and ``queue``."""
         names = ("owner", "message_id", "deadline", "taken_at", "provisional", "queue")
         return {name: getattr(self, name) for name in names}
 
 
 @dataclass(frozen=True)
 class Lock:
-    """One live lock key.
+    """One live lock key: its ``phase`` is ``queue`` (an enqueue lock)
+    or ``run``, its ``lock`` the lock type that took it, its ``holders``
+    soonest deadline first, its ``lock_args`` JSON (when recorded), its
+    ``fence`` the last fencing token handed out, its ``waiting`` the
+    messages waiting for a run lock, first in line first.  Under
+    ``on_conflict="replace"`` or ``debounce``, ``current`` is the newest
+    send (the one that runs) and ``superseded`` counts the messages
+    superseded since the lock was taken.
 
-    Attributes:
-      key(str): The full backend key.
-      actor(str): The actor's name (``@any`` for locks taken with
-        ``unique_across_actors``); for a key an older release wrote for
-        a name holding ``{}()%`` or a leading ``@``, which may name
-        either of two actors, its actor part as written.
-      digest(str): The 32 hex characters inside the braces.
-      phase(str): ``queue`` for an enqueue lock, ``run`` for a run lock.
-      lock(str): The lock type that took it, e.g. ``while_executing``.
-      holders(tuple[Holder, ...]): Its holders, soonest deadline first.
-      lock_args(str): JSON of the lock args, when they were recorded.
-      fence(int): The last fencing token handed out.
-      waiting(tuple[Waiter, ...]): For a run lock, the messages waiting
-        to be handed it, first in line first.
-      current(str): Under ``on_conflict="replace"`` or ``debounce``,
-        the message id of the newest send, the one that runs.
-      superseded(int): How many messages sends of this key superseded
-        since it was taken.
+    ``actor`` is ``@any`` for locks taken with ``unique_across_actors``;
+    for a key an older release wrote for a name holding ``{}()%`` or a
+    leading ``@``, which may name either of two actors, it is the actor
+    part as written.
     """
 
     key: str
@@ -188,32 +167,25 @@ class LockAdmin:
             yield Lock(key, actor_name, digest, lock_phase, lock, holders, lock_args, *fields)
 
     def inspect(self, digest: str) -> list[Lock]:
-        """Describe the live locks of one digest (or whole lock key): its
-        enqueue lock, its run lock, or both.
+        """The live locks (enqueue, run, or both) of one digest or lock key.
 
         Raises:
           UnknownLock: when no live lock has this digest.
         """
         digest = digest_of(digest)
         glob = lock_key_glob(prefix=self.prefix, digest=digest)
-        found = sorted((lock for lock in self.locks(pattern=glob) if lock.digest == digest), key=_phase_order)
+        found = [lock for lock in self.locks(pattern=glob) if lock.digest == digest]
+        found.sort(key=lambda lock: PHASES.index(lock.phase))
         if not found:
             raise UnknownLock(f"No lock has digest {digest} under prefix {self.prefix!r}.")
         return found
 
     def release(self, digest: str, *, holder: Optional[str] = None, phase: Optional[str] = None) -> list[str]:
-        """Release the locks of a digest (or whole lock key), or one of
-        their holders.
-
-        Parameters:
-          holder(str): Release only this holder: its owner string or its
-            message id.  Its release is owner-checked, so a slot that was
-            meanwhile taken by someone else is left alone.
-          phase(str): Only the ``queue`` or the ``run`` lock.
-
-        Returns:
-          list[str]: The keys that were deleted, or, with ``holder``,
-          ``"key owner"`` for each released slot.
+        """Release the locks of a digest (or whole lock key), or only the
+        ``phase`` lock, or only the ``holder`` (owner or message id),
+        owner-checked so that a slot someone else took meanwhile is left
+        alone.  Return the deleted keys, or ``"key owner"`` of each
+        released slot.
 
         Raises:
           UnknownLock: when the digest has no such lock or holder.
@@ -235,27 +207,21 @@ class LockAdmin:
         return self._delete(list(self.locks(actor=actor)))
 
     def release_queue(self, queue: str) -> list[str]:
-        """Release every enqueue-lock holder whose message was last
-        published to ``queue`` (or its delay queue), as recorded by the
-        lock: after a purge on RabbitMQ, where :meth:`reap` cannot look
-        messages up.  Each release is owner-checked.
-
-        Returns:
-          list[str]: ``"key owner"`` for each released slot.
+        """Release, owner-checked, the :meth:`queue_holders` of ``queue``
+        (after a purge on RabbitMQ, where :meth:`reap` cannot look messages
+        up); return ``"key owner"`` for each released slot.
         """
         return self._release_slots(self.queue_holders(queue))
 
     def queue_holders(self, queue: str) -> list[tuple[str, str]]:
-        """The ``(key, owner)`` of every enqueue-lock holder whose
-        message was last published to ``queue``, as recorded.
+        """The ``(key, owner)`` of every enqueue-lock holder whose message
+        was last published to ``queue`` (or its delay queue), as recorded.
         """
         locks = self.locks(phase=QUEUE)
         return [(lock.key, h.owner) for lock in locks for h in lock.holders if h.record and h.record.queue == queue]
 
     def _release_slots(self, slots: list[tuple[str, str]]) -> list[str]:
-        """Release each ``(key, owner)`` slot, owner-checked; return
-        ``"key owner"`` for each that was still held.
-        """
+        """Release each ``(key, owner)`` slot, owner-checked; return ``"key owner"`` of those still held."""
         release = functools.partial(self.backend.release, hand_over=False)
         held = [self.call(f"release {key!r}", release, key, owner).held for key, owner in slots]
         return [f"{key} {owner}" for (key, owner), was_held in zip(slots, held) if was_held]
@@ -274,19 +240,11 @@ class LockAdmin:
     ) -> ReapReport:
         """Find the enqueue locks whose message is in no queue, delay
         queue, dead-letter queue or worker of the Redis broker, and
-        release them when ``release`` (see :mod:`dramatiq_unique.worker.reap`).
-
-        Parameters:
-          broker_client(redis.Redis): A client of the broker's Redis.
-          release(bool): False (the default) only reports them.
-          actor(str): Only the locks of this actor.
-          min_age(int): Leave locks younger than this alone, in ms.
-          batch(int): Locks looked up per broker transaction.
+        release them when ``release`` (see :mod:`dramatiq_unique.worker.reap`):
+        only those of ``actor``, if given, and none younger than ``min_age``
+        ms; ``batch`` locks per broker transaction.  ``broker_client`` is a
+        ``redis.Redis`` client of the broker's Redis.
         """
         min_age = DEFAULT_MIN_AGE if min_age is None else min_age
         reaper = Reaper(self, RedisQueues(broker_client), min_age=min_age, batch=batch or DEFAULT_BATCH)
         return reaper.run(release=release, actor=actor)
-
-
-def _phase_order(lock: Lock) -> int:
-    return PHASES.index(lock.phase)

@@ -11,7 +11,7 @@ import time
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from ..dashboard.view import duration, remaining
+from ..dashboard.view import duration, plural, remaining
 from ..errors import UniqueError
 from ..model.wire import PHASES, RUN
 
@@ -38,13 +38,8 @@ def _demo(args: argparse.Namespace) -> int:
     return demo.main(args.redis, url=args.url)
 
 
-# Lock administration ----------------------------------------------
-
-
 def _locks_url(args: argparse.Namespace) -> Optional[str]:
-    """Where the locks are: ``--url``, or ``--redis``, its older name,
-    or ``dramatiq_unique_url``.
-    """
+    """``--url``, or ``--redis`` (its older name), or ``dramatiq_unique_url``."""
     from ..settings import from_environment
 
     if args.url and args.redis and args.url != args.redis:
@@ -53,10 +48,7 @@ def _locks_url(args: argparse.Namespace) -> Optional[str]:
 
 
 def _admin(args: argparse.Namespace) -> "LockAdmin":
-    """Connect to the locks named by ``--url`` and ``--prefix``, or by
-    the ``dramatiq_unique_*`` environment variables, and check that the
-    backend answers.
-    """
+    """Connect to the locks of :func:`_locks_url` and ``--prefix`` (or its variable); check they answer."""
     from ..backends import from_url
     from ..settings import from_environment, masked
     from .admin import LockAdmin
@@ -102,10 +94,6 @@ def _print_table(rows: list[list[str]], headers: list[str]) -> None:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
 
 
-def _plural(n: int, noun: str) -> str:
-    return f"{n} {noun}{'s' if n != 1 else ''}"
-
-
 def _row(lock: "Lock") -> list[str]:
     oldest = min((h.taken_at for h in lock.holders if h.taken_at is not None), default=None)
     # STATE: "provisional" while any holder awaits the confirmation of its publish; "-" for a run lock.
@@ -125,7 +113,7 @@ def _locks(args: argparse.Namespace) -> int:
         return 0
     headers = ["ACTOR", "DIGEST", "PHASE", "LOCK", "HOLDERS", "AGE", "NEXT EXPIRY", "STATE", "WAITING"]
     _print_table([_row(lock) for lock in locks], headers)
-    print(f"{_plural(len(locks), 'lock')} under prefix {admin.prefix!r}.")
+    print(f"{plural(len(locks), 'lock')} under prefix {admin.prefix!r}.")
     return 0
 
 
@@ -196,14 +184,14 @@ def _release_many(admin: "LockAdmin", args: argparse.Namespace) -> int:
         count, noun, whose = sum(1 for _ in admin.locks(actor=args.actor)), "lock", f"of actor {args.actor!r}"
     else:
         count, noun, whose = len(admin.queue_holders(args.queue)), "enqueue lock holder", f"of queue {args.queue!r}"
-    if count and not args.yes and not _confirm(f"Release {_plural(count, noun)} {whose}?"):
+    if count and not args.yes and not _confirm(f"Release {plural(count, noun)} {whose}?"):
         raise CommandError("aborted: nothing was released.")
     released = []
     if count:
         released = admin.release_actor(args.actor) if args.actor is not None else admin.release_queue(args.queue)
     if args.json:
         return _print_json({"released": released})
-    print(f"Released {_plural(len(released), noun)} {whose}.")
+    print(f"Released {plural(len(released), noun)} {whose}.")
     return 0
 
 
@@ -236,7 +224,7 @@ def _reap(args: argparse.Namespace) -> int:
         rows = [[s.actor, s.message_id, s.queue, duration(s.age), s.lock_args or "(not recorded)"] for s in suspects]
         _print_table(rows, ["ACTOR", "MESSAGE", "QUEUE", "AGE", "LOCK ARGS"])
     done = sum(1 for s in suspects if s.released) if args.yes else len(suspects)
-    what = f"{_plural(done, 'enqueue lock')} whose message is in no queue"
+    what = f"{plural(done, 'enqueue lock')} whose message is in no queue"
     print(f"Released {what}." if args.yes else f"Would release {what} (run with --yes to release them).")
     print(
         f"Looked up {report.checked}; left alone {report.skipped} (provisional, younger than --min-age, "
@@ -269,10 +257,7 @@ def _dashboard(args: argparse.Namespace) -> int:
 
 
 class _Refused(argparse.Action):
-    """An option that other commands take and this one does not: a
-    usage error (status 2) that says why, instead of argparse's bare
-    "unrecognized arguments".  Hidden from the command's help.
-    """
+    """A hidden option other commands take and this one refuses, saying why (not a bare "unrecognized")."""
 
     def __init__(self, option_strings: Sequence[str], dest: str, *, reason: str, **kwargs: Any) -> None:
         super().__init__(option_strings, dest, nargs=0, help=argparse.SUPPRESS, **kwargs)

@@ -1,37 +1,12 @@
-"""Prometheus metrics of dramatiq-unique, exposed along Dramatiq's own.
+"""Prometheus metrics of dramatiq-unique, exposed along Dramatiq's own
+(see docs/operations.md, "Prometheus metrics").
 
-Install the ``prometheus`` extra, then hand the middleware to a
-:class:`LockMetrics`::
-
-  from dramatiq.middleware.prometheus import Prometheus
-  from dramatiq_unique import UniqueMiddleware
-  from dramatiq_unique.ops.prometheus import LockMetrics
-
-  unique = UniqueMiddleware()
-  LockMetrics(unique)
-  broker.add_middleware(Prometheus())
-  broker.add_middleware(unique)
-
-The metrics (see :data:`METRICS`):
-
-* ``dramatiq_unique_lock_events_total{actor_name, event}``: a counter
-  of every lock event (:data:`dramatiq_unique.EVENTS`);
-* ``dramatiq_unique_leases_held{actor_name}``: a gauge of the run locks
-  (leases) that this process holds now.
-
-Under ``dramatiq`` worker processes, Dramatiq's ``Prometheus``
-middleware points ``prometheus_client`` at its multiprocess directory
-(``dramatiq_prom_db``) when each process boots, and its exposition
-server (``dramatiq_prom_host``:``dramatiq_prom_port``, 9191 by default)
-sums every process's files.  ``prometheus_client`` decides between
-in-process and multiprocess values when it is first imported, so
-:class:`LockMetrics` imports it only when the first event arrives, and
-its metrics land in that same exposition; the gauge uses the
-``livesum`` mode, so a process that has shut down drops out.  Do not
-import ``prometheus_client`` in your broker module for the same reason.
-Elsewhere (a web process that sends messages), the metrics go to
-``prometheus_client.REGISTRY``, or to the registry you give, for your
-own exporter.
+``prometheus_client`` decides between in-process and multiprocess
+values when it is first imported, which must come after Dramatiq's
+``Prometheus`` middleware has set up its multiprocess directory: so
+:class:`LockMetrics` imports it only when the first event arrives.  The
+gauge uses the ``livesum`` mode, so a process that has shut down drops
+out.
 """
 
 from __future__ import annotations
