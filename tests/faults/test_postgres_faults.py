@@ -61,8 +61,10 @@ def test_locks_fail_closed_while_their_postgres_is_down(make_harness, lock_postg
     h.open_gate("holder")
     assert waiting.message_id not in [r.message_id for r in h.starts()]
     # And once PostgreSQL is back, it runs, once
-    lock_postgres.start()
+    # (From when the server is asked to start: a worker may take the lock
+    # as soon as it accepts connections, before start() has returned.)
     up_at = time.time()
+    lock_postgres.start()
     run = h.finished(waiting.message_id, timeout=60)
     h.finished(holder.message_id, timeout=60)
     wait_for(lambda: h.queued() == 0, timeout=30, what="nothing left in flight")

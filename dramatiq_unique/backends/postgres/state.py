@@ -63,63 +63,35 @@ def _same(value: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=None)
-def _encoder(hint: Any) -> Codec:
-    """The function that turns a value of type ``hint`` into JSON data;
-    made once per type, from its hints.
+def _codec(hint: Any, store: bool) -> Codec:
+    """The function that turns a value of type ``hint`` into JSON data
+    (``store``), or that JSON data back into the value; made once per
+    type and way, from its hints.  Both ways are spelled side by side,
+    so that one is always the inverse of the other.
     """
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is Union:
-        inner = _encoder(next(arg for arg in args if arg is not type(None)))
+        inner = _codec(next(arg for arg in args if arg is not type(None)), store)
         return lambda value: None if value is None else inner(value)
     if dataclasses.is_dataclass(hint):
-        return encode_dataclass
+        return encode_dataclass if store else functools.partial(decode_dataclass, cls=hint)
     if hint is bytes:
-        return lambda value: base64.b64encode(value).decode()
+        return (lambda value: base64.b64encode(value).decode()) if store else base64.b64decode
+    items = [_codec(arg, store) for arg in args]
     if origin is dict:
-        item = _encoder(args[1])
-        return lambda value: {key: item(element) for key, element in value.items()}
+        return lambda value: {key: items[1](element) for key, element in value.items()}
     if origin in (set, frozenset):
-        item = _encoder(args[0])
-        return lambda value: sorted(item(element) for element in value)
+        # Stored sorted, so that one state is always one text.
+        gather = sorted if store else origin
+        return lambda value: gather(items[0](element) for element in value)
     if origin is list:
-        item = _encoder(args[0])
-        return lambda value: [item(element) for element in value]
+        return lambda value: [items[0](element) for element in value]
     if origin is tuple:
-        items = [_encoder(arg) for arg in args]
-        return lambda value: [code(element) for element, code in zip(value, items)]
+        build = list if store else tuple
+        return lambda value: build(code(element) for element, code in zip(value, items))
     if hint in (int, str, bool, float):
-        return _same
-    raise TypeError(f"cannot store a value of type {hint!r}")
-
-
-@functools.lru_cache(maxsize=None)
-def _decoder(hint: Any) -> Codec:
-    """The function that turns JSON data back into a value of type
-    ``hint``: the inverse of :func:`_encoder`.
-    """
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is Union:
-        inner = _decoder(next(arg for arg in args if arg is not type(None)))
-        return lambda data: None if data is None else inner(data)
-    if dataclasses.is_dataclass(hint):
-        return functools.partial(decode_dataclass, cls=hint)
-    if hint is bytes:
-        return base64.b64decode
-    if origin is dict:
-        item = _decoder(args[1])
-        return lambda data: {key: item(element) for key, element in data.items()}
-    if origin in (set, frozenset):
-        item, kind = _decoder(args[0]), origin
-        return lambda data: kind(item(element) for element in data)
-    if origin is list:
-        item = _decoder(args[0])
-        return lambda data: [item(element) for element in data]
-    if origin is tuple:
-        items = [_decoder(arg) for arg in args]
-        return lambda data: tuple(code(element) for element, code in zip(data, items))
-    if hint in (int, str, bool, float):
-        return hint  # type: ignore[no-any-return]
-    raise TypeError(f"cannot load a value of type {hint!r}")
+        return _same if store else hint
+    raise TypeError(f"cannot {'store' if store else 'load'} a value of type {hint!r}")
 
 
 def _default(field: dataclasses.Field) -> Any:
@@ -137,7 +109,7 @@ def _layout(cls: Any) -> tuple[tuple[str, Any, Codec, Codec], ...]:
     """
     hints = _hints(cls)
     return tuple(
-        (field.name, _default(field), _encoder(hints[field.name]), _decoder(hints[field.name]))
+        (field.name, _default(field), _codec(hints[field.name], True), _codec(hints[field.name], False))
         for field in dataclasses.fields(cls)
     )
 
