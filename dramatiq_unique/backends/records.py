@@ -281,6 +281,20 @@ class TakeArgs(NamedTuple):
     where: Optional[str] = None
 
 
+class StartArgs(NamedTuple):
+    """The keywords of :meth:`~.base.LockBackend.start`, with its
+    defaults: what the backends' start reads.
+    """
+
+    ttl: int
+    limit: int
+    lock: str
+    copy: Copy
+    queue_key: Optional[str] = None
+    order: Optional[int] = None
+    reserve: int = DEFAULT_RESERVE
+
+
 class CurrentArgs(NamedTuple):
     """The arguments of :meth:`~.capabilities.NewestWins.current`, in order."""
 

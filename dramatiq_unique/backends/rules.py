@@ -34,6 +34,7 @@ from .records import (
     Replacement,
     ReplaceStatus,
     Start,
+    StartArgs,
     TakeArgs,
     Waiter,
 )
@@ -153,17 +154,8 @@ class LockRules(Reschedules, NewestWins):
         before = old.before if old.where == where else old.where
         return EnqueueRecord(old.taken_at, now + provisional_for if provisional_for else 0, where, before)
 
-    def start(
-        self,
-        key: str,
-        owner: str,
-        *,
-        copy: Copy,
-        queue_key: Optional[str] = None,
-        order: Optional[int] = None,
-        reserve: int = DEFAULT_RESERVE,
-        **take: Any,
-    ) -> Start:
+    def start(self, key: str, owner: str, **options: Any) -> Start:
+        ttl, limit, lock, copy, queue_key, order, reserve = StartArgs(**options)
         with self._mutex:
             record = self._live_record(copy)
             if record is not None and self._verdict(record, copy) is not None:
@@ -179,7 +171,7 @@ class LockRules(Reschedules, NewestWins):
                     handed.append(promoted)
                 return promoted is not None
 
-            got = self._take(key, owner, TakeArgs(lock_args=copy.lock_args, **take), ahead)
+            got = self._take(key, owner, TakeArgs(ttl, limit, lock, copy.lock_args), ahead)
             promoted = handed[0][1] if handed else None
             if handed:  # as start.lua: the waiter it went to holds it
                 got = got._replace(holder=handed[0][0])

@@ -51,6 +51,7 @@ from ..records import (
     ReplaceStatus,
     Replacement,
     Start,
+    StartArgs,
     TakeArgs,
 )
 from .calls import Call, ScriptCalls, as_text, default_retry
@@ -116,20 +117,11 @@ def _copy_args(copy: Copy) -> list[Any]:
     return [copy.message_id, copy.attempt, copy.via, copy.retries]
 
 
-def _start_call(
-    key: str,
-    owner: str,
-    ttl: int,
-    limit: int,
-    lock: str,
-    copy: Copy,
-    queue_key: Optional[str] = None,
-    order: Optional[int] = None,
-    reserve: int = DEFAULT_RESERVE,
-) -> tuple[list[str], list[Any]]:
+def _start_call(key: str, owner: str, start: StartArgs) -> tuple[list[str], list[Any]]:
     """start.lua's keys and arguments: every job's, so spelled out
     rather than built from :func:`_records` and :func:`_copy_args`.
     """
+    ttl, limit, lock, copy, queue_key, order, reserve = start
     message = f"{key}{wire.MESSAGE_SUFFIX}{copy.message_id}"
     keys = [key, message, f"{key}{wire.WAIT_SUFFIX}", f"{key}{wire.BODIES_SUFFIX}"]  # _records(copy), inline
     if queue_key:
@@ -395,7 +387,7 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         arguments) in one call of start.lua, grouped with the other
         worker threads' calls of the moment.
         """
-        keys, args = _start_call(key, owner, **options)
+        keys, args = _start_call(key, owner, StartArgs(**options))
         if self.calls is None:
             return _start(self._call("start", keys, args), owner)
         # Every job makes this call: shared with other worker threads' of the moment.
@@ -421,7 +413,7 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         if self.calls is None:
             return release_then_start(self, releases, key, owner, **start)
         calls = _release_calls(releases)
-        calls.append(("start", *_start_call(key, owner, **start)))
+        calls.append(("start", *_start_call(key, owner, StartArgs(**start))))
         replies = self.calls.batch(calls, grouped=True, trailer=self.wait_command)
         acked = replies.pop() if self.wait_command is not None else None
         reply = replies.pop()
