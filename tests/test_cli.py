@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from urllib.parse import urlsplit
 from typing import Optional
 
 import pytest
@@ -239,6 +240,47 @@ def test_dashboard_serves_the_locks_until_stopped(locks):
         server.terminate()
         server.wait(10)
     assert "no authentication" in server.stderr.read()
+
+
+def test_the_dashboard_off_loopback_refuses_to_start_without_allowed_hosts(locks):
+    prefix, url, _ = locks
+    refused = run("dashboard", "--redis", url, "--prefix", prefix, "--host", "0.0.0.0", "--port", "0", timeout=30)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "not a loopback address" in refused.stderr and "--allowed-host NAME" in refused.stderr
+    assert "Serving" not in refused.stderr
+
+
+def test_the_dashboard_off_loopback_serves_only_its_allowed_hosts(locks):
+    prefix, url, keys = locks
+    command = ["dashboard", "--redis", url, "--prefix", prefix, "--host", "0.0.0.0", "--port", "0"]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "dramatiq_unique", *command, "--allowed-host", "Locks.Example"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        port = urlsplit(read_served_url(server)).port
+        local = f"http://127.0.0.1:{port}/api/locks"
+
+        def fetch(host: str) -> int:
+            request = urllib.request.Request(local, headers={"Host": host})
+            try:
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    assert sorted(lock["key"] for lock in json.load(response)["locks"]) == sorted(keys.values())
+                    return response.status
+            except urllib.error.HTTPError as e:
+                return e.code
+
+        # The named host, in any case and with its port, is served; any other name is refused (DNS rebinding).
+        assert fetch(f"locks.example:{port}") == 200
+        assert fetch("attacker.example") == 400
+        assert fetch(f"127.0.0.1:{port}") == 400  # loopback names are not implied off loopback
+    finally:
+        server.terminate()
+        server.wait(10)
 
 
 def test_demo_still_runs():

@@ -238,8 +238,17 @@ def _dashboard(args: argparse.Namespace) -> int:
     from ..dashboard import Dashboard
     from ..dashboard.server import LOOPBACK_HOSTS, is_loopback, make_server
 
+    named = {name.lower() for name in args.allowed_host or ()}
+    if not named and not is_loopback(args.host):
+        # Off loopback, an unchecked Host header lets any web page reach it through DNS rebinding.
+        raise CommandError(
+            f"--host {args.host} is not a loopback address: name the host names that clients reach the "
+            "dashboard by with --allowed-host NAME (once per name), and put it behind your own authentication: "
+            "anyone who reaches it can release locks.",
+            status=2,
+        )
     admin = _admin(args)
-    allowed_hosts = LOOPBACK_HOSTS | {args.host} if is_loopback(args.host) else None
+    allowed_hosts = named | (LOOPBACK_HOSTS | {args.host} if is_loopback(args.host) else set())
     try:
         server = make_server(Dashboard(admin, allowed_hosts=allowed_hosts), host=args.host, port=args.port)
     except OSError as e:
@@ -316,6 +325,8 @@ def parser() -> argparse.ArgumentParser:
     option = command("dashboard", _dashboard, dashboard_help, [connection])
     option("--host", default=DEFAULT_HOST, help=f"the address to listen on (default: {DEFAULT_HOST})")
     option("--port", type=int, default=DEFAULT_PORT, help=f"0: any free port (default: {DEFAULT_PORT})")
+    allowed_help = "a host name the Host header may carry (repeat it); required when --host is not a loopback address"
+    option("--allowed-host", action="append", metavar="NAME", help=allowed_help)
     json_reason = (
         "the dashboard serves a web page and prints no JSON (its address goes to stderr); "
         "for the locks as JSON run `dramatiq-unique locks --json`, or read the dashboard's /api/locks."
