@@ -204,6 +204,18 @@ def test_missing_or_bad_settings_are_one_line_errors(redis_url):
     assert usage.returncode == 2 and "one of a DIGEST, --actor NAME or --queue NAME" in usage.stderr
 
 
+def serve_dashboard(*args: str) -> subprocess.Popen:
+    """Start ``python -m dramatiq_unique dashboard ARGS``; the caller stops it."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "dramatiq_unique", "dashboard", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def read_served_url(server: subprocess.Popen) -> str:
     """The address in the dashboard's first line on stderr, "Serving the
     locks under prefix 'P' at URL".
@@ -217,15 +229,7 @@ def read_served_url(server: subprocess.Popen) -> str:
 
 def test_dashboard_serves_the_locks_until_stopped(locks):
     prefix, url, keys = locks
-    command = ["dashboard", "--redis", url, "--prefix", prefix, "--port", "0"]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "dramatiq_unique", *command],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    server = serve_dashboard("--redis", url, "--prefix", prefix, "--port", "0")
     try:
         page_url = read_served_url(server)
         with urllib.request.urlopen(page_url + "api/locks", timeout=10) as response:
@@ -252,14 +256,8 @@ def test_the_dashboard_off_loopback_refuses_to_start_without_allowed_hosts(locks
 
 def test_the_dashboard_off_loopback_serves_only_its_allowed_hosts(locks):
     prefix, url, keys = locks
-    command = ["dashboard", "--redis", url, "--prefix", prefix, "--host", "0.0.0.0", "--port", "0"]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "dramatiq_unique", *command, "--allowed-host", "Locks.Example"],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    server = serve_dashboard(
+        "--redis", url, "--prefix", prefix, "--host", "0.0.0.0", "--port", "0", "--allowed-host", "Locks.Example"
     )
     try:
         port = urlsplit(read_served_url(server)).port

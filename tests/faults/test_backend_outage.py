@@ -89,8 +89,10 @@ def test_locking_survives_a_redis_that_forgot_its_scripts(make_harness, lock_ser
         lock_server.restart()
     assert lock_client.script_exists(*shas) == [False] * len(shas)
     # Then locking still works: client locks refuse duplicates...
-    original = h.app.once.send("c")
+    # (held at a gate: a run that ended before the second send would free the key, and rightly so)
+    original = h.app.once.send("c", gate="once")
     assert h.app.once.send("c").options["unique_duplicate_of"] == original.message_id
+    h.open_gate("once")
     # ...and run locks serialize one key
     sent = [h.app.hold.send("k", seconds=0.1) for _ in range(4)]
     runs = [h.finished(m.message_id) for m in [original, *sent]]
