@@ -88,6 +88,8 @@ class _OnService:
         self.name = name
 
     def __get__(self, middleware: Any, owner: Optional[type] = None) -> Any:
+        if middleware is None:  # read on the class (help(), autodoc, inspect): the descriptor itself
+            return self
         return getattr(middleware.service, self.name)
 
     def __set__(self, middleware: Any, value: Any) -> None:
