@@ -15,7 +15,7 @@ import pytest
 from dramatiq.brokers.stub import StubBroker
 from dramatiq.middleware import AsyncIO, MiddlewareError
 
-from dramatiq_unique import DuplicateMessage, StubBackend, UniqueMiddleware, fence_token
+from dramatiq_unique import DuplicateMessage, fence_token
 from dramatiq_unique.errors import LockBackendError
 from dramatiq_unique.testing import wait_for_releases
 from tests.conftest import make_worker, unique, wait_for
@@ -455,14 +455,3 @@ def test_placement_at_boot_runs_every_boot_hook_once(stub_broker):
         assert names.index("Prometheus") < names.index("UniqueMiddleware") < names.index("AgeLimit")
     finally:
         worker.stop()
-
-
-def test_the_middlewares_switches_read_and_write_its_lock_context_and_show_on_the_class():
-    # Given a middleware, whose enabled and record_lock_args live on the context its guards read
-    unique = UniqueMiddleware(backend=StubBackend())
-    # When they are switched on the middleware
-    unique.enabled, unique.record_lock_args = False, True
-    # Then the guards see it at once, and the class still lists both (help(), autodoc, inspect)
-    assert (unique.service.enabled, unique.service.record_lock_args) == (False, True)
-    assert (unique.enabled, unique.record_lock_args) == (False, True)
-    assert all(hasattr(UniqueMiddleware, name) for name in ("enabled", "record_lock_args"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dramatiq_unique import DEFAULT_LEASE, ConfigurationError, UniqueMiddleware
+from dramatiq_unique import DEFAULT_LEASE, ConfigurationError, StubBackend, UniqueMiddleware
 from dramatiq_unique.settings import from_environment
 
 
@@ -101,3 +101,14 @@ def test_a_misspelt_variable_is_refused_not_ignored(monkeypatch, name):
     monkeypatch.setenv(name, "1000")
     with pytest.raises(ConfigurationError, match=f"{name} is not a dramatiq-unique setting. Valid names: "):
         UniqueMiddleware()
+
+
+def test_the_middlewares_switches_read_and_write_its_lock_context_and_show_on_the_class():
+    # Given a middleware, whose enabled and record_lock_args live on the context its guards read
+    unique = UniqueMiddleware(backend=StubBackend())
+    # When they are switched on the middleware
+    unique.enabled, unique.record_lock_args = False, True
+    # Then the guards see it at once, and the class still lists both (help(), autodoc, inspect)
+    assert (unique.service.enabled, unique.service.record_lock_args) == (False, True)
+    assert (unique.enabled, unique.record_lock_args) == (False, True)
+    assert all(hasattr(UniqueMiddleware, name) for name in ("enabled", "record_lock_args"))
