@@ -24,7 +24,7 @@ from dramatiq_unique.backends.postgres import PostgresBackend, sql
 from dramatiq_unique.backends.postgres.state import dump, load
 from dramatiq_unique.errors import ConfigurationError, LockBackendError
 from tests.conftest import free_port
-from tests.postgres_server import PgBouncer, database_on, with_database
+from tests.postgres_server import PgBouncer, PostgresServer, database_on, empty, with_database
 
 KEY = "t:actor:{abc}:run"
 QUEUE_KEY = "t:actor:{abc}:queue"
@@ -262,6 +262,37 @@ def test_a_server_that_is_down_fails_calls_quickly() -> None:
     backend.close()
 
 
+
+def test_after_a_restart_calls_come_back_at_once_not_at_the_pools_backoff() -> None:
+    # Given a backend on a PostgreSQL of its own, used once
+    server = PostgresServer(free_port())
+    server.start()
+    backend = PostgresBackend(url=server.url, timeout=1.0)
+    try:
+        backend.acquire(KEY, "a", ttl=60_000)
+        # When the server stops: the first call waits out the pool's timeout,
+        # and the calls after it fail at once instead
+        server.stop("immediate")
+        with pytest.raises(psycopg.OperationalError):
+            backend.release(KEY, "a")
+        for _ in range(3):
+            started = time.monotonic()
+            with pytest.raises(psycopg.OperationalError):
+                backend.release(KEY, "a")
+            assert time.monotonic() - started < 0.5
+        # Then, once it is back (the pool's own backoff is at 4 s and more by now),
+        # the next call is answered
+        time.sleep(4)  # the outage: long enough for the pool's backoff to grow past it
+        server.start()
+        started = time.monotonic()
+        assert backend.release(KEY, "a").held
+        assert time.monotonic() - started < 1.0
+        assert backend.inspect(KEY) is None
+    finally:
+        backend.close()
+        server.remove()
+
+
 # The sweep -----------------------------------------------------------------------
 
 
@@ -278,6 +309,36 @@ def test_the_sweep_deletes_expired_rows_one_process_at_a_time(postgres_backend: 
     assert postgres_backend.sweep() == 12
     assert set(rows(postgres_backend)) == {KEY}
     assert postgres_backend.inspect(KEY).holders.keys() == {"live"}
+
+
+
+def test_no_lock_call_waits_for_a_sweep(postgres_url: str) -> None:
+    # Given a backend whose sweep is due at every call, and is held up
+    entered, go_on = threading.Event(), threading.Event()
+
+    class HeldSweep(PostgresBackend):
+        def sweep(self, **options):
+            entered.set()
+            go_on.wait(30)
+            return super().sweep(**options)
+
+    backend = HeldSweep(url=postgres_url, sweep_interval=0)
+    try:
+        backend.acquire("t:gone:{k}:run", "a", ttl=1)
+        # When lock calls run while the sweep they started is held
+        assert entered.wait(10)
+        assert backend.acquire(KEY, "live", ttl=60_000).acquired
+        assert backend.release(KEY, "live").held
+        # Then they returned; and once the sweep goes on, the expired row is deleted
+        go_on.set()
+        deadline = time.monotonic() + 10
+        while "t:gone:{k}:run" in rows(backend) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert "t:gone:{k}:run" not in rows(backend)
+    finally:
+        go_on.set()
+        empty(backend)
+        backend.close()
 
 
 # PgBouncer in transaction mode ------------------------------------------------------

@@ -8,12 +8,14 @@ PostgreSQL that holds the locks is touched.
 
 from __future__ import annotations
 
+import signal
 import time
 from typing import Callable, Iterator
 
 import pytest
 
 from dramatiq_unique import LockBackendError
+from dramatiq_unique.backends.postgres import PostgresBackend
 from tests.conftest import free_port, wait_for
 from tests.faults import test_crash
 from tests.faults.harness import Harness, overlaps
@@ -82,3 +84,70 @@ def test_locks_fail_closed_while_their_postgres_is_down(make_harness, lock_postg
 
 def attempts(h, message_id):
     return sum(1 for e in h.events("backend_error") if e["message_id"] == message_id)
+
+
+
+#: How long the restart tests keep PostgreSQL down.
+OUTAGE_S = 8.0
+
+
+def run_four(h, name):
+    """Two until_executed and two while_executing jobs, named after a
+    group, held at the gate "outage"; wait until all four run.
+    """
+    batch = [h.app.once.send(f"{name}-u{i}", gate="outage") for i in range(2)]
+    batch += [h.app.hold.send(f"{name}-k{i}", gate="outage") for i in range(2)]
+    wait_for(lambda: {m.message_id for m in batch} <= {r.message_id for r in h.starts()},
+             what=f"the {name} group to run its four jobs")
+    return batch
+
+
+@pytest.mark.parametrize("mode", ["fast", "immediate"])
+def test_every_key_takes_a_new_send_within_one_lease_of_a_postgres_restart(make_harness, lock_postgres, figure, mode):
+    # Given two worker groups with a 3 s lease whose locks live in a PostgreSQL of their own,
+    # each with every thread busy on until_executed and while_executing jobs (no prefetch beyond them)
+    lease = 3.0
+    h = make_harness("redis", FAULTS_LOCK_URL=lock_postgres.url, FAULTS_LEASE=str(int(lease * 1000)))
+    stopping = h.workers(processes=1, threads=4, dramatiq_queue_prefetch="4")
+    sent = run_four(h, "stopping")
+    h.workers(processes=1, threads=4, dramatiq_queue_prefetch="4")
+    sent += run_four(h, "staying")
+    # When PostgreSQL stops, the jobs finish (so their releases fail), and one group is SIGTERMed inside the outage
+    lock_postgres.stop(mode)
+    down_at = time.monotonic()
+    h.open_gate("outage")
+    wait_for(lambda: len(h.runs()) == len(sent), what="every job to finish")
+    stopping.process.send_signal(signal.SIGTERM)
+    asked = time.monotonic()
+    assert stopping.process.wait(timeout=30) == 0
+    stopped_in = time.monotonic() - asked
+    figure("stopped_in_s", round(stopped_in, 3))
+    assert stopped_in <= h.app.unique.settings.shutdown_timeout / 1000 + 2  # the package's bound, and Dramatiq's exit
+    time.sleep(max(0.0, down_at + OUTAGE_S - time.monotonic()))  # the outage's length is the scenario's
+    # And PostgreSQL comes back
+    up_at = time.monotonic()
+    lock_postgres.start()
+    # Then within one lease every key is free again: the until_executed keys, the run locks whose
+    # releases failed, and the releases the stopped group owed
+    unique = h.app.unique
+    keys = []
+    for message in sent:
+        spec = unique.specs[message.actor_name]
+        phase = "queue" if message.actor_name == "once" else "run"
+        keys.append(unique.key(spec, spec.digest(message.args[:1], {}), phase))
+    probe = PostgresBackend(url=lock_postgres.url)
+    try:
+        wait_for(lambda: all(probe.inspect(key) is None for key in keys), timeout=60, what="every key to be free")
+    finally:
+        probe.close()
+    freed_after = time.monotonic() - up_at
+    figure("keys_free_after_return_s", round(freed_after, 3))
+    assert freed_after <= lease
+    # And a new send of each until_executed key is taken, not refused as a duplicate, and runs once
+    again = [h.app.once.send(f"{name}-u{i}") for name in ("stopping", "staying") for i in range(2)]
+    assert [m.options.get("unique_duplicate_of") for m in again] == [None] * len(again)
+    for message in again:
+        h.finished(message.message_id, timeout=30)
+    # And nothing was lost or run twice
+    assert sorted(r.message_id for r in h.runs()) == sorted(m.message_id for m in sent + again)
+    assert overlaps(h.runs()) == []

@@ -12,6 +12,7 @@ works behind PgBouncer in transaction mode.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -203,7 +204,7 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
             check_url(url)
             connect.setdefault("connect_timeout", max(1, round(timeout)))
             self.conninfo = make_conninfo(url, **connect)
-            self._kwargs = {"autocommit": True, "prepare_threshold": prepare_threshold}
+            self._kwargs: dict[str, Any] = {"autocommit": True, "prepare_threshold": prepare_threshold}
             self._max_size = max_size
             self._own_pool = True
         else:
@@ -212,6 +213,7 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
         self.pool: Any = pool
         self._pool_pid = pid()
         self._pool_lock = threading.Lock()
+        self._pool_lost = False
         self._ready = False
         self._ready_lock = threading.Lock()
         self._next_sweep = time.monotonic() + sweep_interval / 1000
@@ -287,10 +289,40 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
 
     # Transactions ------------------------------------------------------
 
-    def _connection(self) -> Any:
+    @contextlib.contextmanager
+    def _connection(self) -> Iterator[Any]:
         if self._own_pool and (self.pool is None or self._pool_pid != pid()):
             self._open_pool()
-        return self.pool.connection(timeout=self.timeout)
+        if self._pool_lost:
+            with self._connect_past_the_pool() as conn:
+                yield conn
+            return
+        try:
+            with self.pool.connection(timeout=self.timeout) as conn:
+                yield conn
+        except psycopg_pool.PoolTimeout:
+            # A pool that could not grow to its size could not connect.
+            # It retries with a backoff that doubles (1, 2, 4, 8 s...), so
+            # after a restart it may reconnect many seconds late, and every
+            # call meanwhile waits out the timeout: connect directly instead
+            # until the server answers (see docs/postgres.md, "Restarts").
+            if self._own_pool and self.pool.get_stats().get("pool_size", 0) < self._max_size:
+                self._pool_lost = True
+            raise
+
+    def _connect_past_the_pool(self) -> Any:
+        """One connection of its own, while the pool cannot connect:
+        it fails at once while the server refuses connections.  The first
+        that succeeds replaces the pool with a new one, which connects
+        at once; the old pool closes in the background.
+        """
+        conn = psycopg.connect(self.conninfo, **self._kwargs)
+        with self._pool_lock:
+            if self._pool_lost:
+                old, self.pool = self.pool, self._new_pool()
+                self._pool_lost = False
+                threading.Thread(target=old.close, name="dramatiq-unique-old-pool", daemon=True).start()
+        return conn
 
     def _open_pool(self) -> None:
         """Open this process's pool: at the first call, and again in a
@@ -299,17 +331,22 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
         with self._pool_lock:
             if self.pool is not None and self._pool_pid == pid():
                 return
-            self.pool = psycopg_pool.ConnectionPool(
-                self.conninfo,
-                min_size=1,
-                max_size=self._max_size,
-                kwargs=self._kwargs,
-                timeout=self.timeout,
-                open=False,
-                name="dramatiq-unique",
-            )
-            self.pool.open(wait=False)
+            self.pool = self._new_pool()
             self._pool_pid = pid()
+            self._pool_lost = False
+
+    def _new_pool(self) -> Any:
+        pool = psycopg_pool.ConnectionPool(
+            self.conninfo,
+            min_size=1,
+            max_size=self._max_size,
+            kwargs=self._kwargs,
+            timeout=self.timeout,
+            open=False,
+            name="dramatiq-unique",
+        )
+        pool.open(wait=False)
+        return pool
 
     def _locked(self, keys: Sequence[str], verb: Callable[[LockRules], T]) -> T:
         """Run ``verb`` on the locked rows of ``keys``, in one transaction
@@ -353,9 +390,15 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
         return run(rows, verb)
 
     def _maybe_sweep(self) -> None:
+        """Start a sweep when one is due, on a thread of its own: no lock
+        call waits for one.
+        """
         if time.monotonic() < self._next_sweep:
             return
         self._next_sweep = time.monotonic() + self.sweep_interval / 1000
+        threading.Thread(target=self._sweep_in_background, name="dramatiq-unique-sweep", daemon=True).start()
+
+    def _sweep_in_background(self) -> None:
         try:
             self.sweep()
         except Exception as e:  # the next interval tries again
