@@ -66,11 +66,7 @@ class Wakeup:
             pass
 
     def wait(self, timeout: float) -> bool:
-        """Wait at most ``timeout`` milliseconds.
-
-        Returns:
-          bool: True when it was set.
-        """
+        """Wait at most ``timeout`` ms; True when it was set."""
         return bool(self._lock.acquire(True, max(timeout, 0) / 1000))
 
 
@@ -195,19 +191,11 @@ class BackgroundThread:
             self.on_wake()
 
     def wait(self, timeout: float) -> bool:
-        """In the loop: sleep until :meth:`wake`, :meth:`stop` or ``timeout`` ms.
-
-        Returns:
-          bool: True when woken.
-        """
+        """In the loop: sleep until :meth:`wake`, :meth:`stop` or ``timeout`` ms; True when woken."""
         return self._wakeup.wait(timeout)
 
     def stop(self, *, timeout: float = DEFAULT_STOP_TIMEOUT) -> bool:
-        """Ask the loop to end and wait for it, at most ``timeout`` ms.
-
-        Returns:
-          bool: True when it ended (or never ran).
-        """
+        """Ask the loop to end and wait for it, at most ``timeout`` ms; True when it ended (or never ran)."""
         self.stopping = True
         self.wake()
         thread = self._thread
@@ -308,11 +296,8 @@ class Served(ThreadOwner[B], Generic[B, R, T]):
             raise
 
     def stop(self, timeout: Optional[float] = None) -> list[T]:
-        """Drain, then end the thread.
-
-        Returns:
-          list: What is left after ``timeout`` ms (``drain_timeout``), with the batch stuck in
-          flight (it may have applied), to hand on (:class:`~.worker.resend.OwedReleases`).
+        """Drain, then end the thread; return what is left after ``timeout`` ms (``drain_timeout``), the
+        batch stuck in flight too (it may have applied), to hand on (:class:`~.worker.resend.OwedReleases`).
         """
         drained = self.drain(timeout)
         # A thread stuck in a call is not waited for again: the drain did.
@@ -325,10 +310,6 @@ class OneCall(Generic[T]):
     """One call on a daemon thread of its own, so that a call stuck on a silent network (socket
     timeouts and retries add up to minutes) holds that thread, not its caller.  One call, no
     loop, so no :class:`BackgroundThread`; a greenlet under gevent.
-
-    Parameters:
-      call(callable): What to call, with no arguments.
-      name(str): The thread's name.
     """
 
     def __init__(self, call: Callable[[], T], *, name: str) -> None:
