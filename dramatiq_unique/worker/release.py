@@ -165,7 +165,9 @@ class Releaser(Served[BatchedReleases, ReleaseReports, PendingRelease]):
         return riders
 
     def _unboard(self, riders: list[PendingRelease]) -> None:
-        """Queue again first the releases of a call a time limit or shutdown broke (may have applied)."""
+        """Queue again, first, for the releaser thread, the releases of a call that a time limit or a
+        shutdown notice broke (it may have applied them).
+        """
         for pending in riders:
             pending.resent = True
         with self._lock:
@@ -209,11 +211,7 @@ class Releaser(Served[BatchedReleases, ReleaseReports, PendingRelease]):
         return len(self._pending) + len(self._sending) + self._riding
 
     def drain(self, timeout: Optional[float] = None) -> bool:
-        """Wait until every release was sent and reported, at most ``timeout`` ms (``drain_timeout``).
-
-        Returns:
-          bool: True when nothing is left.
-        """
+        """Wait until every release was sent and reported, at most ``timeout`` ms; True when none is left."""
         deadline = now_ms() + (self.drain_timeout if timeout is None else timeout)
         with self._wakeup:
             self._draining += 1
@@ -304,12 +302,7 @@ class Releaser(Served[BatchedReleases, ReleaseReports, PendingRelease]):
 
 
 class Unlocker:
-    """Releases the locks of each delivery of one middleware.
-
-    Parameters:
-      service(LockContext): The middleware's lock context.
-      troubles(LockTroubles): Where lost locks are told.
-    """
+    """Releases the locks of each delivery of one middleware; tells lost locks to ``troubles``."""
 
     #: The worker's background tasks, reporting back here; set by the middleware.
     threads: "Threads"

@@ -26,7 +26,7 @@ from .leases import HandOff, Lease, LockToRelease, PendingRelease
 if TYPE_CHECKING:
     from dramatiq import Broker
 
-#: Ms before the first retry of a failed release; each waits twice as long, up to the next.
+#: Ms before the first retry of a failed release; each waits twice as long, up to DEFAULT_MOST_BETWEEN.
 DEFAULT_FIRST_RETRY = 100
 
 #: The longest wait between retries, in ms: a key is free about this soon after the network is back.
@@ -79,8 +79,8 @@ class FailedReleases(Served[LockBackend, "LandedReports", FailedRelease]):
       first_retry(int): Milliseconds before the first retry.
       most_between(int): The longest wait between retries, in ms.
       drain_timeout(int): How long ``stop`` waits, in ms.
-      record_ttl(int): How long past its lease a run lock's release is still sent, in ms; the
-        middleware passes ``lock_ttl``, the life of a message record.
+      record_ttl(int): How long past its lease a run lock's release is still sent, in ms (0: not at
+        all); the middleware passes ``lock_ttl``, the life of a message record.
     """
 
     def __init__(
@@ -131,11 +131,7 @@ class FailedReleases(Served[LockBackend, "LandedReports", FailedRelease]):
             self._send(batch)
 
     def drain(self, timeout: Optional[float] = None) -> bool:
-        """Retry, on the calling thread, until nothing is left, at most ``timeout`` ms.
-
-        Returns:
-          bool: True when nothing is left.
-        """
+        """Retry, on the calling thread, until nothing is left, at most ``timeout`` ms; True if so."""
         deadline = now_ms() + (self.drain_timeout if timeout is None else timeout)
         while self.pending():
             if now_ms() >= deadline:
@@ -212,7 +208,7 @@ class FailedReleases(Served[LockBackend, "LandedReports", FailedRelease]):
 #: The internal actor that makes owed releases.
 OWED_ACTOR = "dramatiq_unique_owed_releases"
 
-#: Ms before the first retry of an owed release still refused; doubling up to the next.
+#: Ms before the first retry of an owed release still refused; doubling up to OWED_MOST_BETWEEN.
 OWED_FIRST_RETRY = 500
 
 #: The longest wait between two retries, in milliseconds.
@@ -281,11 +277,8 @@ class OwedReleases:
                                     priority=0, options={})
 
     def write(self, owed: list[OwedRelease], *, timeout: float) -> bool:
-        """Enqueue ``owed`` for the next worker, trying for at most ``timeout`` ms; what could
-        not be written is logged, key by key, and left to expire with its lock.
-
-        Returns:
-          bool: True when every message was enqueued.
+        """Enqueue ``owed`` for the next worker, trying for at most ``timeout`` ms; True when all went.
+        What could not be written is logged, key by key, and left to expire with its lock.
         """
         if not owed:
             return True
@@ -367,11 +360,7 @@ class OwedReleases:
 
 
 class LockTroubles:
-    """Logs and counts the lock troubles of one middleware.
-
-    Parameters:
-      service(LockContext): The middleware's lock context.
-    """
+    """Logs and emits the lock troubles of one middleware."""
 
     def __init__(self, service: LockContext) -> None:
         self.service = service
