@@ -344,11 +344,7 @@ def watch() -> CoroutineWatch:
 
 
 def track(actor: "Actor[Any, Any]") -> bool:
-    """Wrap an async actor's coroutine to tell its delivery's watch when it ends.
-
-    Returns:
-      bool: Whether the actor is async, and so tracked.
-    """
+    """Wrap an async actor's coroutine to tell its delivery's watch when it ends; False if not async."""
     if getattr(actor.fn, "_unique_tracked", False):
         return True
     original = getattr(actor.fn, "__wrapped__", None)

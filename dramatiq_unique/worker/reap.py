@@ -180,10 +180,7 @@ class Reaper:
         budget: Optional[float] = None,
     ) -> ReapReport:
         """Look every confirmed enqueue lock's message up; release the missing ones' when ``release``.
-
-        Parameters:
-          max_keys(int): Stop after this many lock keys.
-          budget(float): Stop after this many seconds.
+        Stop after ``max_keys`` lock keys or ``budget`` seconds.
         """
         report = ReapReport()
         pending: list[tuple[ListedLock, str, EnqueueRecord]] = []
@@ -268,11 +265,7 @@ class PeriodicReaper:
                 self.logger.warning("Reaper pass failed: %r.", e)
 
     def run_once(self) -> Optional[ReapReport]:
-        """Run one pass unless another worker runs one.
-
-        Returns:
-          ReapReport: or None when another worker held the pass.
-        """
+        """Run one pass, unless another worker runs one (then None)."""
         got = self.backend.acquire(self.key, self.owner, ttl=self.lease, lock="reaper")
         if not got.acquired:
             return None
@@ -314,10 +307,7 @@ def reason(error: BaseException) -> str:
 
 def check_backend(backend: LockBackend, *, prefix: str, on_backend_error: str, logger: logging.Logger) -> bool:
     """Make one read of ``backend`` (a key under ``prefix``); when that fails, log one ERROR
-    naming it, why, and the ``on_backend_error`` setting.  Never raises.
-
-    Returns:
-      bool: True when the backend answered.
+    naming it, why, and the ``on_backend_error`` setting.  Never raises; True when it answered.
     """
     try:
         backend.check(f"{prefix}:!check")

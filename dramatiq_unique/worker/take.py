@@ -70,12 +70,8 @@ class Taken(NamedTuple):
 
 
 class RunLockTaker:
-    """Takes the run lock of each delivery of one middleware.
-
-    Parameters:
-      service(LockContext): The middleware's lock context.
-      unlocker(Unlocker): Releases the enqueue lock a take frees; owns the worker's threads.
-      async_actors(set[str]): The async actors with a run lock, whose coroutines are tracked.
+    """Takes the run lock of each delivery of one middleware.  ``unlocker`` releases the enqueue
+    lock a take frees, and owns the worker's threads; ``async_actors`` have their coroutines tracked.
     """
 
     def __init__(self, service: LockContext, unlocker: Unlocker, *, async_actors: set[str]) -> None:
@@ -316,7 +312,7 @@ def reschedule(conflict: Conflict) -> NoReturn:
 
 def wait_longer(conflict: Conflict, free_in: Optional[int]) -> NoReturn:
     """A delayed copy came back still in line: it comes back twice as late, but no later than just
-    after the holder runs out (``free_in``), should it die.
+    after the holder runs out (``free_in``), should it die: then the first to arrive hands the key on.
     """
     service, broker, message, state, key, _ = conflict
     waits = message.options.get(UNIQUE_WAITS, 0) + 1
@@ -345,7 +341,8 @@ def _skip_quietly(conflict: Conflict) -> None:
 
 def stand_in(message: "MessageProxy", state: Delivery, attempt: int) -> None:
     """Make this delivery's retry a third copy of ``attempt`` (a reschedule call's outcome is
-    unknown): the first of the three to arrive runs.  Unclaimed, so a dead-letter claims it.
+    unknown): the first of the three to arrive runs.  Left unclaimed: should Retries give up, its
+    dead-letter claims it, so that no other copy runs.
     """
     message.options[UNIQUE_RESCHEDULES] = attempt
     message.options[UNIQUE_VIA] = "retry"
