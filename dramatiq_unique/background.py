@@ -1,19 +1,7 @@
-"""The package's background threads, on one base, with the clock and
-the process id they read.
-
-Each background task of a process (the lease keeper, the releaser, the
-confirmer, the retries of failed releases, the periodic reaper, the
-hand-off timer) runs a loop on a :class:`BackgroundThread`: it starts
-lazily, is reset in a forked child, stops within a bound, logs an error
-that ends it, retires a generation at once, and under gevent chooses a
-greenlet or (``native=True``) an OS thread; see docs/reliability.md,
-"Green threads (gevent)", "One life cycle".
-
-The clock (:func:`now_ms`), the jitter (:data:`JITTER`) and the process
-id (:func:`pid`) live here too: every background task times and
-jitters its deadlines with them, and the Redis client's calls read the
-process id on every call.  This module imports nothing of the package
-but ``compat``, so every module may use it.
+"""The package's background threads on one base (:class:`BackgroundThread`; see
+docs/reliability.md, "Green threads (gevent)", "One life cycle"), with the clock, the jitter
+and the process id they read.  It imports nothing of the package but ``compat``, so every
+module may use it.
 """
 
 from __future__ import annotations
@@ -33,24 +21,15 @@ from .compat import hub_caller, native_lock, start_native_thread, threads_are_gr
 
 
 def now_ms() -> float:
-    """Monotonic milliseconds: for deadlines and intervals within this
-    process, never for times stored in the backend (those are the
-    server's or wall-clock milliseconds).
-    """
+    """Monotonic ms, for this process's deadlines; never stored in the backend (server or wall time)."""
     return mod_time.monotonic() * 1000
 
 
-#: The random numbers of the package's jitter and tokens: a generator
-#: of its own, so that background threads never move the global
-#: ``random`` state that an application (or Hypothesis, which warns when
-#: it moves under a test) draws from; reseeded in a forked child, so that
-#: forked workers do not jitter in step.
+#: The package's jitter and tokens: its own generator, never moving the global ``random`` an
+#: application (or Hypothesis, which warns) draws from; reseeded in a forked child, out of step.
 JITTER = random.Random()
 
-#: This process's id, read without a system call: ``os.getpid`` is one
-#: on every read, and the hot paths of a worker (an owner token per job,
-#: a fork check per lock call) read it per job.  Refreshed in a forked
-#: child before any of its code runs.
+#: This process's id without ``os.getpid``'s system call, read per job; refreshed in a forked child.
 _pid = os.getpid()
 
 
@@ -58,27 +37,21 @@ def pid() -> int:
     """This process's id."""
     return _pid
 
-#: How long :meth:`BackgroundThread.stop` waits for the loop to end, in
-#: milliseconds.
+#: How long, in ms, :meth:`BackgroundThread.stop` waits for the loop to end.
 DEFAULT_STOP_TIMEOUT = 5_000
 
-#: How often a bounded wait looks again, in milliseconds: short enough
-#: for a drain, long enough that a waiting greenlet lets others run.
+#: How often, in ms, a bounded wait looks again: short for a drain, long enough to let greenlets run.
 DEFAULT_POLL = 10
 
 T = TypeVar("T")
 
-#: The loop of a background thread: called with its thread, it returns
-#: once ``thread.stopping`` is set (or whenever it is done).
+#: A background thread's loop: called with its thread, it returns once ``thread.stopping`` is set.
 Loop = Callable[["BackgroundThread"], None]
 
 
 class Wakeup:
-    """An auto-reset event on one plain lock: :meth:`wait` returns when
-    :meth:`set` was called since the last wait, or after a timeout.
-
-    Made of an OS lock for a native thread, so that no gevent primitive
-    crosses the thread boundary: the side that sets it never blocks.
+    """An auto-reset event on one plain lock (an OS lock for a native thread, so that no gevent
+    primitive crosses the thread boundary); the side that sets it never blocks.
     """
 
     def __init__(self, lock: Any) -> None:
@@ -86,18 +59,14 @@ class Wakeup:
         self._lock.acquire()  # held: the next wait blocks until set()
 
     def set(self) -> None:
-        """Wake the waiter; never blocks."""
+        """Wake the waiter."""
         try:
             self._lock.release()
         except RuntimeError:  # set already, not waited for yet
             pass
 
     def wait(self, timeout: float) -> bool:
-        """Wait at most ``timeout`` milliseconds.
-
-        Returns:
-          bool: True when it was set.
-        """
+        """Wait at most ``timeout`` ms; True when it was set."""
         return bool(self._lock.acquire(True, max(timeout, 0) / 1000))
 
 
@@ -108,14 +77,11 @@ class BackgroundThread:
       name(str): The thread's name, e.g. ``"dramatiq-unique-leases"``.
       loop(callable): Called with this object on the thread; it waits
         with :meth:`wait` and returns when :attr:`stopping` is set.
-      native(bool or callable): Whether the loop must run on an OS
-        thread when gevent has patched threads (decided at each start,
-        so a callable can say whether it can); ignored otherwise.
-      on_fork(callable): Called in a forked child, before any of its
-        code runs, to drop what the parent's thread had under way.
-      on_wake(callable): Called by :meth:`wake` and :meth:`stop`, for a
-        loop that waits on its owner's own condition rather than with
-        :meth:`wait`: it notifies that condition, under its lock.
+      native(bool or callable): Whether the loop runs on an OS thread under gevent (asked at
+        each start, so a callable can say whether it can).
+      on_fork(callable): Called in a forked child, to drop what the parent's thread had under way.
+      on_wake(callable): Called by :meth:`wake` and :meth:`stop`, to notify the owner's own
+        condition when the loop waits on that rather than with :meth:`wait`.
     """
 
     def __init__(
@@ -136,15 +102,13 @@ class BackgroundThread:
         self._start_lock = threading.Lock()
         #: Bumped by every start; the generation of the newest thread.
         self.generation = 0
-        #: The newest generation that ended or was retired: its thread
-        #: no longer owns the running mark.
+        #: The newest generation that ended or was retired, no longer owning the running mark.
         self._retired = 0
         self._reset()
         _LIVE.add(self)
 
     def _reset(self) -> None:
-        #: The process whose thread runs the loop; None when none does.
-        #: A field read per job, where ``is_alive()`` costs two calls.
+        #: The process whose thread runs the loop, or None: read per job, cheaper than ``is_alive()``.
         self.running_in: Optional[int] = None
         self.native = False
         self.stopping = False
@@ -159,8 +123,6 @@ class BackgroundThread:
         self._reset()
         if self.on_fork is not None:
             self.on_fork()
-
-    # Life cycle ----------------------------------------------------------
 
     def ensure_started(self) -> None:
         """Start the thread unless it runs in this process."""
@@ -198,62 +160,42 @@ class BackgroundThread:
         except Exception as error:
             self._stopped_by(error)
         finally:
-            # Only while this thread still owns the mark: once retired, a
-            # newer thread may hold it, and clearing it would let a third
-            # start beside that one (or leave a stop() nothing to wait for).
+            # Only while it owns the mark: else a newer thread's, whose clearing would let a third start.
             if self._retired != generation and self.generation == generation:
                 self._clear(generation)
 
     def retire(self) -> None:
-        """Give up the running mark of the newest thread now: the next
-        :meth:`ensure_started` starts a new thread, whatever the old one
-        still does before it returns.
-
-        Called by a loop, under its owner's lock, as it decides to end
-        (a submission made after that decision then starts a new
-        thread, where it would otherwise find the old one still marked
-        running), or by the owner to give up on a thread stuck in a call
-        (the owner then ignores what that thread still reports).
+        """Give up the newest thread's running mark now: the next :meth:`ensure_started` starts a new
+        one.  By a loop, under its owner's lock, as it decides to end (so a later submission never
+        finds it still marked), or by the owner giving up on a thread stuck in a call.
         """
         if self.generation != self._retired:
             self._clear(self.generation)
 
     def _clear(self, generation: int) -> None:
-        # Under the start lock would block a native thread on a
-        # greenlet's lock.  No start can come between the check of the
-        # caller and these writes: a start waits for the mark to clear,
-        # and the generation is marked retired before it does.
+        # Not under the start lock, which would block a native thread on a greenlet's lock.  No start
+        # comes between the caller's check and these writes: it waits for the mark, cleared last.
         self._retired = generation
         self._finished = True
         self.running_in = None
 
     def _stopped_by(self, error: Exception) -> None:
-        # A function of its own: ``error`` is unbound once its except clause ends, before the hub may run this.
+        # Its own function: ``error`` is unbound after its except clause, before the hub runs this.
         self.report(lambda: self.logger.error(
             "%s stopped on an error; the next use starts it again.", self.name, exc_info=error))
 
     def wake(self) -> None:
-        """Have the loop look again now; never blocks on the loop."""
+        """Have the loop look again now, without blocking."""
         self._wakeup.set()
         if self.on_wake is not None:
             self.on_wake()
 
     def wait(self, timeout: float) -> bool:
-        """In the loop: sleep until :meth:`wake`, :meth:`stop` or
-        ``timeout`` milliseconds.
-
-        Returns:
-          bool: True when woken.
-        """
+        """In the loop: sleep until :meth:`wake`, :meth:`stop` or ``timeout`` ms; True when woken."""
         return self._wakeup.wait(timeout)
 
     def stop(self, *, timeout: float = DEFAULT_STOP_TIMEOUT) -> bool:
-        """Ask the loop to end and wait for it, at most ``timeout``
-        milliseconds.
-
-        Returns:
-          bool: True when it ended (or never ran).
-        """
+        """Ask the loop to end and wait for it, at most ``timeout`` ms; True when it ended (or never ran)."""
         self.stopping = True
         self.wake()
         thread = self._thread
@@ -261,8 +203,7 @@ class BackgroundThread:
             if thread is not threading.current_thread():
                 thread.join(timeout=timeout / 1000)
             return not thread.is_alive()
-        # A native thread is never joined: a greenlet would block the hub
-        # on its OS lock.  Looked at with sleeps, which yield.
+        # Never joined, which would block the hub on an OS lock: looked at with sleeps, which yield.
         deadline = now_ms() + timeout
         while not self._finished:
             left = deadline - now_ms()
@@ -271,12 +212,8 @@ class BackgroundThread:
             mod_time.sleep(min(left, DEFAULT_POLL) / 1000)
         return True
 
-    # Crossing back ----------------------------------------------------------
-
     def report(self, call: Callable[[], None]) -> None:
-        """Run ``call`` where it may touch patched state: on the hub, from
-        a native thread; here otherwise.  What it raises is logged.
-        """
+        """Run ``call`` where it may touch patched state (on the hub from a native thread); log errors."""
         self._to_hub(lambda: self._logged(call))
 
     def _logged(self, call: Callable[[], None]) -> None:
@@ -295,10 +232,7 @@ R = TypeVar("R")
 
 
 class ThreadOwner(Generic[B]):
-    """The owner of one :class:`BackgroundThread` that works on a lock
-    backend: its logger, its backend, and its thread, whose loop is
-    :meth:`_serve` (``thread``: the thread's other arguments).
-    """
+    """Owns a logger, a lock backend and a :class:`BackgroundThread` looping :meth:`_serve`."""
 
     def __init__(self, backend: B, *, logger: str, **thread: Any) -> None:
         self.logger = get_logger(logger, type(self))
@@ -310,12 +244,9 @@ class ThreadOwner(Generic[B]):
 
 
 class Served(ThreadOwner[B], Generic[B, R, T]):
-    """A :class:`ThreadOwner` whose loop waits on the owner's own
-    condition, ``_wakeup`` (made by ``_reset``, run again in a forked
-    child: what the parent queued is the parent's, and its lock may have
-    been held), takes its next work under it (``_next``, None to end)
-    and does it outside (``_send``).  A greenlet under gevent: it sends
-    with the backend's own client.  ``reports`` is where outcomes go.
+    """A :class:`ThreadOwner` whose loop takes work (``_next``, None to end) under its own condition
+    ``_wakeup`` (made by ``_reset``, again in a forked child), and does it outside (``_send``).  A
+    greenlet under gevent: it sends with the backend's own client.
     """
 
     _wakeup: threading.Condition
@@ -346,9 +277,7 @@ class Served(ThreadOwner[B], Generic[B, R, T]):
             self._wakeup.notify_all()
 
     def _ensure_thread(self) -> None:
-        """Start the thread unless it runs; the lock is held.  (The
-        hand-off model does the thread's work in its own rules instead.)
-        """
+        """Start the thread unless it runs; the lock is held.  (The hand-off model overrides it.)"""
         self._thread.ensure_started()
 
     def _serve(self, thread: BackgroundThread) -> None:
@@ -363,17 +292,12 @@ class Served(ThreadOwner[B], Generic[B, R, T]):
         except BaseException:
             with self._wakeup:
                 thread.retire()  # the next submission starts a new thread (the base logs the error)
-                self._wakeup.notify_all()  # and a drain waiting for this one stops waiting
+                self._wakeup.notify_all()  # a waiting drain stops
             raise
 
     def stop(self, timeout: Optional[float] = None) -> list[T]:
-        """Drain, then end the thread.
-
-        Returns:
-          list: What is left after ``timeout`` milliseconds (default
-          ``drain_timeout``): the releases not sent, and those of the
-          batch stuck in flight (it may have been applied), for the
-          caller to hand on (:class:`~.worker.resend.OwedReleases`).
+        """Drain, then end the thread; return what is left after ``timeout`` ms (``drain_timeout``), the
+        batch stuck in flight too (it may have applied), to hand on (:class:`~.worker.resend.OwedReleases`).
         """
         drained = self.drain(timeout)
         # A thread stuck in a call is not waited for again: the drain did.
@@ -383,18 +307,9 @@ class Served(ThreadOwner[B], Generic[B, R, T]):
 
 
 class OneCall(Generic[T]):
-    """One call on a daemon thread of its own, so that its caller can
-    stop waiting for it: a call stuck on a silent network (socket
-    timeouts and client retries can add up to minutes) holds that
-    thread, not its caller.
-
-    Not a :class:`BackgroundThread`: it is one call with a deadline, not
-    a loop, so there is nothing to start lazily, stop or drain; a
-    greenlet under gevent.
-
-    Parameters:
-      call(callable): What to call, with no arguments.
-      name(str): The thread's name.
+    """One call on a daemon thread of its own, so that a call stuck on a silent network (socket
+    timeouts and retries add up to minutes) holds that thread, not its caller.  One call, no
+    loop, so no :class:`BackgroundThread`; a greenlet under gevent.
     """
 
     def __init__(self, call: Callable[[], T], *, name: str) -> None:
@@ -412,8 +327,7 @@ class OneCall(Generic[T]):
             self.done.set()
 
     def result(self, timeout: float) -> T:
-        """What the call returned, waiting at most ``timeout``
-        milliseconds.
+        """What the call returned, waiting at most ``timeout`` ms.
 
         Raises:
           TimeoutError: when it has not returned by then.
@@ -428,28 +342,21 @@ class OneCall(Generic[T]):
 
 # A worker's shutdown: the deadline of lock calls ------------------------------
 
-#: How often, once the shutdown's deadline for lock calls has passed,
-#: the calls still in flight are looked at again, in milliseconds; a
-#: call in flight for longer than this is interrupted.
+#: Past the shutdown's deadline for lock calls, calls in flight longer than this (ms) are
+#: interrupted, looked at again as often.
 DEFAULT_STUCK_AFTER = 500
 
 
 class Interruptible:
-    """What holds lock calls a shutdown may interrupt: a connection pool
-    of lock calls registers itself with :func:`interrupt_at_deadline`.
-    """
+    """Lock calls a shutdown may interrupt: a pool registers with :func:`interrupt_at_deadline`."""
 
     def interrupt(self, *, busy_for: float) -> None:  # pragma: no cover - the interface
-        """Interrupt every call in flight for longer than ``busy_for``
-        milliseconds; it fails as a lost reply does (it may have applied).
-        """
+        """Interrupt every call in flight over ``busy_for`` ms; it fails as a lost reply (may have applied)."""
         raise NotImplementedError
 
 
 class _CallsDeadline:
-    """The one deadline of this process's lock calls while its worker
-    shuts down (see :func:`stop_calls_by`).
-    """
+    """The deadline of this process's lock calls while its worker shuts down (:func:`stop_calls_by`)."""
 
     def __init__(self) -> None:
         self.deadline: Optional[float] = None
@@ -462,26 +369,19 @@ _CALLS = _CallsDeadline()
 
 
 def interrupt_at_deadline(pool: Interruptible) -> None:
-    """Have ``pool``'s calls interrupted once the shutdown's deadline
-    for lock calls has passed.
-    """
+    """Have ``pool``'s calls interrupted once the shutdown's deadline for lock calls has passed."""
     _CALLS.pools.add(pool)
 
 
 def calls_deadline() -> Optional[float]:
-    """The monotonic millisecond past which no wait for a lock call of
-    this process lasts, while its worker shuts down; None otherwise.
-    """
+    """While the worker shuts down, the monotonic ms no wait for a lock call outlasts; else None."""
     return _CALLS.deadline if _CALLS.pid == pid() else None
 
 
 def stop_calls_by(deadline: Optional[float], *, stuck_after: float = DEFAULT_STUCK_AFTER) -> None:
-    """From now on no wait for a lock call of this process outlasts
-    ``deadline`` (monotonic milliseconds): a group commit's caller stops
-    waiting then, and from then on every call in flight for longer than
-    ``stuck_after`` ms is interrupted (a silent network would hold it for
-    the socket timeout, or for ever on a client that has none).  None
-    ends that, when the shutdown is over.
+    """From now on no wait for a lock call outlasts ``deadline`` (monotonic ms), and past it every call
+    in flight over ``stuck_after`` ms is interrupted (a silent network would hold it for the socket
+    timeout, or for ever).  None ends that, when the shutdown is over.
     """
     _CALLS.generation += 1
     _CALLS.deadline, _CALLS.pid = deadline, pid()

@@ -1,52 +1,8 @@
 """A run lock while its delivery runs: the delivery's state, the lease
-that keeps the lock alive, and an async actor's coroutine, which the
-release waits for.
-
-**State.**  :class:`Delivery` lives on the ``MessageProxy``; which copy
-of its message a delivery is, and where it stands among its key's
-waiters, is :mod:`..send.context`: the send side stamps both.  What a
-release needs travels as data (:class:`LockToRelease`, and the
-:class:`HandOff` it may leave to do), and :func:`fence_token` reads the
-fencing token of the running message.
-
-**Leases.**  One daemon thread per process (:class:`LeaseKeeper`)
-renews every held lease every lease/3 at most, in one round trip with
-every other lease due within half an interval, so that a process's
-leases align and share their renewals.  A lease is lost when the
-backend says its owner no longer holds it, or when renewals have failed
-until the lease's last known deadline has passed.  A lost lease is
-reported once and never silently treated as held.
-
-Timeline of a lost lease, with a 60 s lease::
-
-  t=0    worker A takes the lease (deadline t=60 on the server)
-  t=20   renewal fails: Redis unreachable, or silent (a renewal that
-         gets no answer is abandoned at the deadline, never awaited
-         past it); A retries every second
-  t=60   still failing: A's deadline has passed, so A reports the
-         lease lost (ERROR log, ``lock_lost`` event); another worker
-         may take the key from now on
-
-**Async actors.**  Dramatiq runs an async actor's coroutine on its event
-loop thread and waits for it on the worker thread.  When a time limit
-interrupts the worker thread, Dramatiq cancels the coroutine and waits
-one second for it; a coroutine that ignores the cancellation goes on
-running after the worker thread has moved on and fired the after-hooks.
-So each async actor's coroutine is wrapped, when the actor is declared
-(:func:`track`), to tell the delivery when it really ends, and a release
-that comes earlier is deferred until then, the lease renewed meanwhile.
-
-**Hand-off polls.**  When a run lock is released, its longest waiter is
-enqueued at once (the hand-off).  Dramatiq's Redis consumer then finds
-it on its next poll, but a consumer whose queue was empty for the length
-of a job has backed off to 40–160 ms between polls, and a chain of
-same-key jobs pays that on every hand-off.  So, after this process hands
-a key over on a queue it consumes, its consumer polls that queue at most
-every ``poll`` milliseconds (Dramatiq's own first backoff step) until no
-hand-off has happened for ``hold`` milliseconds; then its own backoff
-comes back (:class:`HandoffPolls`).  Only the consumer's backoff cap
-(``timeout``) changes, and only on Dramatiq's Redis consumer; with any
-other broker this does nothing.
+that keeps the lock alive (:class:`LeaseKeeper`), an async actor's
+coroutine, which the release waits for (:func:`track`), and the quick
+polls after a hand-off (:class:`HandoffPolls`).  See
+docs/reliability.md, "The worker's run lock".
 """
 
 from __future__ import annotations
@@ -71,11 +27,10 @@ if TYPE_CHECKING:
     from dramatiq import Actor, Broker
     from dramatiq.broker import MessageProxy
 
-#: How soon a failed renewal is tried again, in milliseconds.
+#: Milliseconds before a failed renewal is tried again.
 RETRY_INTERVAL = 1_000
 
-#: The longest wait between two polls of a queue that just got a
-#: hand-off, in milliseconds.
+#: The longest wait between polls of a queue that just got a hand-off, in ms.
 DEFAULT_POLL = 5
 
 #: How long quick polling lasts after the last hand-off, in milliseconds.
@@ -83,63 +38,48 @@ DEFAULT_HOLD = 5_000
 
 _fence: ContextVar[Optional[int]] = ContextVar("dramatiq_unique_fence", default=None)
 
-#: The watch of the delivery the current worker thread runs; the event
-#: loop thread sees it, as Dramatiq copies the worker's context there.
+#: The current delivery's watch; Dramatiq copies it to the event loop thread.
 _current: ContextVar[Optional["CoroutineWatch"]] = ContextVar("dramatiq_unique_coroutine", default=None)
 
 
 @dataclass(eq=False)
 class Delivery:
-    """What the middleware did for one delivery of a message.  It lives
-    on the ``MessageProxy``, never in ``message.options``: Retries
-    copies options into the retried message.
-    """
+    """One delivery's state, on the ``MessageProxy``, not in ``message.options``, which Retries copies."""
 
     spec: ActorSpec
     digest: str
     run_key: Optional[str] = None
     run_owner: Optional[str] = None
-    #: The backend confirmed the run lock: a release that finds it gone
-    #: reports it lost.  A call whose reply was lost may have taken it
-    #: unconfirmed; the release then cleans up without a report.
+    #: Confirmed: a release that finds it gone reports it lost (a lost reply may have taken it unconfirmed).
     run_confirmed: bool = False
     #: This copy settled its claim (see ``Copy``): it is the one that runs.
     claimed: bool = False
-    #: For an async actor: whether its coroutine has really ended.
     coroutine: Optional[CoroutineWatch] = None
     lease: Optional[Lease] = None
     fence: Optional[int] = None
     keeps_queue_lock: bool = False
     queue_released: bool = False
-    #: The middleware itself skipped this delivery on purpose (a
-    #: reschedule, a copy that lost its claim): Dramatiq's WARNING
-    #: "Message ... was skipped." says nothing an operator needs.
+    #: Skipped on purpose (a reschedule, a lost claim): no "was skipped" WARNING.
     quiet_skip: bool = False
 
 
 class LockToRelease(NamedTuple):
-    """What reporting the release of one lock of a delivery needs, on
-    whichever thread its outcome arrives.
-    """
+    """What reporting a lock's release needs, on whichever thread its outcome arrives."""
 
-    #: Where a waiter the release hands the key to is enqueued; None for
-    #: an enqueue lock, which hands nothing over.
+    #: Where a waiter handed the key is enqueued; None for an enqueue lock.
     broker: Optional["Broker"]
     message: Any
     spec: ActorSpec
     key: str
     owner: str
     lease: Optional[Lease] = None
-    #: The backend confirmed the run lock: a release that finds it gone reports it lost.
     confirmed: bool = False
     #: The run succeeded: its release finishes its message.
     succeeded: bool = False
 
 
 class HandOff(NamedTuple):
-    """A run lock's key that a release handed to its longest waiter: the
-    waiter's encoded copy, to enqueue off the worker thread.
-    """
+    """A key handed to its longest waiter: the waiter's copy, to enqueue off the worker thread."""
 
     broker: "Broker"
     key: str
@@ -151,14 +91,7 @@ Outcome = Union[Release, Exception]
 
 @dataclass(eq=False)
 class PendingRelease:
-    """One run lock to release.
-
-    Attributes:
-      key(str): The lock key.
-      owner(str): The owner token of the execution that held it.
-      actor(str): The actor, for events.
-      lock(LockToRelease): What reporting its outcome needs.
-    """
+    """One run lock to release (``actor``: for events)."""
 
     key: str
     owner: str
@@ -166,7 +99,6 @@ class PendingRelease:
     lock: Optional[LockToRelease] = None
     submitted_at: float = field(default_factory=now_ms)
     resent: bool = False  # sent again after a call that may have applied it was broken
-    #: The run succeeded: its release finishes its message (see LockBackend.release).
     succeeded: bool = False
     #: How long the slot handed to a waiter stays reserved for it, in ms.
     reserve: int = DEFAULT_RESERVE
@@ -177,9 +109,7 @@ class PendingRelease:
 
     @property
     def options(self) -> dict[str, Any]:
-        """The release call's keyword arguments, as a stopping worker
-        hands the release on to the next (:class:`~.resend.OwedReleases`).
-        """
+        """The release call's keyword arguments, for :class:`~.resend.OwedReleases`."""
         return {"succeeded": self.succeeded, "reserve": self.reserve}
 
 
@@ -188,11 +118,8 @@ FollowUp = tuple[PendingRelease, HandOff]
 
 
 class ReleaseReports(Protocol):
-    """Where a :class:`Releaser` reports outcomes.  ``released`` runs
-    on the thread that sent the release, with the :class:`Release` or
-    the exception the release raised, and may return a hand-off, which
-    ``hand_over`` does on the releaser thread, so that no worker thread
-    waits for it.
+    """Where a :class:`Releaser` reports: ``released`` on the sending thread; the hand-off
+    it may return, ``hand_over`` on the releaser thread, so that no worker thread waits for it.
     """
 
     def released(self, pending: PendingRelease, outcome: Outcome) -> Optional[HandOff]: ...
@@ -211,13 +138,11 @@ def attach(message: "MessageProxy", state: Delivery) -> Delivery:
 
 
 def fence_token(message: Any = None) -> Optional[int]:
-    """The fencing token of the run lock held for the current message,
-    or for ``message`` when given.
+    """The fencing token of the run lock held for the current message, or for ``message``.
 
-    The token grows every time a new holder takes the key.  Pass it to
-    the system you write to and have it refuse writes carrying a token
-    lower than one it has seen; that keeps a paused or partitioned
-    holder whose lease ran out from overwriting newer work.
+    The token grows with every new holder of the key.  Have the system you write to
+    refuse tokens lower than one it has seen: a paused or partitioned holder whose
+    lease ran out then cannot overwrite newer work.
 
     Returns:
       int: or None when no run lock is held.
@@ -228,8 +153,7 @@ def fence_token(message: Any = None) -> Optional[int]:
     return state.fence if state is not None else None
 
 
-#: Sets the fencing token of the running message: the context
-#: variable's own method, so that a job's two calls run no Python.
+#: The context variable's own method, so that a job's two calls run no Python.
 set_fence = _fence.set
 
 
@@ -246,24 +170,14 @@ class Lease:
 
 
 class LeaseKeeper(ThreadOwner[LockBackend]):
-    """Renews leases of ``lease`` milliseconds on ``backend``.
-
-    Under gevent's monkey-patching the keeper runs on a native OS
-    thread, with a connection of its own that no patched module touches
-    (the backend's :class:`~..backends.capabilities.NativeExtender`, see
-    :class:`~..backends.capabilities.RenewsNatively`), so that a lease is
-    renewed while its actor holds the hub in a C call or a CPU loop;
-    what it reports (a lost lease, a failed renewal, its logs) runs on
-    the hub.  A backend with no such connection (the in-memory one, a
-    Cluster, TLS, Sentinel) renews on a greenlet, as before, and says
-    so once.
+    """Renews leases of ``lease`` milliseconds on ``backend``; under gevent on a
+    native thread, see docs/reliability.md, "Green threads (gevent)".
 
     Parameters:
       backend(LockBackend): Where the leases live.
       lease(int): The lease, in milliseconds.
       on_lost(callable): Called once with each lost :class:`Lease`.
-      on_error(callable): Called with each :class:`Lease` whose
-        renewal failed because the backend did.
+      on_error(callable): Called with each :class:`Lease` whose renewal failed.
     """
 
     def __init__(
@@ -288,7 +202,7 @@ class LeaseKeeper(ThreadOwner[LockBackend]):
         self._native_extend: Optional[NativeExtender] = None
 
     def _can_renew_natively(self) -> bool:
-        """Called at each start under gevent: find a native connection."""
+        """At each start under gevent: find a native connection."""
         if self._native_extend is None:
             self._native_extend = native_extend(self.backend)
         if self._native_extend is None:
@@ -301,10 +215,8 @@ class LeaseKeeper(ThreadOwner[LockBackend]):
     def hold(self, key: str, owner: str, taken_at: float, *, actor: str = "") -> Lease:
         """Start renewing a lease taken at monotonic ``taken_at`` ms."""
         lease = Lease(key, owner, actor, taken_at + self.lease, taken_at + self.lease / 3)
-        # One dict store, atomic on its own: worker threads register and
-        # drop a lease per job without contending for a lock.  A new
-        # lease falls due after every one held, so the keeper's wait
-        # needs no wake-up.
+        # One atomic dict store: no lock per job.  It falls due after every
+        # held lease, so the keeper's wait needs no wake-up.
         self._leases[id(lease)] = lease
         if self._thread.running_in != pid():
             self._thread.ensure_started()
@@ -328,9 +240,7 @@ class LeaseKeeper(ThreadOwner[LockBackend]):
         return list(self._leases.values())
 
     def stop(self, *, timeout: float = DEFAULT_STOP_TIMEOUT) -> None:
-        """Stop the renewal thread, waiting at most ``timeout`` ms; held
-        leases then run out.
-        """
+        """Stop renewing, waiting at most ``timeout`` ms; held leases then run out."""
         self._thread.stop(timeout=timeout)
         if self._native_extend is not None:
             self._native_extend.close()
@@ -343,10 +253,7 @@ class LeaseKeeper(ThreadOwner[LockBackend]):
             if following is None or following > now:
                 thread.wait(max(self.lease / 3 if following is None else following - now, 1))
                 continue
-            # Leases taken at different times fall due at different
-            # times: renew with the first every lease due within half an
-            # interval, so that they align and share one round trip.
-            # Renewing early is safe; it only moves the deadline later.
+            # With every lease due within half an interval: they align (docs/reliability.md, "Leases").
             self.renew([lease for lease in held if lease.renew_at <= now + self.lease / 6])
 
     def renew(self, due: list[Lease]) -> None:
@@ -374,9 +281,7 @@ class LeaseKeeper(ThreadOwner[LockBackend]):
                 self._lose(lease)
 
     def _extend(self, due: list[Lease]) -> list[bool]:
-        """Extend ``due`` leases, waiting for the answer no later than
-        the first of their deadlines.
-        """
+        """Extend ``due`` leases, waiting no later than the first of their deadlines."""
         locks = [(lease.key, lease.owner) for lease in due]
         timeout = min(lease.expires_at for lease in due) - now_ms()
         if self._thread.native and self._native_extend is not None:
@@ -384,8 +289,7 @@ class LeaseKeeper(ThreadOwner[LockBackend]):
             return self._native_extend(locks, self.lease, timeout=timeout)
         if self._renewal is not None and not self._renewal.done.is_set():
             raise TimeoutError("an earlier renewal is still waiting for the lock backend")
-        # On a daemon thread of its own, so that a renewal stuck on a silent network never outlives the
-        # leases it renews; the keeper refuses a new one while an abandoned one still waits.
+        # Its own daemon thread: one stuck on a silent network never outlives its leases.
         self._renewal = OneCall(lambda: self.backend.extend(locks, self.lease), name="dramatiq-unique-renewal")
         return self._renewal.result(timeout)
 
@@ -403,11 +307,7 @@ class LeaseKeeper(ThreadOwner[LockBackend]):
 
 
 def native_extend(backend: LockBackend) -> Optional[NativeExtender]:
-    """A :class:`~..backends.capabilities.NativeExtender` of ``backend``, when it
-    renews from a native thread (:class:`~..backends.capabilities.RenewsNatively`)
-    and this instance can; None otherwise (the caller renews on a
-    greenlet).
-    """
+    """``backend``'s :class:`~..backends.capabilities.NativeExtender`, or None (renew on a greenlet)."""
     return backend.native_extender() if isinstance(backend, RenewsNatively) else None
 
 
@@ -424,19 +324,11 @@ class CoroutineWatch:
         with self._mutex:
             self._ended, then = True, self._then
         if then is not None:
-            # Off the event loop: the deferred release makes a blocking call.
-            # A one-off thread, not a BackgroundThread: one call, made
-            # rarely (a coroutine that outlived its time limit), with no
-            # loop to stop or drain; a greenlet under gevent, like the
-            # event loop thread that calls this.
+            # Off the event loop, the release blocks; one rare call, so no BackgroundThread.
             threading.Thread(target=then, name="dramatiq-unique-late-release", daemon=True).start()
 
     def defer(self, then: Callable[[], None]) -> bool:
-        """Run ``then`` when the coroutine ends, if it has not yet.
-
-        Returns:
-          bool: False when it has already ended: the caller goes on now.
-        """
+        """Run ``then`` when the coroutine ends; False when it has ended already."""
         with self._mutex:
             if self._ended:
                 return False
@@ -452,12 +344,7 @@ def watch() -> CoroutineWatch:
 
 
 def track(actor: "Actor[Any, Any]") -> bool:
-    """Wrap an async actor's coroutine so that its delivery's watch
-    learns when it ends.  Other actors are left as they are.
-
-    Returns:
-      bool: Whether the actor is async, and so tracked.
-    """
+    """Wrap an async actor's coroutine to tell its delivery's watch when it ends; False if not async."""
     if getattr(actor.fn, "_unique_tracked", False):
         return True
     original = getattr(actor.fn, "__wrapped__", None)
@@ -494,9 +381,7 @@ class HandoffPolls:
         self._saved: dict[int, tuple[Any, int]] = {}  # id(consumer) -> (consumer, its own timeout)
         self._until = 0.0  # monotonic ms
         self._lock = threading.Lock()
-        # A greenlet under gevent: it writes the consumers' fields, which
-        # the hub's greenlets read (and an actor that holds the hub only
-        # delays the restore).
+        # A greenlet under gevent: it writes fields the hub's greenlets read.
         self._timer = BackgroundThread(name="dramatiq-unique-handoff", loop=self._expire, on_fork=self._saved.clear)
 
     def consumer_booted(self, thread: Any) -> None:
@@ -520,10 +405,7 @@ class HandoffPolls:
             self._timer.ensure_started()
 
     def _expire(self, timer: BackgroundThread) -> None:
-        """Restore the consumers' backoff once no hand-off came for
-        ``hold`` ms.  The thread stays, asleep, for the next hand-off:
-        one that ended could miss a hand-off made as it ended.
-        """
+        """Restore the backoff once no hand-off came for ``hold`` ms; stays, asleep, for the next."""
         while not timer.stopping:
             with self._lock:
                 left = self._until - now_ms()

@@ -1,40 +1,7 @@
-"""Releasing enqueue locks whose message vanished from the broker: the
-reap, and the periodic reaper of a worker process.
-
-A queue purged or deleted by an operator, or messages a broker dropped,
-leave their enqueue locks behind until ``lock_ttl``.  Each enqueue lock
-records where its message was last published (and where before that,
-so a message moving from the delay queue to its queue, or being
-retried, is at one of the two).  The reaper looks each confirmed lock's
-message up on the Redis broker, in the queue's message hash, its
-dead-letter hash and every worker's set of unacknowledged messages (a
-message being processed), in one transaction per batch; and releases
-with a script that re-checks, on the lock, that its record is unchanged.
-A message that moved meanwhile changed the record, so its lock is left
-alone.
-
-Not checked, and never released: provisional locks (they free
-themselves), ``until_expired`` locks (they outlive their message on
-purpose), locks younger than ``min_age``, and locks without a Redis
-place (RabbitMQ cannot look a message up by id, and locks taken before
-records existed).
-
-The operators' ``dramatiq-unique reap`` runs the same :class:`Reaper`
-through :class:`~dramatiq_unique.ops.admin.LockAdmin`; a worker's
-:class:`PeriodicReaper` lists the locks through
-:class:`~dramatiq_unique.backends.base.PrefixLocks`, as ``LockAdmin`` does.
-
-**At boot.**  The periodic reaper starts when a worker boots, and the
-worker says then whether its lock backend answers
-(:func:`check_backend`).  One whose lock backend does not answer logs
-one ERROR naming the backend (its host) and the reason, and boots
-anyway: the backend may come up later (a Redis that restarts, a name
-that is not yet in DNS, a container started before its Redis), and
-until then ``on_backend_error`` decides, message by message, what a
-locked message does (by default it fails and is retried; it never runs
-unlocked).  A worker that refused to boot would stop its unlocked
-actors too, and under the ``dramatiq`` command one worker process that
-exits stops all of them.
+"""Releasing enqueue locks whose message vanished from the broker (:class:`Reaper`, run by
+``dramatiq-unique reap`` through :class:`~dramatiq_unique.ops.admin.LockAdmin`), a worker's
+:class:`PeriodicReaper`, and its backend check at boot (:func:`check_backend`).  See
+docs/reliability.md, "The periodic reaper, and the check at boot", and "Orphaned enqueue locks".
 """
 
 from __future__ import annotations
@@ -60,9 +27,8 @@ T = TypeVar("T")
 #: How many enqueue locks one transaction on the broker checks.
 DEFAULT_BATCH = 100
 
-#: Locks younger than this, in milliseconds, are not checked: a lock
-#: taken without a provisional window is written a moment before its
-#: message is published.
+#: Locks younger than this (ms) are not checked: without a provisional window, a lock is
+#: written a moment before its message is published.
 DEFAULT_MIN_AGE = 10_000
 
 #: How many lock keys one pass of the periodic reaper looks at at most.
@@ -73,10 +39,7 @@ KEPT_AFTER_RUN = ("until_expired",)
 
 
 class ListedLock(Protocol):
-    """One listed lock, as the reaper reads it (an
-    :class:`~dramatiq_unique.ops.admin.Lock`, a
-    :class:`~dramatiq_unique.backends.records.ListedLock`).
-    """
+    """One listed lock, as the reaper reads it (an ``ops.admin.Lock``, a ``records.ListedLock``)."""
 
     @property
     def key(self) -> str: ...
@@ -92,17 +55,11 @@ class ListedLock(Protocol):
 
     @property
     def holders(self) -> Sequence[Any]:
-        """Each with an ``owner`` and a ``record`` (an
-        :class:`~dramatiq_unique.ops.admin.Holder`, a
-        :class:`~dramatiq_unique.backends.records.HeldSlot`).
-        """
+        """Each with an ``owner`` and a ``record`` (an ``ops.admin.Holder``, a ``records.HeldSlot``)."""
 
 
 class LockListing(Protocol):
-    """What the reaper reads locks through: the operators'
-    :class:`~dramatiq_unique.ops.admin.LockAdmin`, or a worker's
-    :class:`~dramatiq_unique.backends.base.PrefixLocks`.
-    """
+    """What the reaper reads locks through: the operators' ``LockAdmin``, a worker's ``PrefixLocks``."""
 
     @property
     def backend(self) -> LockBackend: ...
@@ -116,18 +73,13 @@ class LockListing(Protocol):
 
 
 def _text(value: Any) -> str:
-    """A reply of the broker's client as text: redis-py answers bytes
-    unless told to decode.
-    """
+    """A reply of the broker's client as text: redis-py answers bytes unless told to decode."""
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class RedisQueues:
-    """Looks messages up in a Redis broker's keys (see Dramatiq's
-    ``dispatch.lua``: a hash of messages per queue, keyed by
-    ``redis_message_id``, which keeps a message until it is acked; a
-    dead-letter hash per queue; a set of unacked ids per worker and
-    queue).
+    """Looks messages up in a Redis broker's keys (Dramatiq's ``dispatch.lua``): per queue a
+    hash of messages until acked and a dead-letter hash, per worker and queue a set of unacked ids.
 
     Parameters:
       client(redis.Redis): A client of the broker's Redis.
@@ -137,9 +89,7 @@ class RedisQueues:
         self.client = client
 
     def find(self, records: list[EnqueueRecord]) -> list[bool]:
-        """Per record, whether its message is at either of its places,
-        checked in one transaction.
-        """
+        """Per record, whether its message is at either of its places, in one transaction."""
         places = [[p for p in map(Place.parse, (r.where, r.before)) if p is not None] for r in records]
         namespaces = {place.namespace for found in places for place in found}
         workers = {ns: [_text(w) for w in self.client.zrange(f"{ns}:__heartbeats__", 0, -1)] for ns in namespaces}
@@ -165,16 +115,12 @@ class RedisQueues:
 
 @dataclass(frozen=True)
 class Suspect:
-    """An enqueue lock holder whose message was found nowhere.
+    """An enqueue lock holder (``message_id``) whose message was found nowhere.
 
     Attributes:
-      key(str): The lock key.
-      actor(str): The actor part of the key.
-      message_id(str): The holder: the message that took the lock.
       lock_args(str): JSON of the lock args, when they were recorded.
       queue(str): The queue the message was last published to.
       age(int): Milliseconds since the lock was taken.
-      record(EnqueueRecord): What was checked.
       released(bool): Whether this pass released it.
     """
 
@@ -194,10 +140,8 @@ class ReapReport:
 
     Attributes:
       checked(int): Enqueue-lock holders looked up on the broker.
-      skipped(int): Holders not looked up: provisional, too young, or
-        of a lock type kept after its run.
-      unknown(int): Holders with no Redis place to look them up at
-        (RabbitMQ, the stub broker, locks from before records existed).
+      skipped(int): Holders not looked up: provisional, too young, or kept after their run.
+      unknown(int): Holders with no Redis place (RabbitMQ, the stub broker, older locks).
       suspects(list[Suspect]): Holders whose message was found nowhere.
       complete(bool): False when the pass stopped at its key budget.
     """
@@ -210,8 +154,7 @@ class ReapReport:
 
 
 class Reaper:
-    """Finds, and optionally releases, enqueue locks whose message is
-    gone.
+    """Finds, and optionally releases, enqueue locks whose message is gone.
 
     Parameters:
       admin(LockListing): The locks: a ``LockAdmin``, or a ``PrefixLocks``.
@@ -236,12 +179,8 @@ class Reaper:
         max_keys: Optional[int] = None,
         budget: Optional[float] = None,
     ) -> ReapReport:
-        """Look every confirmed enqueue lock's message up; release the
-        locks of the missing ones when ``release``.
-
-        Parameters:
-          max_keys(int): Stop after this many lock keys.
-          budget(float): Stop after this many seconds.
+        """Look every confirmed enqueue lock's message up; release the missing ones' when ``release``.
+        Stop after ``max_keys`` lock keys or ``budget`` seconds.
         """
         report = ReapReport()
         pending: list[tuple[ListedLock, str, EnqueueRecord]] = []
@@ -286,13 +225,8 @@ class Reaper:
 
 
 class PeriodicReaper:
-    """Reaps every ``interval`` ms in one worker at a time, on a daemon
-    thread of each worker process.
-
-    Each pass first takes the lock ``<prefix>:!reaper`` (a lock like any
-    other: owner-checked and expiring after ``lease`` ms), so two
-    workers never run a pass at once; a pass stops after ``max_keys``
-    lock keys or half its lease, whichever comes first.
+    """Reaps every ``interval`` ms in one worker at a time: each pass holds the lock
+    ``<prefix>:!reaper`` for ``lease`` ms, and stops after ``max_keys`` keys or half its lease.
     """
 
     def __init__(
@@ -313,8 +247,7 @@ class PeriodicReaper:
         self.interval = interval
         self.lease = lease
         self.max_keys = max_keys
-        # A greenlet under gevent (native=False): a pass uses the broker's
-        # client, whose patched sockets belong to the hub's thread.
+        # A greenlet under gevent: the broker's client's patched sockets belong to the hub.
         self._thread = BackgroundThread(name="dramatiq-unique-reaper", loop=self._run)
 
     def start(self) -> None:
@@ -332,11 +265,7 @@ class PeriodicReaper:
                 self.logger.warning("Reaper pass failed: %r.", e)
 
     def run_once(self) -> Optional[ReapReport]:
-        """Run one pass if no other worker is running one.
-
-        Returns:
-          ReapReport: or None when another worker held the pass.
-        """
+        """Run one pass, unless another worker runs one (then None)."""
         got = self.backend.acquire(self.key, self.owner, ttl=self.lease, lock="reaper")
         if not got.acquired:
             return None
@@ -353,9 +282,7 @@ class PeriodicReaper:
 
 
 def start_reaper(service: LockContext, broker: "Broker") -> Optional[PeriodicReaper]:
-    """Start the periodic reaper in this worker process, when
-    ``reap_interval`` asks for one and the broker is a Redis one.
-    """
+    """Start the periodic reaper here, when ``reap_interval`` is set and the broker is a Redis one."""
     interval = service.settings.reap_interval
     if not interval or service.backend is None:
         return None
@@ -379,17 +306,8 @@ def reason(error: BaseException) -> str:
 
 
 def check_backend(backend: LockBackend, *, prefix: str, on_backend_error: str, logger: logging.Logger) -> bool:
-    """Make one read of ``backend``; log one ERROR, naming it and
-    why, when that fails.  Never raises.
-
-    Parameters:
-      backend(LockBackend): The worker's lock backend.
-      prefix(str): The prefix of the lock keys: the key read is under it.
-      on_backend_error(str): The setting, named in the line.
-      logger(Logger): The middleware's logger.
-
-    Returns:
-      bool: True when the backend answered.
+    """Make one read of ``backend`` (a key under ``prefix``); when that fails, log one ERROR
+    naming it, why, and the ``on_backend_error`` setting.  Never raises; True when it answered.
     """
     try:
         backend.check(f"{prefix}:!check")

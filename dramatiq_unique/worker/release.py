@@ -1,19 +1,6 @@
-"""Releasing the locks of a delivery when its run ends.
-
-A run lock's release goes to the :class:`Releaser` when the backend
-batches releases, else straight to the backend; a release that handed
-the key to a waiter leaves a :class:`~.leases.HandOff` to enqueue, and a
-release that failed is sent again by :class:`~.resend.FailedReleases`.
-:class:`LockTroubles` tells what no delivery waits for: a lease lost or
-not renewed, releases stalled in the backend.
-
-The background tasks this needs (lease renewals, batched releases,
-retries of failed releases, hand-off polls) are the middleware's
-``WorkerThreads`` (:class:`Threads`).
-
-The releaser batches run locks' releases in the round trips of the
-next starts; what it keeps true is in docs/reliability.md, "The
-releaser".
+"""Releasing the locks of a delivery when its run ends (:class:`Unlocker`): through the
+:class:`Releaser` when the backend batches releases, else straight to the backend; failed ones
+are sent again by :class:`~.resend.FailedReleases`.  See docs/reliability.md, "The releaser".
 """
 
 from __future__ import annotations
@@ -50,7 +37,7 @@ if TYPE_CHECKING:
 #: The most releases sent in one round trip.
 DEFAULT_BATCH = 256
 
-#: After how long, in ms, a batch still waiting for its reply is reported.
+#: After how many ms a batch still waiting for its reply is reported.
 DEFAULT_STALL_AFTER = 1_000
 
 #: How long, in ms, the worker's shutdown waits for pending releases.
@@ -59,8 +46,7 @@ DEFAULT_DRAIN_TIMEOUT = 10_000
 #: How long, in ms, a release waits for a run lock call to carry it.
 DEFAULT_LINGER = 2
 
-#: After how long without a submission, in ms, the releaser thread stops
-#: looking every ``linger`` and waits to be woken.
+#: Ms without a submission after which the releaser waits to be woken, not looking every ``linger``.
 QUIET_AFTER = 50
 
 
@@ -70,11 +56,9 @@ class Releaser(Served[BatchedReleases, ReleaseReports, PendingRelease]):
     Parameters:
       backend(BatchedReleases): Where the locks live.
       reports(ReleaseReports): Where outcomes are reported.
-      on_stalled(callable): Called, on a worker thread, with the
-        releases of a batch that waited longer than ``stall_after``.
+      on_stalled(callable): Called, on a worker thread, with a batch that waited past ``stall_after``.
       batch(int): The most releases per round trip.
-      stall_after, drain_timeout, linger(int): In milliseconds; a
-        ``linger`` of 0 sends every release at once.
+      stall_after, drain_timeout, linger(int): In ms; a ``linger`` of 0 sends every release at once.
     """
 
     def __init__(
@@ -92,7 +76,7 @@ class Releaser(Served[BatchedReleases, ReleaseReports, PendingRelease]):
         self.batch = batch
         self.stall_after = stall_after
         self.linger = linger
-        # The logger's name predates the merge of this class into this module: operators filter on it.
+        # An older module's name: operators filter on it.
         super().__init__(
             backend,
             reports=reports,
@@ -102,8 +86,7 @@ class Releaser(Served[BatchedReleases, ReleaseReports, PendingRelease]):
         )
 
     def _reset(self) -> None:
-        # Also run in a forked child, before its code runs: the parent
-        # releases what it queued, and its lock may have been held.
+        # Also in a forked child: the parent releases what it queued, and its lock may have been held.
         self._pending: list[PendingRelease] = []
         self._sending: list[PendingRelease] = []
         self._riding = 0  # releases sent by worker threads, not yet reported
@@ -112,8 +95,7 @@ class Releaser(Served[BatchedReleases, ReleaseReports, PendingRelease]):
         self._follow_ups: list[FollowUp] = []  # what reports left to do, on the releaser thread
         self._sending_since = 0.0
         self._stall_reported = False
-        # A plain lock under the condition: the per-job paths take it
-        # directly, without the condition's Python-level __enter__.
+        # Per-job paths take the plain lock, skipping the condition's Python-level __enter__.
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._idle = False
@@ -132,9 +114,7 @@ class Releaser(Served[BatchedReleases, ReleaseReports, PendingRelease]):
             self.on_stalled(stalled)
 
     def take_run_lock(self, key: str, owner: str, **start: Any) -> Start:
-        """Take a run lock (:meth:`LockBackend.start`), with the releases
-        pending now in front of it, in the same round trip; they fail with it.
-        """
+        """Take a run lock (:meth:`LockBackend.start`), the pending releases riding in front; they fail with it."""
         riders = self._board()
         if not riders:
             return self.backend.start(key, owner, **start)
@@ -147,17 +127,15 @@ class Releaser(Served[BatchedReleases, ReleaseReports, PendingRelease]):
         except BaseException:
             self._unboard(riders)
             raise
-        # Reported here and in order; the hand-offs the reports left to do go to the releaser thread.
+        # Reported here, in order; their hand-offs go to the releaser thread.
         self._settled(len(riders), self._reports(riders, outcomes))
         if isinstance(started, Exception):
             raise started
         return started
 
     def release_now(self, pending: PendingRelease) -> None:
-        """Send one release now, on the calling thread, with the releases
-        pending riding in front of it, and do its hand-off here: a waiter
-        most likely waits for it.  An interrupt meant for the calling
-        thread leaves what it broke to the releaser thread.
+        """Send one release now, the pending riding in front, and hand over here: a waiter likely
+        waits.  What an interrupt of this thread broke is left to the releaser thread.
         """
         with self._lock:
             riders, self._pending = self._pending[: self.batch - 1] + [pending], self._pending[self.batch - 1 :]
@@ -187,8 +165,8 @@ class Releaser(Served[BatchedReleases, ReleaseReports, PendingRelease]):
         return riders
 
     def _unboard(self, riders: list[PendingRelease]) -> None:
-        """Queue again, first, for the releaser thread, the releases of a
-        call that a time limit or a shutdown notice broke (and may have applied).
+        """Queue again, first, for the releaser thread, the releases of a call that a time limit or a
+        shutdown notice broke (it may have applied them).
         """
         for pending in riders:
             pending.resent = True
@@ -208,7 +186,7 @@ class Releaser(Served[BatchedReleases, ReleaseReports, PendingRelease]):
         return follow_ups
 
     def _settled(self, carried: int, follow_ups: list[FollowUp]) -> None:
-        """``carried`` releases sent by a worker thread are reported; ``follow_ups`` go to the releaser thread."""
+        """``carried`` releases of a worker thread are reported; ``follow_ups`` go to the releaser."""
         with self._lock:
             self._riding -= carried - len(follow_ups)  # a hand-off counts until it is done
             self._follow_ups += follow_ups
@@ -233,12 +211,7 @@ class Releaser(Served[BatchedReleases, ReleaseReports, PendingRelease]):
         return len(self._pending) + len(self._sending) + self._riding
 
     def drain(self, timeout: Optional[float] = None) -> bool:
-        """Wait until every submitted release was sent and reported, at
-        most ``timeout`` milliseconds (default ``drain_timeout``).
-
-        Returns:
-          bool: True when nothing is left.
-        """
+        """Wait until every release was sent and reported, at most ``timeout`` ms; True when none is left."""
         deadline = now_ms() + (self.drain_timeout if timeout is None else timeout)
         with self._wakeup:
             self._draining += 1
@@ -256,8 +229,7 @@ class Releaser(Served[BatchedReleases, ReleaseReports, PendingRelease]):
         return True
 
     def _left_over(self) -> list[PendingRelease]:
-        # Left in place too: a stuck call that returns before the
-        # process exits still sends them (twice is harmless).
+        # Also left in place: a stuck call that returns in time still sends them (twice is harmless).
         return list(self._sending) + list(self._pending)
 
     def _send(self, batch: list[PendingRelease], follow_ups: list[FollowUp]) -> None:
@@ -275,9 +247,7 @@ class Releaser(Served[BatchedReleases, ReleaseReports, PendingRelease]):
             self._wakeup.notify_all()
 
     def _next(self, thread: BackgroundThread) -> Optional[tuple[list[PendingRelease], list[FollowUp]]]:
-        """Wait, holding the lock, for hand-offs to do or releases that
-        no worker thread carried within ``linger``; None to end.
-        """
+        """Wait, locked, for hand-offs or releases no worker carried within ``linger``; None to end."""
         while True:
             follow_ups, self._follow_ups = self._follow_ups, []
             batch = self._due(force=bool(follow_ups) or thread.stopping or self._draining > 0)
@@ -286,8 +256,7 @@ class Releaser(Served[BatchedReleases, ReleaseReports, PendingRelease]):
                 return batch, follow_ups
             if thread.stopping and not self._pending:
                 return None
-            # Idle (woken by the next submission) when there is nothing to
-            # send and either nothing to linger for or nothing submitted lately.
+            # Idle (woken by a submission): nothing to send, and nothing to linger for or nothing lately.
             self._idle = not self._pending and (self.linger <= 0 or now_ms() - self._last_submitted > QUIET_AFTER)
             look_again = self._linger_left() if self._pending else self.linger
             self._wakeup.wait(timeout=1.0 if self._idle else look_again / 1000)
@@ -333,16 +302,9 @@ class Releaser(Served[BatchedReleases, ReleaseReports, PendingRelease]):
 
 
 class Unlocker:
-    """Releases the locks of each delivery of one middleware.  It owns
-    the worker's background threads, which report releases back to it.
+    """Releases the locks of each delivery of one middleware; tells lost locks to ``troubles``."""
 
-    Parameters:
-      service(LockContext): The middleware's lock context.
-      troubles(LockTroubles): Where lost locks are told.
-    """
-
-    #: The worker's background tasks, which report releases back here:
-    #: the middleware sets them, made with this unlocker.
+    #: The worker's background tasks, reporting back here; set by the middleware.
     threads: "Threads"
 
     def __init__(self, service: LockContext, *, troubles: LockTroubles) -> None:
@@ -350,10 +312,8 @@ class Unlocker:
         self.troubles = troubles
 
     def end_run(self, broker: "Broker", message: "MessageProxy", state: Delivery, *, succeeded: bool) -> None:
-        """Release the run lock of this delivery, once, and hand the key
-        to its longest waiter: through the :class:`Releaser` when the
-        backend batches releases.  ``succeeded``: the run finishes its
-        message (a failed run never does, whatever becomes of its retry).
+        """Release the run lock, once, and hand the key to its longest waiter.  ``succeeded``: the
+        run finishes its message (a failed run never does, whatever becomes of its retry).
         """
         if state.run_key is None or state.run_owner is None:
             return
@@ -380,8 +340,7 @@ class Unlocker:
         if releaser is not None:
             actor = lock.spec.actor_name
             pending = PendingRelease(lock.key, lock.owner, actor, lock, succeeded=succeeded, reserve=slot)
-            # A message that waited for its key most likely leaves waiters behind, the next of which waits for
-            # this release: it goes at once rather than lingering for another call to ride with.
+            # A message that waited likely leaves waiters, the next waiting for this: no lingering.
             if message.options.get(UNIQUE_RESCHEDULES):
                 releaser.release_now(pending)
             else:
@@ -396,9 +355,7 @@ class Unlocker:
             self.hand_over(handoff)
 
     def release_queue_lock(self, message: "MessageProxy", state: Delivery, strict: bool = False) -> None:
-        """Release the enqueue lock, once, unless the lock type has none
-        or keeps it; ``strict`` raises on a backend failure (the delivery is retried).
-        """
+        """Release the enqueue lock, once, if the lock type frees it; ``strict`` raises (to retry)."""
         if state.queue_released or state.spec.lock.queue_release in (None, "expiry"):
             return
         service = self.service
@@ -433,13 +390,10 @@ class Unlocker:
         return self._report(pending.lock, outcome) if pending.lock is not None else None
 
     def _report(self, lock: LockToRelease, outcome: Outcome) -> Optional[HandOff]:
-        """Report a run lock's release; return the hand-off it left to do,
-        if any.  A release that failed is sent again.
-        """
+        """Report a run lock's release, queue a failed one again; return its hand-off, if any."""
         service, lease = self.service, lock.lease
         if isinstance(outcome, Exception):
             service.backend_error("release", lock.key, lock.spec, lock.message, outcome)
-            # Sent again off this thread until it lands or the lease has run out.
             until = lease.expires_at if lease is not None else now_ms() + service.settings.lease
             self.threads.failed.submit(FailedRelease(lock.key, lock.owner, until, lock, succeeded=lock.succeeded))
             return None
@@ -482,9 +436,7 @@ class Reports(ReleaseReports, LandedReports, Protocol):
 
 
 class Threads(Protocol):
-    """What releases use of the worker's background tasks (the
-    middleware's ``WorkerThreads``, which makes each on first use).
-    """
+    """The worker's background tasks releases use (the middleware's ``WorkerThreads``)."""
 
     handoffs: HandoffPolls
 

@@ -1,20 +1,6 @@
-"""Releases sent again, later: the failed releases a worker sends again
-until they land, and the releases a stopping worker owes, which the next
-one makes.
-
-**Failed releases.**  A release that fails is queued in
-:class:`FailedReleases`, whose thread sends it again, with backoff,
-until it is applied or the lock would have expired anyway; a run lock's
-release is sent on past its lease, for ``record_ttl``, as it also ends
-the run in its message's record.  A retry that finds the owner gone
-reports nothing: the first send may have been applied.
-
-**Owed releases.**  What a stopping worker could not send it writes to
-the broker, as one message of an internal actor (:data:`OWED_ACTOR`),
-which the next worker makes (:class:`OwedReleases`); a SIGKILLed process
-owes nothing it can say.  Every release is owner-checked, so making one
-twice is harmless.  See docs/reliability.md, "Graceful shutdown within
-a bound", "Owed releases outlive the process".
+"""Releases sent again: failed ones, until they land (:class:`FailedReleases`), and those a
+stopping worker owes, which the next one makes (:class:`OwedReleases`).  See
+docs/reliability.md, "Failed releases" and "Graceful shutdown within a bound".
 """
 
 from __future__ import annotations
@@ -40,15 +26,13 @@ from .leases import HandOff, Lease, LockToRelease, PendingRelease
 if TYPE_CHECKING:
     from dramatiq import Broker
 
-#: Milliseconds before the first retry of a failed release; each retry
-#: waits twice as long as the one before, up to ``DEFAULT_MOST_BETWEEN``.
+#: Ms before the first retry of a failed release; each waits twice as long, up to DEFAULT_MOST_BETWEEN.
 DEFAULT_FIRST_RETRY = 100
 
-#: The longest wait between two retries, in milliseconds: a key is
-#: accepted again within about this long of the network coming back.
+#: The longest wait between retries, in ms: a key is free about this soon after the network is back.
 DEFAULT_MOST_BETWEEN = 1_000
 
-#: How long, in milliseconds, the worker's shutdown waits for them.
+#: How long, in ms, the worker's shutdown waits for them.
 DEFAULT_DRAIN_TIMEOUT = 5_000
 
 #: The most releases sent in one round trip.
@@ -60,16 +44,8 @@ RUN_SUFFIX = ":run"
 
 @dataclass(eq=False)
 class FailedRelease:
-    """One release to send again.
-
-    Attributes:
-      key(str): The lock key.
-      owner(str): The owner the release checks.
-      until(float): Monotonic milliseconds when the lock expires by
-        itself: no retry after that.
-      lock(LockToRelease): What reporting its outcome needs.
-      succeeded(bool): The run succeeded: the release finishes its
-        message (see ``LockBackend.release``).
+    """One release to send again, until monotonic ms ``until``, when the lock expires by itself.
+    ``succeeded``: the release finishes its message (see ``LockBackend.release``).
     """
 
     key: str
@@ -82,17 +58,12 @@ class FailedRelease:
 
     @property
     def options(self) -> dict[str, Any]:
-        """The release call's keyword arguments, as a stopping worker
-        hands the release on to the next (:class:`OwedReleases`).
-        """
+        """The release call's keyword arguments, for :class:`OwedReleases`."""
         return {"succeeded": self.succeeded}
 
 
 class LandedReports(Protocol):
-    """Where :class:`FailedReleases` reports, on its thread: ``landed``
-    once a retry is applied, which may return a hand-off, which
-    ``hand_over`` does there too.
-    """
+    """Where :class:`FailedReleases` reports, on its thread: ``landed``, then its hand-off."""
 
     def landed(self, failed: FailedRelease, outcome: Release) -> Optional[HandOff]: ...
 
@@ -108,9 +79,8 @@ class FailedReleases(Served[LockBackend, "LandedReports", FailedRelease]):
       first_retry(int): Milliseconds before the first retry.
       most_between(int): The longest wait between retries, in ms.
       drain_timeout(int): How long ``stop`` waits, in ms.
-      record_ttl(int): How long past its lease a run lock's release is
-        still sent, in ms (0: not at all); the middleware passes
-        ``lock_ttl``, the life of a message record.
+      record_ttl(int): How long past its lease a run lock's release is still sent, in ms (0: not at
+        all); the middleware passes ``lock_ttl``, the life of a message record.
     """
 
     def __init__(
@@ -130,8 +100,7 @@ class FailedReleases(Served[LockBackend, "LandedReports", FailedRelease]):
         super().__init__(backend, reports=reports, drain_timeout=drain_timeout, logger=__name__, name=name)
 
     def _reset(self) -> None:
-        # Also run in a forked child: what the parent failed to release is
-        # the parent's, and its lock may have been held at the fork.
+        # Also in a forked child: the parent's failures are its own, and its lock may have been held.
         self._failed: list[FailedRelease] = []
         self._sending = 0
         self._stuck: list[FailedRelease] = []  # the batch in flight, until its outcome is known
@@ -155,21 +124,14 @@ class FailedReleases(Served[LockBackend, "LandedReports", FailedRelease]):
             return len(self._failed) + self._sending
 
     def step(self, *, force: bool = False) -> None:
-        """Send, in one round trip, the releases due now (``force``: all
-        of them), and report or queue again each outcome.
-        """
+        """Send the releases due now (``force``: all) in one round trip; report or queue again each."""
         with self._wakeup:
             batch = self._take_due(force=force)
         if batch:
             self._send(batch)
 
     def drain(self, timeout: Optional[float] = None) -> bool:
-        """Retry until nothing is left, at most ``timeout`` ms (default
-        ``drain_timeout``), on the calling thread.
-
-        Returns:
-          bool: True when nothing is left.
-        """
+        """Retry, on the calling thread, until nothing is left, at most ``timeout`` ms; True if so."""
         deadline = now_ms() + (self.drain_timeout if timeout is None else timeout)
         while self.pending():
             if now_ms() >= deadline:
@@ -181,13 +143,10 @@ class FailedReleases(Served[LockBackend, "LandedReports", FailedRelease]):
         return True
 
     def _left_over(self) -> list[FailedRelease]:
-        # Past their ``until`` none.
         left, self._failed = self._failed + self._stuck, []
         self._stuck = []
         now = now_ms()
         return [failed for failed in left if failed.until > now]
-
-    # The thread ---------------------------------------------------------
 
     def _next(self, thread: BackgroundThread) -> Optional[tuple[list[FailedRelease]]]:
         """Wait, holding the lock, for releases due; None to end."""
@@ -249,15 +208,13 @@ class FailedReleases(Served[LockBackend, "LandedReports", FailedRelease]):
 #: The internal actor that makes owed releases.
 OWED_ACTOR = "dramatiq_unique_owed_releases"
 
-#: Milliseconds before the first retry of a release the backend still
-#: refused; each retry waits twice as long, up to ``OWED_MOST_BETWEEN``.
+#: Ms before the first retry of an owed release still refused; doubling up to OWED_MOST_BETWEEN.
 OWED_FIRST_RETRY = 500
 
 #: The longest wait between two retries, in milliseconds.
 OWED_MOST_BETWEEN = 5_000
 
-#: How often a stopping process tries its enqueue again within its
-#: bound, in milliseconds.
+#: How often, in ms, a stopping process tries its enqueue again within its bound.
 ENQUEUE_RETRY = 100
 
 #: The most releases one message carries.
@@ -266,15 +223,8 @@ OWED_BATCH = 1_000
 
 @dataclass(frozen=True)
 class OwedRelease:
-    """One release a stopping process could not send.
-
-    Attributes:
-      key(str): The lock key.
-      owner(str): The owner the release checks.
-      until(int): Unix milliseconds when the lock expires by itself:
-        no release is made after that.
-      options(dict): Further keyword arguments of the release call,
-        made again as given.
+    """One release a stopping process could not send, made until Unix ms ``until``
+    (when the lock expires by itself) with the release call's ``options``.
     """
 
     key: str
@@ -299,8 +249,7 @@ class OwedReleases:
     """Writes what a stopping process owes, and makes what another owed.
 
     Parameters:
-      service(LockContext): The middleware's lock context, whose
-        backend makes the owed releases.
+      service(LockContext): The middleware's lock context, whose backend makes them.
       first_retry(int): Milliseconds before the first retry.
       most_between(int): The longest wait between retries, in ms.
     """
@@ -319,9 +268,7 @@ class OwedReleases:
         self.actor: Optional[dramatiq.Actor[Any, Any]] = None
 
     def declare(self, broker: "Broker", queue_name: str) -> None:
-        """Declare the internal actor on ``queue_name``, a queue this
-        worker consumes, unless the broker has it already.
-        """
+        """Declare the internal actor on ``queue_name``, a queue this worker consumes, unless declared."""
         if OWED_ACTOR in broker.actors:
             self.actor = broker.actors[OWED_ACTOR]
             return
@@ -329,16 +276,9 @@ class OwedReleases:
         self.actor = dramatiq.Actor(self.make, broker=broker, actor_name=OWED_ACTOR, queue_name=queue_name,
                                     priority=0, options={})
 
-    # The stopping process ---------------------------------------------------
-
     def write(self, owed: list[OwedRelease], *, timeout: float) -> bool:
-        """Enqueue ``owed`` for the next worker, trying again for at most
-        ``timeout`` milliseconds, on a thread of its own so that a broker
-        that never answers cannot hold the shutdown.  What could not be
-        written is logged, key by key, and left to expire with its lock.
-
-        Returns:
-          bool: True when every message was enqueued.
+        """Enqueue ``owed`` for the next worker, trying for at most ``timeout`` ms; True when all went.
+        What could not be written is logged, key by key, and left to expire with its lock.
         """
         if not owed:
             return True
@@ -361,10 +301,7 @@ class OwedReleases:
         return True
 
     def _enqueue_within(self, message: Message[Any], deadline: float) -> bool:
-        """Enqueue ``message``, again after a failure, until ``deadline``.
-        A failure after the send may have enqueued it: a second copy
-        makes the same owner-checked releases, which is harmless.
-        """
+        """Enqueue ``message``, again after a failure, until ``deadline``: a copy sent twice is harmless."""
         assert self.actor is not None
         while now_ms() < deadline:
             # On a daemon thread of its own: a broker that never answers holds that thread, not the shutdown.
@@ -389,12 +326,8 @@ class OwedReleases:
         return self.actor.message_with_options(args=([release.encode() for release in owed],),
                                                kwargs={"attempt": attempt})
 
-    # The next worker ----------------------------------------------------------
-
     def make(self, releases: list[dict[str, Any]], attempt: int = 0) -> None:
-        """The actor: make each owed release, and enqueue again, later,
-        those the backend refused.
-        """
+        """The actor: make each owed release; enqueue again, later, those the backend refused."""
         backend = self.service.locks
         assert self.actor is not None
         now = time.time() * 1000
@@ -427,11 +360,7 @@ class OwedReleases:
 
 
 class LockTroubles:
-    """Logs and counts the lock troubles of one middleware.
-
-    Parameters:
-      service(LockContext): The middleware's lock context.
-    """
+    """Logs and emits the lock troubles of one middleware."""
 
     def __init__(self, service: LockContext) -> None:
         self.service = service

@@ -1,34 +1,10 @@
-"""Taking the run lock before the actor runs, in the worker, and what a
-delivery does when it cannot run.
-
-A run lock is owned by a token per execution and kept alive as a lease
-(:mod:`.leases`).  :class:`RunLockTaker` turns the backend's answer to a
-take into one :class:`Outcome` and does what :data:`ON_OUTCOME` says for
-it.
-
-**A held lock.**  A delivery that meets a held run lock follows the
-actor's server strategy, looked up in :data:`ON_CONFLICT`.
-``reschedule`` registers the delivery as a waiter, so that the holder's
-release hands the key over at once, and re-enqueues it with a delay as
-a fallback.  Of its copies (and of the retry of the delivery, when a
-call of the reschedule failed after it may have been applied), the
-first to arrive wins; the others, and every stale copy, are skipped
-(:func:`skip_copy`).  ``docs/reliability.md``, "The hand-off model", has
-the rules.
-
-**A superseded message.**  The send side's ``on_conflict="replace"`` and
-``debounce`` (:mod:`..send.guard`) make the newest send the current
-holder of the enqueue lock; each delivery of a replace actor asks
-whether its message is still current before it runs (``current.lua``),
-and is skipped when it is not (:func:`skip_if_superseded`).
-
-**Quiet skips.**  Dramatiq's worker logs ``WARNING Message ... was
-skipped.`` for every ``SkipMessage``.  A rescheduled delivery (and a
-copy that lost its hand-off claim) is skipped on purpose and logs its
-own line at DEBUG, so the WARNING would only flood the log: two waiting
-messages made 117 of them in 106 s.  :class:`QuietSkips` drops exactly
-those records.  A skip by any other middleware (AgeLimit, a user's)
-still logs as before.
+"""Taking the run lock before the actor runs (:class:`RunLockTaker`), and
+what a delivery does when it may not run: a held key (:data:`ON_CONFLICT`),
+a superseded message, a copy another copy stands for.  Deliveries
+skipped on purpose log at DEBUG, and :class:`QuietSkips` drops
+Dramatiq's "Message ... was skipped." WARNING for them.  See
+docs/reliability.md, "A held key, a superseded message, quiet skips",
+and "The hand-off model".
 """
 
 from __future__ import annotations
@@ -59,10 +35,7 @@ if TYPE_CHECKING:
 
 
 def _reschedules(service: LockContext, feature: str) -> Reschedules:
-    """The backend, as one that reschedules: the middleware checked it
-    when it declared the actor, so a delivery only looks (``require``
-    names what is missing, had the backend changed since).
-    """
+    """The backend as one that reschedules: checked when the actor was declared, so only looked at."""
     backend = service.locks
     return backend if isinstance(backend, Reschedules) else Reschedules.require(backend, feature=feature)
 
@@ -72,7 +45,7 @@ class Outcome(Enum):
 
     #: The run lock is the delivery's: the actor runs.
     ACQUIRED = "acquired"
-    #: Another copy of its message stands for this one (a :class:`CopyVerdict`).
+    #: Another copy of its message stands for this one.
     REFUSED = "refused"
     #: A delayed copy whose message is still in line for the key.
     IN_LINE = "in_line"
@@ -89,7 +62,7 @@ class Taken(NamedTuple):
     state: Delivery
     key: str
     owner: str
-    #: Monotonic milliseconds, just before the call: the lease counts from then.
+    #: Monotonic ms, just before the call: the lease counts from then.
     taken_at: float
     #: The enqueue lock the take released with it (``queue_release="run_start"``).
     queue_key: Optional[str]
@@ -97,33 +70,22 @@ class Taken(NamedTuple):
 
 
 class RunLockTaker:
-    """Takes the run lock of each delivery of one middleware.
-
-    Parameters:
-      service(LockContext): The middleware's lock context.
-      unlocker(Unlocker): Releases the enqueue lock a take frees, and
-        owns the worker's threads (the releaser, whose pending releases
-        ride in front of a take, and the lease keeper).
-      async_actors(set[str]): The async actors with a run lock, whose
-        coroutines are tracked.
+    """Takes the run lock of each delivery of one middleware.  ``unlocker`` releases the enqueue
+    lock a take frees, and owns the worker's threads; ``async_actors`` have their coroutines tracked.
     """
 
     def __init__(self, service: LockContext, unlocker: Unlocker, *, async_actors: set[str]) -> None:
         self.service = service
         self.unlocker = unlocker
         self.async_actors = async_actors
-        # Owner tokens must differ between executions of one message,
-        # even in two processes forked from one parent.
+        # Owner tokens differ between executions, even in processes forked from one parent.
         self._tokens = itertools.count()
         self._token_prefix = f"{JITTER.getrandbits(32):08x}"
-        # The stack last seen (held, so that no other list can take its
-        # identity), its length, and per actor what _age_limit_of found.
+        # The stack last seen (held: no other list takes its id), its length, and per actor its limit.
         self._age_limits: tuple[Optional[list[Any]], int, dict[str, tuple[bool, Optional[int]]]] = (None, -1, {})
 
     def take(self, broker: "Broker", message: "MessageProxy", raw: Message, spec: ActorSpec) -> None:
-        """Take what the lock type takes before the actor runs: for
-        ``message`` and ``raw``, the message it proxies.
-        """
+        """Take what the lock type takes before the actor runs (``raw``: the proxied message)."""
         options = raw.options
         stamped = options.get(UNIQUE_DIGEST)
         digest = stamped or spec.digest(raw.args, raw.kwargs)
@@ -141,9 +103,7 @@ class RunLockTaker:
             self._take_run_lock(broker, message, raw, state)
 
     def retire(self, message: "MessageProxy", state: Delivery) -> None:
-        """A copy is dead-lettered: make sure no other copy of its
-        message runs, and that it leaves no waiter behind.
-        """
+        """A copy is dead-lettered: no other copy of its message runs, and no waiter is left."""
         if state.spec.lock.run_lock:
             try:
                 self._settle(message, state)
@@ -151,10 +111,7 @@ class RunLockTaker:
                 pass
 
     def _expired(self, broker: "Broker", message: Any) -> bool:
-        """Whether AgeLimit, after us in the stack, will dead-letter
-        ``message`` as too old: then it must take no lock, and never be
-        rescheduled past its age.
-        """
+        """Whether AgeLimit, after us, dead-letters ``message``: then it takes no lock, nor is rescheduled."""
         limited, default = self._age_limit_of(broker, message.actor_name)
         if not limited:
             return False
@@ -163,9 +120,7 @@ class RunLockTaker:
         return bool(max_age) and age_limit_module.current_millis() - message.message_timestamp >= max_age
 
     def _age_limit_of(self, broker: "Broker", actor_name: str) -> tuple[bool, Optional[int]]:
-        """Whether the stack has an AgeLimit, and the actor's max_age
-        under it: found once per actor and stack, not on every job.
-        """
+        """Whether the stack has an AgeLimit, and the actor's max_age: once per actor and stack."""
         stack = broker.middleware
         seen, size, found = self._age_limits
         if seen is not stack or size != len(stack):
@@ -185,9 +140,7 @@ class RunLockTaker:
         return join_owner(message.message_id, f"{self._token_prefix}.{pid():x}.{next(self._tokens):x}")
 
     def _take_run_lock(self, broker: "Broker", message: "MessageProxy", raw: Message, state: Delivery) -> None:
-        """Take the run lock in one call, then do what :data:`ON_OUTCOME`
-        says for its outcome.
-        """
+        """Take the run lock in one call, then do what :data:`ON_OUTCOME` says."""
         service, spec = self.service, state.spec
         key = service.key(spec, state.digest, "run")
         queue_key = None
@@ -225,9 +178,7 @@ class RunLockTaker:
         ON_OUTCOME[outcome](self, Taken(broker, message, raw, state, key, owner, taken_at, queue_key, started))
 
     def _run(self, taken: Taken) -> None:
-        """The run lock is the delivery's: confirm it, fence it, and keep
-        its lease alive while the actor runs.
-        """
+        """The run lock is the delivery's: confirm it, fence it, keep its lease alive."""
         state, spec, got = taken.state, taken.state.spec, taken.started.acquisition
         if taken.queue_key is not None:
             self.unlocker.queue_lock_released(taken.message, state, taken.queue_key, taken.started.queue_released)
@@ -239,7 +190,7 @@ class RunLockTaker:
         self.service.emit("locked", spec, taken.key, taken.raw)
 
     def _skip_refused(self, taken: Taken) -> NoReturn:
-        """Another copy of the message stands for this one: skip it."""
+        """Another copy of the message stands for this one."""
         started = taken.started
         assert started.acquisition.refused is not None
         skip_copy(self.service, taken.message, taken.state, started.acquisition.refused, started.duplicate_of)
@@ -257,10 +208,8 @@ class RunLockTaker:
         return Conflict(self.service, taken.broker, taken.message, taken.state, taken.key, holder)
 
     def _settle(self, message: "MessageProxy", state: Delivery, strict: bool = False) -> None:
-        """Claim a copy that will not start, so that no other copy of
-        its message starts either; skip it if another copy won.
-        ``strict`` raises on a backend failure, so that the delivery is
-        retried rather than dead-lettered beside a copy that won.
+        """Claim a copy that will not start, so that no other copy starts; skip it if another won.
+        ``strict`` raises on a backend failure: retried, not dead-lettered beside a copy that won.
         """
         service = self.service
         copy = copy_of(message, service.key(state.spec, state.digest, "run"))
@@ -307,14 +256,10 @@ SKIP_REASONS = {
 }
 
 
-#: A delayed copy that comes back while its message is still in line
-#: waits twice as long each time, at most this many reschedule delays.
+#: The most reschedule delays a delayed copy waits (doubling each time it comes back in line).
 MAX_BACKOFF = 8
 
-#: A waiter with more than this many waiters ahead of it sends its first
-#: delayed copy twice as late, four times past twice as many, and so on
-#: (at most MAX_BACKOFF delays): its hand-off comes long before, and its
-#: delayed copy, a fallback, would only come back to wait again.
+#: Per this many waiters ahead, a first delayed copy waits twice as long (see docs/reliability.md).
 LINE_STEP = 100
 
 
@@ -342,8 +287,7 @@ def reschedule(conflict: Conflict) -> NoReturn:
     spec = state.spec
     attempt = message.options.get(UNIQUE_RESCHEDULES, 0) + 1
     options = {UNIQUE_RESCHEDULES: attempt, UNIQUE_DIGEST: state.digest, UNIQUE_WAITS: 0}
-    # Register before enqueueing: a delayed copy that arrived first
-    # would find no record, and the hand-off would run it again.
+    # Register first: a delayed copy that arrived first would find no record, and run twice.
     try:
         handed = message.copy(options={**options, UNIQUE_VIA: "handoff"})
         waiting = Copy(key, message.message_id, attempt, "handoff")
@@ -351,7 +295,6 @@ def reschedule(conflict: Conflict) -> NoReturn:
         rescheduling = _reschedules(service, "on_conflict='reschedule'")
         ahead = rescheduling.join_line(waiting, handed.encode(), order=order, ttl=ttl)
     except Exception as e:
-        # It may have been applied: a hand-off copy of the attempt may come.
         stand_in(message, state, attempt)
         raise service.backend_error("register a message waiting for", key, spec, message, e) from e
     try:
@@ -360,7 +303,6 @@ def reschedule(conflict: Conflict) -> NoReturn:
         factor = _line_factor(ahead if isinstance(ahead, int) else 0)
         broker.enqueue(delayed, delay=int(service.reschedule_delay(spec) * factor * JITTER.uniform(0.8, 1.2)))
     except Exception as e:
-        # It may have been applied: the delayed copy may be queued.
         stand_in(message, state, attempt)
         raise service.backend_error("reschedule a message waiting for", key, spec, message, e) from e
     _skip_quietly(conflict)
@@ -369,12 +311,8 @@ def reschedule(conflict: Conflict) -> NoReturn:
 
 
 def wait_longer(conflict: Conflict, free_in: Optional[int]) -> NoReturn:
-    """A delayed copy came back while its message is still in line: the
-    backend changed nothing, and it only comes back later, each time
-    twice as late (at most ``MAX_BACKOFF`` delays), but no later than
-    just after the key's holder runs out (``free_in``), should it die:
-    then the first copy to arrive hands the key to the oldest waiter.
-    Should the enqueue fail, it is rescheduled as a new attempt.
+    """A delayed copy came back still in line: it comes back twice as late, but no later than just
+    after the holder runs out (``free_in``), should it die: then the first to arrive hands the key on.
     """
     service, broker, message, state, key, _ = conflict
     waits = message.options.get(UNIQUE_WAITS, 0) + 1
@@ -385,9 +323,8 @@ def wait_longer(conflict: Conflict, free_in: Optional[int]) -> NoReturn:
     try:
         broker.enqueue(message.copy(options={UNIQUE_WAITS: waits}), delay=int(delay))
     except Exception:
-        # It may have been applied.  A retry of this very copy would have one retry more than
-        # the run that the key is handed to, and run after it: reschedule anew instead, as a
-        # new attempt (the possibly queued copy is then stale), with its own stand-in.
+        # It may have been applied: a new attempt (that copy is then stale), not a retry, which
+        # would have one retry more than the run the key is handed to.
         reschedule(conflict)
     _skip_quietly(conflict)
     service.logger.debug("Rescheduled %s again: it is still in line for run lock %r.", message, key)
@@ -395,9 +332,7 @@ def wait_longer(conflict: Conflict, free_in: Optional[int]) -> NoReturn:
 
 
 def _skip_quietly(conflict: Conflict) -> None:
-    """Mark a rescheduled delivery as skipped on purpose: a copy of it
-    runs later, and owns its message's locks.
-    """
+    """Mark a rescheduled delivery skipped on purpose: a later copy owns its message's locks."""
     service, _, message, state, key, _ = conflict
     state.keeps_queue_lock = state.quiet_skip = True
     store_nothing(message)
@@ -405,13 +340,9 @@ def _skip_quietly(conflict: Conflict) -> None:
 
 
 def stand_in(message: "MessageProxy", state: Delivery, attempt: int) -> None:
-    """Make this delivery's retry a third copy of ``attempt``, after a
-    call of the reschedule whose outcome is unknown: the delayed and the
-    hand-off copy may or may not exist, and of the three the first to
-    arrive runs and the others are skipped (Retries re-enqueues this
-    very message, with these options).  Should Retries give up instead,
-    this copy of the attempt is unclaimed: its dead-letter claims it, so
-    that no other copy runs.
+    """Make this delivery's retry a third copy of ``attempt`` (a reschedule call's outcome is
+    unknown): the first of the three to arrive runs.  Left unclaimed: should Retries give up, its
+    dead-letter claims it, so that no other copy runs.
     """
     message.options[UNIQUE_RESCHEDULES] = attempt
     message.options[UNIQUE_VIA] = "retry"
@@ -419,7 +350,7 @@ def stand_in(message: "MessageProxy", state: Delivery, attempt: int) -> None:
 
 
 def _conflict_error(conflict: Conflict) -> LockConflict:
-    """Tell the conflict, and the error that says it."""
+    """Emit the conflict; return its error."""
     service, _, message, state, key, holder = conflict
     service.emit("conflict", state.spec, key, message, holder)
     holder_id = message_id_of(holder)
@@ -466,9 +397,8 @@ def skip_copy(
     verdict: CopyVerdict,
     duplicate_of: Optional[str] = None,
 ) -> NoReturn:
-    """Skip a copy of a message that another copy of it stands for.  A
-    duplicate of a run that succeeded is said at INFO, naming that run:
-    it is the one skip of a message that may be an operator's replay.
+    """Skip a copy that another copy stands for; at INFO for a duplicate of a run that
+    succeeded, naming it: the one skip that may be an operator's replay.
     """
     state.keeps_queue_lock = state.quiet_skip = True  # the copy that runs owns the message's locks
     store_nothing(message)
@@ -489,9 +419,7 @@ def skip_copy(
 
 
 def _line_factor(ahead: int) -> int:
-    """How many reschedule delays the first delayed copy of a waiter
-    with ``ahead`` waiters ahead of it waits.
-    """
+    """How many reschedule delays a waiter's first delayed copy waits, with ``ahead`` ahead."""
     factor = 1
     while ahead > LINE_STEP * factor and factor < MAX_BACKOFF:
         factor *= 2
@@ -499,13 +427,8 @@ def _line_factor(ahead: int) -> int:
 
 
 def skip_if_superseded(service: LockContext, broker: "Broker", message: "MessageProxy", state: Delivery) -> None:
-    """Skip this delivery when a newer send superseded its message; else
-    mark the message as started, so that a send from now on leaves it
-    running and opens a new debounce burst.
-
-    A superseded message is not run and not retried, and a caller
-    waiting on its result gets a ``ResultFailure`` naming
-    :class:`Superseded` and the message that replaced it.
+    """Skip this delivery when a newer send superseded its message (not retried; its result is a
+    :class:`Superseded`); else mark it started: a later send leaves it running, a new debounce burst.
 
     Raises:
       SkipMessage: when superseded.
@@ -524,8 +447,7 @@ def skip_if_superseded(service: LockContext, broker: "Broker", message: "Message
         raise error from e
     if status is not CurrentStatus.SUPERSEDED or by is None:
         return
-    # The slot it may have kept (a started holder's retry) went with the
-    # check; the replacing message's slot is never its to release.
+    # Its slot (a started holder's retry) went with the check; the replacer's is not its to release.
     state.queue_released = True
     state.quiet_skip = True
     _withdraw_waiter(service, message, state)
@@ -537,10 +459,7 @@ def skip_if_superseded(service: LockContext, broker: "Broker", message: "Message
 
 
 def _withdraw_waiter(service: LockContext, message: "MessageProxy", state: Delivery) -> None:
-    """A copy of a rescheduled, superseded message claims its attempt,
-    which takes its waiter off the run lock, so that the key is never
-    handed to it.
-    """
+    """Claim a superseded reschedule's attempt: its waiter leaves the line, never handed the key."""
     if not message.options.get(UNIQUE_RESCHEDULES) or not state.spec.lock.run_lock:
         return
     key = service.key(state.spec, state.digest, "run")
@@ -554,9 +473,7 @@ _install_mutex = threading.Lock()
 
 
 class QuietSkips(logging.Filter):
-    """Drops ``"Message %s was skipped."`` records whose message the
-    middleware marked ``quiet_skip``; passes every other record.
-    """
+    """Drops ``"Message %s was skipped."`` records of messages marked ``quiet_skip``."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.msg != SKIPPED_MESSAGE_LOG or not isinstance(record.args, tuple) or not record.args:
@@ -566,9 +483,7 @@ class QuietSkips(logging.Filter):
 
 
 def install() -> QuietSkips:
-    """Add a :class:`QuietSkips` to Dramatiq's worker-thread logger,
-    once per process, and return it.
-    """
+    """Add a :class:`QuietSkips` to Dramatiq's worker-thread logger, once per process."""
     logger = logging.getLogger(WORKER_THREAD_LOGGER)
     with _install_mutex:
         for existing in logger.filters:
