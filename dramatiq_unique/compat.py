@@ -185,7 +185,6 @@ def timeout_in_disguise(error: BaseException) -> bool:
     policies resend after each timeout (seen: 2 to 8 s instead of one 0.5 s timeout).  The error it was
     raised from tells them apart; a real drop has no timeout behind it, so no fallback is needed.
     """
-
     import socket
 
     cause = error.__cause__ or error.__context__

@@ -74,7 +74,6 @@ class Superseded(UniqueError):
     """Stored as the result of a message a newer send replaced (``on_conflict="replace"`` or
     ``debounce``): it did not run, and a caller waiting on it gets a ``ResultFailure`` naming this.
 
-
     Attributes:
       key(str): The enqueue lock key.
       by(str): The message id of the message that replaced it.

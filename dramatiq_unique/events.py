@@ -131,5 +131,4 @@ def _value(counter: "itertools.count[int]") -> int:
     """How many times ``next()`` was called on a ``count()``, from its repr: the one reading that is
     neither deprecated nor moves it.
     """
-
     return int(repr(counter)[len("count(") : -1])

@@ -529,7 +529,6 @@ class WorkerThreads:
         lease: it also ends the run in a rescheduled message's record (which lives ``lock_ttl``), so a
         duplicate of that run is skipped.
         """
-
         if key.endswith(RUN_SUFFIX):
             until = max(until, now_ms() + self.service.settings.lock_ttl)
         return OwedRelease.within(key, owner, until - now_ms(), options)

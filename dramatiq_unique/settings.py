@@ -269,7 +269,6 @@ def from_environment(environ: Optional[Mapping[str, str]] = None) -> Settings:
       ConfigurationError: naming the variable, when a value is bad or the name is not a setting (a
         misspelt name would otherwise be ignored).
     """
-
     environ = os.environ if environ is None else environ
     for name in environ:
         lower = name.lower()

@@ -158,7 +158,6 @@ if pytest is not None:
     @pytest.fixture
     def unique_redis_backend(unique_prefix: str) -> Iterator["LockBackend"]:
         """A Redis lock backend; the keys under ``unique_prefix`` are deleted after the test."""
-
         from .errors import ConfigurationError
 
         try:

@@ -345,5 +345,4 @@ class EnqueueRecord:
     @property
     def queue(self) -> str:
         """The queue ``where`` names, without a delay queue's ``.DQ``; "" if none."""
-
         return Place.queue_in(self.where)

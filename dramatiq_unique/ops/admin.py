@@ -217,7 +217,6 @@ class LockAdmin:
         release them when ``release``: only ``actor``'s if given, none younger than ``min_age`` ms,
         ``batch`` per broker transaction.
         """
-
         min_age = DEFAULT_MIN_AGE if min_age is None else min_age
         reaper = Reaper(self, RedisQueues(broker_client), min_age=min_age, batch=batch or DEFAULT_BATCH)
         return reaper.run(release=release, actor=actor)

@@ -186,7 +186,6 @@ class Confirmer:
             return
         try:
             # A gone slot was released by a worker that ran the message first, or lapsed: nothing to do.
-
             self.backend.confirm([(lock.key, lock.owner, lock.ttl) for lock in due])
         except Exception as e:
             self.logger.warning("Could not confirm %d enqueue lock(s): %r. Trying again.", len(due), e)

@@ -451,7 +451,6 @@ def store_failure(broker: "Broker", message: Any, error: Exception) -> None:
     """Store ``error`` as the result of ``message`` in every ``Results`` middleware of ``broker`` that
     stores it, then keep Dramatiq from storing anything else for this delivery.
     """
-
     from dramatiq.results import Results
 
     for middleware in broker.middleware:

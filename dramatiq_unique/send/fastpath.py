@@ -215,7 +215,6 @@ class SendPath:
             # Fail closed as take_failed does, or go on unlocked.  The call was also the publish, so a
             # timeout (may have locked and enqueued) raises even under run_unlocked, as the broker's
             # enqueue would.  Its lock is kept: one script did both or neither, so it matches the queue.
-
             if self.service.settings.on_backend_error != "fail" and maybe_applied(e):
                 self.service.backend_error("take the enqueue lock", key, spec, message, e)
                 raise

@@ -156,7 +156,6 @@ class EnqueueGuard:
             key, message.message_id, reenter=True, ttl=ttl, lock=spec.lock.name, copy=copy, where=locks.where(message)
         )
         # SUPERSEDED goes on, skipped when delivered: raising would lose or strand a delay-queue move.
-
         if status is CurrentStatus.MAY_NOT_RUN:
             self.service.logger.debug("Re-enqueued %s without its lock %r: %s.", message, key, other)
         elif status is CurrentStatus.CURRENT:
