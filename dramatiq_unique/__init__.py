@@ -42,11 +42,8 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-#: The modules the public names live in (as the imports above say),
-#: lightest first.  A name is imported from the first that has it on
-#: first use, so that importing a light module (``dramatiq_unique.testing``,
-#: loaded by pytest as a plugin; ``settings``; the CLI) imports neither
-#: Dramatiq nor redis, and a name imports nothing heavier than its home.
+#: The homes of the public names, lightest first; each is imported on first use, so that a light
+#: module (``testing``, a pytest plugin; ``settings``; the CLI) imports neither Dramatiq nor redis.
 _HOMES = (
     ".settings",
     ".errors",

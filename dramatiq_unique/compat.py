@@ -1,8 +1,5 @@
-"""The Dramatiq internals this package uses, imported from one place.
-
-dramatiq-unique runs on Dramatiq 1.17 and later 1.x, and on 2.x.  The
-names below are not part of Dramatiq's public API, and some differ
-between those versions; every other module imports them from here.
+"""The Dramatiq internals this package uses, imported from one place: they are not public API, and
+some differ between the Dramatiq versions supported (1.17+ and 2.x).
 """
 
 from __future__ import annotations
@@ -23,37 +20,26 @@ except ImportError:  # Dramatiq 1.x
 #: The installed Dramatiq, as ``(major, minor)``.
 DRAMATIQ_VERSION = tuple(int(part) for part in dramatiq.__version__.split(".")[:2])
 
-#: The logger of Dramatiq's worker threads, which logs ``"Message %s
-#: was skipped."`` at WARNING for every skipped delivery (the same name
-#: in 1.x, where the class is ``_WorkerThread``, and in 2.x).
+#: The logger of Dramatiq's worker threads (same name in 1.x and 2.x), which logs ``SKIPPED_MESSAGE_LOG``
+#: at WARNING for every skipped delivery; ``worker.take.QuietSkips`` recognises that text by identity.
 WORKER_THREAD_LOGGER = "dramatiq.worker.WorkerThread"
-
-#: The format of that log record, which :class:`dramatiq_unique.worker.take.QuietSkips`
-#: recognises by identity of text, not by a translation of it.
 SKIPPED_MESSAGE_LOG = "Message %s was skipped."
 
 
 # Dramatiq's private state ------------------------------------------------
 #
-# Each function below is the one place that reaches into an object of
-# Dramatiq's with no public way to do what it does.  Each was read in,
-# and is run by the suite on, Dramatiq 1.17.1 and 2.2.1, where the names
-# are the same; each has a fallback that leaves its feature off (or
-# works it out from public state) when a later Dramatiq renames what it
-# reads, rather than fail a send or a delivery.
+# Each function below is the one place that reaches into Dramatiq where no public way exists.  Each
+# was read in, and is run by the suite on, Dramatiq 1.17.1 and 2.2.1; if a later Dramatiq renames
+# what it reads, its fallback leaves the feature off (or uses public state) rather than fail a send.
 
 
 class RedisDispatch(NamedTuple):
-    """What the send fast path calls of a ``RedisBroker`` to run its
-    ``dispatch.lua`` itself (see :mod:`dramatiq_unique.send.fastpath`).
+    """What the send fast path calls of a ``RedisBroker`` to run its ``dispatch.lua`` itself.
 
     Attributes:
-      enqueue(callable): ``broker._dispatch("enqueue")``: what the
-        broker's ``do_enqueue`` resolves to through its ``__getattr__``.
-      maintenance(callable): ``broker._should_do_maintenance(command)``:
-        whether this call also runs maintenance (the 1-in-N lottery).
-      max_unpack_size(callable): ``broker._max_unpack_size()``: the Lua
-        unpack limit the script is passed.
+      enqueue(callable): ``broker._dispatch("enqueue")``, what ``do_enqueue`` resolves to.
+      maintenance(callable): ``broker._should_do_maintenance(command)`` (the 1-in-N lottery).
+      max_unpack_size(callable): ``broker._max_unpack_size()``, the Lua unpack limit.
     """
 
     enqueue: Callable[..., Any]
@@ -62,10 +48,7 @@ class RedisDispatch(NamedTuple):
 
 
 def redis_dispatch(broker: Any) -> Optional[RedisDispatch]:
-    """The ``RedisBroker`` internals the send fast path calls; None when
-    any is missing (the fallback: the usual two-step send).  Checked on
-    Dramatiq 1.17.1 and 2.2.1.
-    """
+    """The ``RedisBroker`` internals the fast path calls; None when any is missing (two-step send)."""
     dispatch = getattr(broker, "_dispatch", None)
     maintenance = getattr(broker, "_should_do_maintenance", None)
     max_unpack_size = getattr(broker, "_max_unpack_size", None)
@@ -75,48 +58,32 @@ def redis_dispatch(broker: Any) -> Optional[RedisDispatch]:
 
 
 def replace_broker_enqueue(broker: Any, enqueue: Callable[..., Any]) -> None:
-    """Make ``enqueue`` the broker's ``enqueue``: an instance attribute
-    shadows the method, and every sender (``send_with_options``,
-    Retries, the worker's delay-queue move, pipelines, callbacks) looks
-    ``broker.enqueue`` up on the instance.  Checked on Dramatiq 1.17.1
-    and 2.2.1; an attribute assignment cannot fail, so no fallback.
+    """Make ``enqueue`` the broker's: every sender (``send_with_options``, Retries, the delay-queue
+    move, pipelines, callbacks) looks it up on the instance.  An assignment cannot fail: no fallback.
     """
     broker.enqueue = enqueue
 
 
 def replace_redis_do_enqueue(broker: Any, do_enqueue: Callable[..., Any]) -> None:
-    """Make ``do_enqueue`` the ``RedisBroker``'s ``do_enqueue``, which its
-    ``enqueue`` calls with the encoded message: an instance attribute
-    wins over the broker's ``__getattr__``, which makes one per call
-    from ``_dispatch``.  Checked on Dramatiq 1.17.1 and 2.2.1.
-    """
+    """Make ``do_enqueue`` the ``RedisBroker``'s: an instance attribute wins over its ``__getattr__``."""
     broker.do_enqueue = do_enqueue
 
 
 def replace_actor_fn(actor: Any, fn: Callable[..., Any]) -> None:
-    """Make ``fn`` what ``actor`` runs: ``Actor.__call__`` calls
-    ``self.fn`` (an async actor's is already ``async_to_sync`` of its
-    coroutine function).  Checked on Dramatiq 1.17.1 and 2.2.1.
-    """
+    """Make ``fn`` what ``actor`` runs (``Actor.__call__`` calls ``self.fn``, for async actors too)."""
     actor.fn = fn
 
 
 def proxied_message(message: Any) -> Any:
-    """The ``Message`` a ``MessageProxy`` stands for (``_message``), whose
-    attributes read without the proxy's Python-level ``__getattr__``;
-    the fallback is the proxy itself, which reads the same values more
-    slowly.  Checked on Dramatiq 1.17.1 and 2.2.1.
+    """The ``Message`` behind a ``MessageProxy``, read without its Python-level ``__getattr__``; the
+    fallback, the proxy itself, reads the same values more slowly.
     """
     return getattr(message, "_message", message)
 
 
 def result_options(results: Any, broker: Any, message: Any) -> tuple[bool, int]:
-    """Whether ``results`` (a ``Results`` middleware) stores the result of
-    ``message``, and for how long: ``Results._lookup_options``.  The
-    fallback is the same rule from public state: the message's options,
-    then its actor's, then the middleware's ``store_results`` and
-    ``result_ttl``; an unknown actor stores nothing.  Checked on
-    Dramatiq 1.17.1 and 2.2.1.
+    """Whether a ``Results`` middleware stores ``message``'s result, and for how long
+    (``Results._lookup_options``).  The fallback applies the same rule from public state.
     """
     lookup = getattr(results, "_lookup_options", None)
     if callable(lookup):
@@ -132,11 +99,8 @@ def result_options(results: Any, broker: Any, message: Any) -> tuple[bool, int]:
 
 
 def redis_consumer_backoff(consumer: Any) -> Optional[int]:
-    """The longest a Redis broker's consumer backs off between polls of
-    an empty queue, in ms: ``_RedisConsumer.timeout``, the cap it passes
-    ``compute_backoff``.  None for any other consumer, or when it has no
-    such cap (the fallback: no quick polling after a hand-off).  Checked
-    on Dramatiq 1.17.1 and 2.2.1.
+    """A Redis consumer's longest backoff between polls, in ms (``_RedisConsumer.timeout``).  None for
+    other consumers, or none found (the fallback: no quick polling after a hand-off).
     """
     if type(consumer).__name__ != "_RedisConsumer":
         return None
@@ -145,30 +109,20 @@ def redis_consumer_backoff(consumer: Any) -> Optional[int]:
 
 
 def set_redis_consumer_backoff(consumer: Any, cap: int) -> None:
-    """Set what :func:`redis_consumer_backoff` reads; the consumer's next
-    backoff is capped by it.
-    """
+    """Set what :func:`redis_consumer_backoff` reads, capping the consumer's next backoff."""
     consumer.timeout = cap
 
 
 # gevent ------------------------------------------------------------------
 #
-# Under ``dramatiq-gevent`` the ``threading``, ``_thread``, ``socket`` and
-# ``time`` modules are monkey-patched: a thread is a greenlet on the
-# hub's OS thread, and a lock, a sleep or a socket yields to the hub.  A
-# greenlet cannot run while another blocks the hub (a C call, a CPU
-# loop), so what must run then (lease renewal) runs on a real OS thread
-# made from gevent's saved originals.  ``gevent.monkey.is_module_patched``
-# and ``get_original`` are public since gevent 1.1; the hub's
-# ``loop.run_callback_threadsafe`` since gevent 20.12 (checked, with a
-# fallback).
+# Under ``dramatiq-gevent`` a thread is a greenlet on the hub's OS thread, which cannot run while
+# another blocks the hub (a C call, a CPU loop); so what must run then (lease renewal) runs on a real
+# OS thread made from gevent's saved originals (public since gevent 1.1; ``run_callback_threadsafe``
+# since 20.12, with a fallback).
 
 
 def threads_are_green() -> bool:
-    """Whether gevent monkey-patched ``threading`` and ``socket`` in this
-    process.  gevent is never imported here: a process that did not
-    import it cannot have been patched by it.
-    """
+    """Whether gevent patched ``threading`` or ``socket``; gevent is not imported if it is not loaded."""
     if "gevent" not in sys.modules:
         return False
     monkey = sys.modules.get("gevent.monkey")
@@ -179,9 +133,7 @@ def threads_are_green() -> bool:
 
 
 def original(module: str, name: str) -> Any:
-    """The unpatched ``module.name``: gevent's saved original when the
-    module was patched, else the module's own.
-    """
+    """The unpatched ``module.name``: gevent's saved original, else the module's own."""
     if threads_are_green():
         from gevent import monkey
 
@@ -195,16 +147,13 @@ def start_native_thread(target: Callable[[], None]) -> None:
 
 
 def native_lock() -> Any:
-    """A lock of the OS, even under gevent's patches: for a native
-    thread's own waits, never for a greenlet to wait on.
-    """
+    """An OS lock, even under gevent: for a native thread's own waits, never a greenlet's."""
     return original("_thread", "allocate_lock")()
 
 
 def hub_caller() -> Callable[[Callable[[], None]], None]:
-    """A function that runs a callable on this thread's gevent hub, from
-    any OS thread; it calls at once when threads are not green.  Called
-    on the thread whose hub should run the callables.
+    """Called on the thread whose hub should run them: runs callables on that hub from any OS thread
+    (at once when threads are not green).
     """
     if not threads_are_green():
         return lambda call: call()
@@ -223,31 +172,18 @@ __all__ = ["ConsumerThread", "Prometheus", "age_limit_module", "async_to_sync"]
 
 # redis-py ----------------------------------------------------------------
 #
-# The lock calls use redis-py's public connection methods only
-# (``send_packed_command``, ``read_response``, ``can_read``, ``retry``,
-# ``connection_pool.connection_class`` / ``connection_kwargs``).  What
-# differs between the versions that CI runs (4.6, 5.x, 6.x, 7.x, 8.x,
-# each with and without hiredis, on Python 3.9 and 3.11+) is handled here.
+# The lock calls use redis-py's public connection methods only; what differs between the versions CI
+# runs (4.6 to 8.x, with and without hiredis, on Python 3.9 and 3.11+) is handled here.
 
 
 def timeout_in_disguise(error: BaseException) -> bool:
     """Whether a redis-py ``ConnectionError`` was really a socket timeout.
 
-    redis-py 5.x to 7.x's hiredis parser raises the built-in
-    ``TimeoutError`` when a read times out, and the connection turns
-    every ``OSError`` that is not ``socket.timeout`` into a
-    ``ConnectionError``.  Up to Python 3.9 the built-in ``TimeoutError``
-    is no ``socket.timeout`` (3.10 made them one), so a silent server
-    looks like a dropped connection, which retry policies send again
-    after each timeout.  The error it was raised from tells the two
-    apart.  Checked: the hiredis parsers of redis-py 5.0.8, 5.3.1, 6.4.0,
-    7.0.1 and 7.4.1 raise the built-in one (7.1 and later need Python
-    3.10, where it is harmless), those of 4.6.0 and 8.1.0 redis-py's own;
-    run on Python 3.9.18 with redis-py 7.0.1 and hiredis 3.5.0, where a
-    silent server failed as a ``ConnectionError`` after 2.04 to 8.34 s
-    before this check and as one ``TimeoutError`` after 0.50 s with it.
-    A real dropped connection has no timeout behind it: the check leaves
-    it alone on every version, so it needs no fallback.
+    redis-py 5.x to 7.x's hiredis parser raises the built-in ``TimeoutError`` on a read timeout, and
+    the connection wraps every ``OSError`` but ``socket.timeout`` in a ``ConnectionError``.  Up to
+    Python 3.9 the two differ, so a silent server looks like a dropped connection, which retry
+    policies resend after each timeout (seen: 2 to 8 s instead of one 0.5 s timeout).  The error it was
+    raised from tells them apart; a real drop has no timeout behind it, so no fallback is needed.
     """
     import socket
 

@@ -1,8 +1,7 @@
 """Errors raised by dramatiq-unique.
 
-Dramatiq swallows every exception a ``before_*`` hook raises unless it
-is a ``MiddlewareError``, so every error that must stop an enqueue, a
-declaration or a delivery derives from it.
+Dramatiq swallows what a ``before_*`` hook raises unless it is a ``MiddlewareError``, so every error
+that must stop an enqueue, a declaration or a delivery derives from it.
 """
 
 from __future__ import annotations
@@ -18,14 +17,11 @@ class UniqueError(DramatiqError):
 
 
 class ConfigurationError(UniqueError, MiddlewareError, ValueError):
-    """Raised for an invalid actor option, constructor argument or
-    environment variable.
-    """
+    """Raised for an invalid actor option, constructor argument or environment variable."""
 
 
 class DuplicateMessage(UniqueError, MiddlewareError):
-    """Raised by ``send()`` when ``on_conflict="raise"`` and the key is
-    already held.  Nothing was enqueued.
+    """Raised by ``send()`` when ``on_conflict="raise"`` and the key is held.  Nothing was enqueued.
 
     Attributes:
       key(str): The lock key that is held.
@@ -39,9 +35,9 @@ class DuplicateMessage(UniqueError, MiddlewareError):
 
 
 class LockConflict(UniqueError, MiddlewareError):
-    """Raised in the worker when ``on_conflict={"server": "raise"}``
-    and the run lock is held.  The delivery fails and goes through
-    Retries.
+    """Raised in the worker when ``on_conflict={"server": "raise"}`` and the run lock is held.
+
+    The delivery fails and goes through Retries.
     """
 
     def __init__(self, message: str, *, key: str, holder: Optional[str]) -> None:
@@ -51,8 +47,9 @@ class LockConflict(UniqueError, MiddlewareError):
 
 
 class LockBackendError(UniqueError, MiddlewareError):
-    """Raised when the lock backend cannot be reached or fails.  The
-    message is never enqueued or run without its lock.
+    """Raised when the lock backend cannot be reached or fails.
+
+    The message is never enqueued or run without its lock.
 
     Attributes:
       backend(str): A description of the backend, e.g. its URL.
@@ -64,23 +61,18 @@ class LockBackendError(UniqueError, MiddlewareError):
 
 
 class Rescheduled(UniqueError, SkipMessage):
-    """Raised to skip a delivery that was re-enqueued for later because
-    its key was held.  It does not count against ``max_retries``.
-    """
+    """Raised to skip a delivery re-enqueued because its key was held; not counted against ``max_retries``."""
 
 
 class CopySkipped(UniqueError, SkipMessage):
-    """Raised to skip a copy of a message when another copy of the same
-    message runs instead: the other copy of a reschedule, or a copy of
-    an earlier reschedule.  It stores no result and is not retried.
+    """Raised to skip a copy of a message when another copy of it runs instead (the other copy of a
+    reschedule, or one of an earlier reschedule).  It stores no result and is not retried.
     """
 
 
 class Superseded(UniqueError):
-    """Stored as the result of a message that a newer send replaced
-    (``on_conflict="replace"`` or ``debounce``): the message did not
-    run, and a caller waiting on its result gets a ``ResultFailure``
-    naming this error.
+    """Stored as the result of a message a newer send replaced (``on_conflict="replace"`` or
+    ``debounce``): it did not run, and a caller waiting on it gets a ``ResultFailure`` naming this.
 
     Attributes:
       key(str): The enqueue lock key.

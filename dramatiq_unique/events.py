@@ -1,21 +1,9 @@
-"""Lifecycle events: what happened to which lock, for listeners,
-counters and metrics; and the log lines that tell the same story.
+"""Lifecycle events: what happened to which lock, for listeners, counters and metrics; and the log
+lines that tell the same story.  See docs/operations.md, "Lifecycle hooks".
 
-Subscribe a callable taking a :class:`LockEvent`, when the middleware
-is built or later::
-
-  def on_lock_event(event: LockEvent) -> None:
-      if event.name == "lock_lost":
-          alert(f"{event.actor}: {event.key} lost by {event.message_id}")
-
-  unique = UniqueMiddleware(listeners=[on_lock_event])
-  # or, on a middleware built elsewhere:
-  unique.events.subscribe(on_lock_event)
-
-Listeners run on the thread where the event happened (the sender's, a
-worker thread, the lease renewal thread for ``lock_lost``, or the
-releaser thread for a run lock's ``released``), so they
-must be quick and thread-safe.  One that raises is logged and ignored.
+Listeners (``UniqueMiddleware(listeners=[...])`` or ``middleware.events.subscribe``) run on the
+thread where the event happened (sender, worker, lease renewal, releaser), so they must be quick
+and thread-safe.  One that raises is logged and ignored.
 """
 
 from __future__ import annotations
@@ -52,21 +40,16 @@ class LogLine(NamedTuple):
 
 
 def _log_lines() -> tuple[LogLine, ...]:
-    """Every line the middleware logs while it enqueues and runs
-    messages, one row of ``log_lines.tsv`` each (kept as data: the
-    table in docs/operations.md, "Log lines", is the same, and a test
-    holds the two to each other).  Levels and templates are stable:
-    filter and alert on them.  An ordinary duplicate is INFO; a message
-    dropped, or a lock that lapsed, is WARNING; a lost run lock or a
-    failing backend is ERROR.
+    """Every line the middleware logs while enqueueing and running, from ``log_lines.tsv`` (data: a
+    test holds it to the table in docs/operations.md, "Log lines").  Levels and templates are stable:
+    a duplicate is INFO, a dropped message or lapsed lock WARNING, a lost run lock or failing backend ERROR.
     """
     rows = resources.files(__package__).joinpath("log_lines.tsv").read_text(encoding="utf-8").splitlines()
     return tuple(LogLine(*row.split("\t")) for row in rows[1:] if row)
 
 
 def __getattr__(name: str) -> tuple[LogLine, ...]:
-    # LOG_LINES is read on first use: it is for tests and tools, and
-    # this module is imported by every process that sends.
+    # Read on first use: it is for tests and tools, and every process that sends imports this module.
     if name == "LOG_LINES":
         globals()[name] = lines = _log_lines()
         return lines
@@ -82,12 +65,10 @@ class LockEvent:
       actor(str): The actor's name.
       key(str): The lock key.
       message_id(str): The message concerned.
-      holder(str): For conflicts, the message id of the holder; for a
-        ``skipped`` duplicate of a run that succeeded, that run's lock
-        owner (``<message id>/<token>``).
-      reason(str): For ``skipped``, why: ``"done"`` (a duplicate of a
-        run that succeeded), ``"stale"`` or ``"lost"`` (see
-        :class:`~dramatiq_unique.backends.records.CopyVerdict`).
+      holder(str): For conflicts, the holder's message id; for a ``skipped`` duplicate of a run that
+        succeeded, that run's lock owner (``<message id>/<token>``).
+      reason(str): For ``skipped``, why: ``"done"`` (that run succeeded), ``"stale"`` or ``"lost"``
+        (see :class:`~dramatiq_unique.backends.records.CopyVerdict`).
     """
 
     name: str
@@ -102,22 +83,17 @@ Listener = Callable[[LockEvent], None]
 
 
 class EventHub:
-    """Counts events and passes them to listeners.  A failing listener
-    is logged and never breaks locking.
-    """
+    """Counts events and passes them to listeners; a failing listener is logged, never breaks locking."""
 
     def __init__(self) -> None:
         self.logger = get_logger(__name__, type(self))
         self._mutex = threading.Lock()
         self._listeners: list[Listener] = []
-        # One counter per (event, actor): ``next()`` on it is one C call,
-        # atomic under the GIL, so counting takes no lock.
+        # Per (event, actor): ``next()`` is one C call, atomic under the GIL, so counting takes no lock.
         self._counters: dict[tuple[str, str], itertools.count[int]] = {}
 
     def subscribe(self, listener: Listener) -> Listener:
-        """Call ``listener`` with every :class:`LockEvent`.  Usable as a
-        decorator.
-        """
+        """Call ``listener`` with every :class:`LockEvent`.  Usable as a decorator."""
         with self._mutex:
             self._listeners = [*self._listeners, listener]
         return listener
@@ -135,9 +111,7 @@ class EventHub:
         self.tell(self.tally(event.name, event.actor), event)
 
     def tally(self, name: str, actor: str) -> list[Listener]:
-        """Count one event; return the listeners to tell of it, so that
-        a caller builds the event only when someone listens.
-        """
+        """Count one event; return the listeners, so a caller builds the event only if someone listens."""
         counter = self._counters.get((name, actor))
         if counter is None:  # setdefault is atomic: of two first tallies, both count on the one it keeps
             counter = self._counters.setdefault((name, actor), itertools.count())
@@ -154,8 +128,7 @@ class EventHub:
 
 
 def _value(counter: "itertools.count[int]") -> int:
-    """How many times ``next()`` was called on a ``count()``: what its
-    repr, ``count(N)``, shows (the one reading of it that is neither
-    deprecated nor moves it).
+    """How many times ``next()`` was called on a ``count()``, from its repr: the one reading that is
+    neither deprecated nor moves it.
     """
     return int(repr(counter)[len("count(") : -1])

@@ -1,16 +1,11 @@
 """The ``UniqueMiddleware``: where each lock is taken and released.
 
-Hook placement follows how Dramatiq 2.x fires its hooks:
-
-* Locks taken at enqueue are owned by the message id, so Retries,
-  delay-queue promotion, RabbitMQ publish retries and our own
-  reschedule re-enter them; those paths never raise.
-* The middleware moves itself before ``TimeLimit`` when the worker
-  boots, so its after-hooks run after Retries has decided and cannot be
-  interrupted by a time limit.
-* Anything unexpected in ``before_process_message`` becomes a
-  ``MiddlewareError``: the delivery fails and is retried, and the
-  actor never runs without its lock.
+* Enqueue locks are owned by the message id, so Retries, delay-queue promotion, RabbitMQ publish
+  retries and our own reschedule re-enter them; those paths never raise.
+* At worker boot it moves itself before ``TimeLimit``: its after-hooks run after Retries has
+  decided, and no time limit interrupts them.
+* Anything unexpected in ``before_process_message`` becomes a ``MiddlewareError``: the delivery is
+  retried, and the actor never runs without its lock.
 """
 
 from __future__ import annotations
@@ -54,35 +49,26 @@ if TYPE_CHECKING:
     from dramatiq import Actor, Broker, Worker
     from dramatiq.broker import MessageProxy
 
-#: Middleware that must come after ours: their after-hooks then run
-#: before ours, their interrupts cannot land inside our hooks, and a copy
-#: of a message that we skip never reaches them (AgeLimit would
-#: dead-letter both copies of an expired message).
+#: Middleware that must come after ours: their after-hooks run first, their interrupts miss our hooks,
+#: and a copy we skip never reaches them (AgeLimit would dead-letter both copies of an expired message).
 _RUN_AFTER = (AgeLimit, TimeLimit, ShutdownNotifications, Callbacks, Pipelines, Retries)
 
-#: The part of ``shutdown_timeout`` kept, at its end, to write to the
-#: broker the releases that could not be sent (at most
-#: ``_SHUTDOWN_RESERVE_MOST`` ms): lock calls end before it.  A broker
-#: that answers takes milliseconds of it, so a worker whose lock Redis
-#: is out of reach stops about ``shutdown_timeout - reserve`` after its
-#: shutdown began, leaving Dramatiq's own stop (about 2 s of polling,
-#: from the SIGTERM to the exit) within the bound.
+#: The end of ``shutdown_timeout`` (at most ``_SHUTDOWN_RESERVE_MOST`` ms) kept to write unsent releases to
+#: the broker; lock calls end before it.  A worker whose lock Redis is out of reach thus stops about
+#: ``shutdown_timeout - reserve`` in, leaving Dramatiq's own ~2 s stop within the bound.
 _SHUTDOWN_RESERVE = 0.3
 _SHUTDOWN_RESERVE_MOST = 3_000
 
 #: Guards the lazy creation of the threads: worker threads ask at once.
 _MAKING = threading.Lock()
 
-#: Middleware that must come before ours: it counts a delivery in its
-#: before-hook and uncounts it in ``after_skip_message``, so it must see
-#: the deliveries we skip from the start.
+#: Middleware that must come before ours: it counts a delivery in its before-hook and uncounts it in
+#: ``after_skip_message``, so it must see the deliveries we skip.
 _RUN_BEFORE = (Prometheus,)
 
 
 class _OnService:
-    """A setting of the middleware that lives on its :class:`LockContext`,
-    where the guards read it; changing it takes effect at once.
-    """
+    """A middleware setting kept on its :class:`LockContext`, where the guards read it: changes apply at once."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
@@ -99,54 +85,39 @@ class _OnService:
 class UniqueMiddleware(Middleware):
     """Locks messages by a digest of their actor, queue and arguments.
 
+    Durations are in milliseconds.  Every argument left as None is read from its ``dramatiq_unique_*``
+    environment variable, or takes its ``DEFAULT_*`` value.
+
     Parameters:
-      backend(LockBackend): Where locks live.  Defaults to the backend
-        that ``url`` names, else the broker's own Redis, else a
-        ``StubBackend`` for a ``StubBroker``.
-      url(str): Where the locks live, for the default backend:
-        ``redis://``, ``rediss://``, ``unix://``, ``redis+cluster://``
-        (a ``RedisBackend``), ``postgresql://`` or ``postgres://`` (a
-        ``PostgresBackend``); see
+      backend(LockBackend): Where locks live.  Defaults to the backend that ``url`` names, else the
+        broker's own Redis, else a ``StubBackend`` for a ``StubBroker``.
+      url(str): ``redis://``, ``rediss://``, ``unix://``, ``redis+cluster://`` (a ``RedisBackend``),
+        ``postgresql://`` or ``postgres://`` (a ``PostgresBackend``); see
         :func:`dramatiq_unique.backends.from_url`.
       redis_url(str): Another name for ``url``, kept from before it.
       prefix(str): The prefix of every lock key.
-      lock_ttl(int): Default lifetime of enqueue locks, in milliseconds,
-        counted from when the message is due.
-      lease(int): The lease of run locks, in milliseconds.
-      reschedule_delay(int): Default delay of a rescheduled message, in
-        milliseconds.
+      lock_ttl(int): Default lifetime of enqueue locks, counted from when the message is due.
+      lease(int): The lease of run locks.
+      reschedule_delay(int): Default delay of a rescheduled message.
       enabled(bool): False turns all locking off.
-      on_backend_error(str): ``"fail"`` never runs or enqueues a message
-        without its lock; ``"run_unlocked"`` carries on without it.
-      provisional_window(int): How long a new enqueue lock holds before
-        its publish is confirmed, in milliseconds; a producer that dies
-        in between frees its key after this.  0 takes ``lock_ttl`` at
-        once.
-      reap_interval(int): Every this many milliseconds, one worker
-        releases the enqueue locks whose message vanished from the Redis
-        broker; 0 (the default) never.
-      record_lock_args(bool): Store the lock args JSON with each enqueue
-        lock, for operators.
-      min_replicas(int): How many replicas must acknowledge each lock
-        taken (Redis ``WAIT``), for the backend made here from ``url`` or
-        the broker (one passed as ``backend`` takes its own); 0 (the
-        default) none.
-      min_replicas_timeout(int): How long each lock call waits for them,
-        in milliseconds.
-      shutdown_timeout(int): How long a worker's shutdown waits for the
-        lock calls in flight, the releases and the confirmations, in
-        milliseconds; what it could not send is written to the broker,
-        and the next worker makes it.
-      listeners(list[callable]): Called with every :class:`LockEvent`,
-        like ``middleware.events.subscribe(listener)``.
-
-    Every argument left as None is read from its ``dramatiq_unique_*``
-    environment variable, or takes its ``DEFAULT_*`` value.
+      on_backend_error(str): ``"fail"`` never runs or enqueues a message without its lock;
+        ``"run_unlocked"`` carries on without it.
+      provisional_window(int): How long a new enqueue lock holds before its publish is confirmed, so
+        that a producer dying in between frees its key; 0 takes ``lock_ttl`` at once.
+      reap_interval(int): How often one worker releases the enqueue locks whose message vanished from
+        the Redis broker; 0 (the default) never.
+      record_lock_args(bool): Store the lock args JSON with each enqueue lock, for operators.
+      min_replicas(int): How many replicas must acknowledge each lock taken (Redis ``WAIT``), for a
+        backend made here (a ``backend`` passed in takes its own); 0 (the default) none.
+      min_replicas_timeout(int): How long each lock call waits for them.
+      shutdown_timeout(int): How long a worker's shutdown waits for lock calls, releases and
+        confirmations; what it could not send is written to the broker for the next worker.
+      listeners(list[callable]): Called with every :class:`LockEvent`, like
+        ``middleware.events.subscribe(listener)``.
 
     Warning:
-      Like every lease-based lock, this one is best effort under
-      process pauses and Redis failover.  Guard writes that must never
-      overlap with :func:`dramatiq_unique.fence_token`.
+      Like every lease-based lock, this one is best effort under process pauses and Redis failover.
+      Guard writes that must never overlap with :func:`dramatiq_unique.fence_token`.
     """
 
     def __init__(
@@ -222,18 +193,14 @@ class UniqueMiddleware(Middleware):
     # Set-up ---------------------------------------------------------
 
     def _backend_options(self) -> dict[str, Any]:
-        """What the backend made here is given: the replicas to wait
-        for, only when asked (a backend without them refuses them).
-        """
+        """The replicas to wait for, only when asked: a backend without them refuses the options."""
         settings = self.settings
         if not settings.min_replicas:
             return {}
         return {"min_replicas": settings.min_replicas, "min_replicas_timeout": settings.min_replicas_timeout}
 
     def attach(self, broker: "Broker") -> None:
-        """Pick the backend for ``broker`` if none was given, and guard
-        its ``enqueue``.  Called by the hooks; idempotent.
-        """
+        """Pick the backend for ``broker`` if none was given, and guard its ``enqueue``; idempotent."""
         if self.backend is None:
             backend = for_broker(broker, **self._backend_options())
             if backend is None:
@@ -247,8 +214,7 @@ class UniqueMiddleware(Middleware):
 
     @staticmethod
     def _check_capabilities(spec: ActorSpec, backend: LockBackend) -> None:
-        """Refuse an actor whose options need a capability ``backend``
-        lacks, naming the backend and the capability.
+        """Refuse an actor whose options need a capability ``backend`` lacks.
 
         Raises:
           MissingCapability: a ConfigurationError.
@@ -281,9 +247,8 @@ class UniqueMiddleware(Middleware):
     record_lock_args = _OnService()
 
     def flush_confirmations(self, timeout: float = 5.0) -> bool:
-        """Wait at most ``timeout`` seconds until every provisional
-        enqueue lock this process took is confirmed (a process also does
-        this when it exits).
+        """Wait at most ``timeout`` seconds until every provisional enqueue lock of this process is
+        confirmed (done at exit too).
 
         Returns:
           bool: True when none is left waiting.
@@ -291,9 +256,7 @@ class UniqueMiddleware(Middleware):
         return self._locks.flush(timeout)
 
     def key(self, spec: ActorSpec, digest: str, phase: str) -> str:
-        """The backend key of one lock: prefix, actor in clear text, and
-        the digest inside a Cluster hash tag.
-        """
+        """The backend key of one lock: prefix, actor in clear text, digest inside a Cluster hash tag."""
         return self.service.key(spec, digest, phase)
 
     # Declaration and boot ---------------------------------------------
@@ -310,8 +273,7 @@ class UniqueMiddleware(Middleware):
 
     def before_worker_boot(self, broker: "Broker", worker: "Worker") -> None:
         self._retries = any(isinstance(m, Retries) for m in broker.middleware)
-        # Every actor is declared by now.  With none locked, the broker's
-        # stack and Dramatiq's loggers stay exactly as they were.
+        # Every actor is declared by now: with none locked, leave the stack and the loggers alone.
         if self.specs:
             self.attach(broker)
             self._move_before_interrupters(broker, worker)
@@ -325,10 +287,7 @@ class UniqueMiddleware(Middleware):
         self.threads.start_reaper(broker)
 
     def _declare_owed(self, broker: "Broker", worker: Optional["Worker"]) -> None:
-        """Declare the actor that makes the releases a stopping worker
-        owed, on the queue of a locked actor that this worker consumes:
-        the next worker of the same deployment consumes it too.
-        """
+        """Declare the actor of owed releases on a queue this worker consumes, as will its successor."""
         consumed = getattr(worker, "consumer_whitelist", None)
         for name in self.specs:
             queue = broker.get_actor(name).queue_name
@@ -337,10 +296,8 @@ class UniqueMiddleware(Middleware):
                 return
 
     def _move_before_interrupters(self, broker: "Broker", worker: "Worker") -> None:
-        # Called while emit_before iterates over the stack: the new order
-        # goes into a new list, so the ongoing iteration over the old one
-        # still visits every middleware exactly once (AsyncIO's boot hook
-        # starts a thread: twice would start two).
+        # Called while emit_before iterates over the stack: a new list lets that iteration visit each
+        # middleware exactly once (AsyncIO's boot hook starts a thread: twice would start two).
         stack = list(broker.middleware)
         targets = [i for i, m in enumerate(stack) if isinstance(m, _RUN_AFTER)]
         here = stack.index(self)
@@ -360,16 +317,12 @@ class UniqueMiddleware(Middleware):
         return min(self.settings.shutdown_timeout * _SHUTDOWN_RESERVE, _SHUTDOWN_RESERVE_MOST)
 
     def before_worker_shutdown(self, broker: "Broker", worker: "Worker") -> None:
-        # The bound starts now: worker threads finish their messages, and
-        # no wait for a lock call of this process lasts past the reserve.
+        # The bound starts now; no wait for a lock call of this process lasts past the reserve.
         self._stop_by = now_ms() + self.settings.shutdown_timeout
         stop_calls_by(self._stop_by - self._shutdown_reserve())
 
     def after_worker_shutdown(self, broker: "Broker", worker: "Worker") -> None:
-        """Stop every background task within what is left of
-        ``shutdown_timeout``, and write to the broker the releases that
-        could not be sent (:mod:`~dramatiq_unique.worker.resend`).
-        """
+        """Stop the background tasks within ``shutdown_timeout``; write unsent releases to the broker."""
         stop_by = self._stop_by if self._stop_by is not None else now_ms() + self.settings.shutdown_timeout
         calls_by = stop_by - self._shutdown_reserve()
 
@@ -454,9 +407,7 @@ class UniqueMiddleware(Middleware):
             self.unlocker.release_queue_lock(message, state)
 
     def _late_state(self, message: "MessageProxy") -> Optional[Delivery]:
-        """State for a message whose before-hook never ran (AgeLimit,
-        actor lookups in the consumer).
-        """
+        """State for a message whose before-hook never ran (AgeLimit, actor lookups in the consumer)."""
         spec = self.specs.get(message.actor_name)
         digest = message.options.get(UNIQUE_DIGEST)
         if spec is None or digest is None or not self.enabled:
@@ -480,15 +431,12 @@ def digest_for(actor: "Actor[Any, Any]", *args: Any, **kwargs: Any) -> str:
 class WorkerThreads:
     """The background tasks of one middleware in a worker process.
 
-    Each thread works on the backend that was current when it was made:
-    it is made on first use, and a new backend stops the lock threads,
-    so that the next use makes them afresh.
+    Each is made on first use, on the current backend; a new backend stops the lock threads.
 
     Parameters:
       service(LockContext): The middleware's lock context.
       reports(Reports): Where releases report their outcomes.
-      troubles(LockTroubles): Where lost leases and stalled releases
-        are told.
+      troubles(LockTroubles): Where lost leases and stalled releases are told.
     """
 
     def __init__(self, service: LockContext, *, reports: Reports, troubles: LockTroubles) -> None:
@@ -519,9 +467,7 @@ class WorkerThreads:
 
     @property
     def releaser(self) -> Optional[Releaser]:
-        """Releases run locks off the worker thread, when the backend
-        batches releases; None when it does not.
-        """
+        """Releases run locks off the worker thread; None unless the backend batches releases."""
         backend = self.service.backend
         if self._releaser is None and isinstance(backend, BatchedReleases) and backend.batches_releases:
             with _MAKING:  # worker threads ask at once: make one
@@ -531,11 +477,7 @@ class WorkerThreads:
 
     @property
     def take_run_lock(self) -> Callable[..., Start]:
-        """The one take of a run lock (:meth:`LockBackend.start`): the
-        releaser's, which sends the releases pending in this process in
-        front of it, in the same round trip, when the backend batches
-        releases; else the backend's own.
-        """
+        """The take of a run lock: the releaser's (pending releases ride in its round trip), else the backend's."""
         releaser = self.releaser
         return releaser.take_run_lock if releaser is not None else self.service.locks.start
 
@@ -563,12 +505,10 @@ class WorkerThreads:
                 thread.stop()
 
     def stop(self, left: Callable[[], float]) -> list[OwedRelease]:
-        """Stop every thread, each within what ``left`` says is left of
-        the shutdown's bound, in milliseconds.
+        """Stop every thread within what ``left`` says is left of the bound, in milliseconds.
 
         Returns:
-          list[OwedRelease]: The releases that could not be sent, for
-          the next worker (:class:`~.resend.OwedReleases`).
+          list[OwedRelease]: The releases that could not be sent, for the next worker.
         """
         self.handoffs.stop()
         owed: list[OwedRelease] = []
@@ -585,10 +525,9 @@ class WorkerThreads:
         return owed
 
     def _owed(self, key: str, owner: str, until: float, options: dict[str, Any]) -> OwedRelease:
-        """A release to hand on, from its lock's monotonic expiry.  A run
-        lock's release is made even after its lease ran out: it also
-        ends the run of a rescheduled message in its record, which lives
-        ``lock_ttl``, so that a duplicate of that run is skipped.
+        """A release to hand on, from its lock's monotonic expiry.  A run lock's is made even past its
+        lease: it also ends the run in a rescheduled message's record (which lives ``lock_ttl``), so a
+        duplicate of that run is skipped.
         """
         if key.endswith(RUN_SUFFIX):
             until = max(until, now_ms() + self.service.settings.lock_ttl)

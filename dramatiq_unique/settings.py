@@ -1,7 +1,5 @@
-"""Defaults and the one place where environment variables are read.
-
-Variables follow Dramatiq's lower-case ``dramatiq_*`` convention; the
-upper-case spelling is read too.  Constructor arguments win over them.
+"""Defaults and the one place where environment variables are read (lower-case ``dramatiq_*`` like
+Dramatiq's, upper-case too); constructor arguments win over them.
 """
 
 from __future__ import annotations
@@ -17,68 +15,49 @@ from .errors import ConfigurationError
 #: The prefix of every lock key.
 DEFAULT_PREFIX = "dramatiq-unique"
 
-#: How long a client (enqueue) lock lives, counted from when the
-#: message becomes due: 24 hours, in milliseconds.
+#: How long an enqueue lock lives, from when the message is due: 24 hours, in milliseconds.
 DEFAULT_LOCK_TTL = 86_400_000
 
-#: The lease of a run lock, in milliseconds.  A renewal thread renews
-#: it every lease/3 while the actor runs, so a killed worker frees its
-#: key within one lease.
+#: The lease of a run lock, in ms, renewed every lease/3 while the actor runs: a killed worker frees
+#: its key within one lease.
 DEFAULT_LEASE = 60_000
 
-#: How long a conflicting message waits before it is tried again, in
-#: milliseconds (with +/-20% jitter).
+#: How long a conflicting message waits before it is tried again, in ms (with +/-20% jitter).
 DEFAULT_RESCHEDULE_DELAY = 5_000
 
-#: How long a new enqueue lock is held before its message is known to
-#: be published, in milliseconds.  The lock is confirmed to its full
-#: ``lock_ttl`` off the caller's thread once the publish has returned,
-#: so a producer that dies in between frees its key within this window.
-#: 0 takes the full ``lock_ttl`` at once.
+#: How long a new enqueue lock holds before its publish is confirmed (then to its full ``lock_ttl``,
+#: off the caller's thread), in ms: a producer dying in between frees its key within it.  0: at once.
 DEFAULT_PROVISIONAL_WINDOW = 30_000
 
-#: How often a worker looks for enqueue locks whose message vanished
-#: from the Redis broker and releases them, in milliseconds; 0 (the
-#: default) never does.
+#: How often, in ms, a worker releases enqueue locks whose message vanished from the Redis broker; 0 never.
 DEFAULT_REAP_INTERVAL = 0
 
-#: What to do when the lock backend fails: ``"fail"`` (never run or
-#: enqueue without the lock) or ``"run_unlocked"``.
+#: When the backend fails: ``"fail"`` (never run or enqueue without the lock) or ``"run_unlocked"``.
 DEFAULT_ON_BACKEND_ERROR = "fail"
 
 BACKEND_ERROR_POLICIES = ("fail", "run_unlocked")
 
-#: How many replicas must acknowledge each lock a call takes (Redis
-#: ``WAIT``) before the call counts as done; 0 (the default) waits for
-#: none.  See ``docs/reliability.md``, "Failover".
+#: How many replicas must acknowledge each lock a call takes (Redis ``WAIT``); 0 waits for none.
+#: See ``docs/reliability.md``, "Failover".
 DEFAULT_MIN_REPLICAS = 0
 
 #: How long a lock call waits for those replicas, in milliseconds.
 DEFAULT_MIN_REPLICAS_TIMEOUT = 100
 
-#: How long a worker's shutdown waits for the package's own work, in
-#: milliseconds: the lock calls in flight, the run locks released in the
-#: background, the failed releases sent again, the confirmations and the
-#: group commit's waits.  What it could not send in that time is written
-#: to the broker for the next worker.
+#: How long a worker's shutdown waits for lock calls, background and retried releases, confirmations
+#: and group-commit waits, in ms; what it could not send is written to the broker for the next worker.
 DEFAULT_SHUTDOWN_TIMEOUT = 10_000
 
 #: The most replicas ``min_replicas`` may ask for.
 MAX_REPLICAS = 1000
 
-#: The longest duration any setting or actor option takes: 100 years,
-#: in milliseconds.  Durations are added to Unix milliseconds in Lua
-#: doubles and Redis expiry times, which lose precision or overflow
-#: far beyond it.
+#: The longest duration any setting or option takes, 100 years in ms: durations are added to Unix ms
+#: in Lua doubles and Redis expiry times, which lose precision or overflow far beyond it.
 MAX_DURATION = 100 * 365 * 86_400_000
 
-#: The URL schemes of a Redis lock backend.
+#: The URL schemes of the Redis and PostgreSQL lock backends, and every scheme ``from_url`` takes.
 REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://")
-
-#: The URL schemes of a PostgreSQL lock backend.
 POSTGRES_URL_SCHEMES = ("postgresql://", "postgres://")
-
-#: Every scheme ``dramatiq_unique.backends.from_url`` makes a backend of.
 BACKEND_URL_SCHEMES = REDIS_URL_SCHEMES + POSTGRES_URL_SCHEMES
 
 #: Settings read under a second, older name too: alias -> setting.
@@ -87,10 +66,7 @@ ALIASES = {"redis_url": "url"}
 
 @dataclass(frozen=True)
 class Settings:
-    """The middleware's resolved configuration.  Its repr shows
-    :attr:`url` without the password (:func:`masked`), so that a log
-    line or a traceback that prints the settings leaks no secret.
-    """
+    """The middleware's resolved configuration; its repr masks the password, so no log leaks it."""
 
     url: Optional[str] = None
     prefix: str = DEFAULT_PREFIX
@@ -117,10 +93,7 @@ class Settings:
         return self.url
 
     def merge(self, **overrides: Any) -> "Settings":
-        """Return a copy with every override that is not None applied
-        and validated.  An alias (``redis_url=``) sets its setting
-        (``url=``); both given, they must agree.
-        """
+        """A copy with every override but None validated and applied; an alias and its setting must agree."""
         given = {name: value for name, value in overrides.items() if value is not None}
         for alias, name in ALIASES.items():
             if alias in given:
@@ -137,16 +110,12 @@ class Settings:
 
 
 def is_duration(value: Any, minimum: int) -> bool:
-    """Whether ``value`` is a whole number of milliseconds from
-    ``minimum`` to :data:`MAX_DURATION`.
-    """
+    """Whether ``value`` is a whole number of milliseconds from ``minimum`` to :data:`MAX_DURATION`."""
     return isinstance(value, int) and not isinstance(value, bool) and minimum <= value <= MAX_DURATION
 
 
 def _whole_number(expected: str, low: int, high: int) -> Callable[[str, Any], int]:
-    """The check of a whole number from ``low`` to ``high``; ``expected``
-    says what it is, for the error.
-    """
+    """The check of a whole number from ``low`` to ``high``; ``expected`` names it in the error."""
 
     def check(what: str, value: Any) -> int:
         if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
@@ -167,8 +136,7 @@ def _text(what: str, value: Any) -> str:
     try:
         value.encode()
     except UnicodeEncodeError:
-        # e.g. undecodable bytes in an environment variable: Redis
-        # would refuse the key at every send instead.
+        # e.g. undecodable bytes in a variable: Redis would refuse the key at every send instead.
         raise ConfigurationError(f"{what}{value!r} is invalid: expected UTF-8 text, without lone surrogates.") from None
     return value
 
@@ -181,16 +149,13 @@ def _prefix(what: str, value: Any) -> str:
 
 
 def check_backend_url(what: str, value: Any) -> str:
-    """``value`` when it is a lock backend URL that its backend can
-    parse, of a scheme in :data:`BACKEND_URL_SCHEMES`.
+    """``value`` when it is a lock backend URL of a known scheme that its backend can parse.
 
     Parameters:
-      what(str): What the value was given as, for the error, e.g.
-        ``"url="`` or ``"Environment variable dramatiq_unique_url="``.
+      what(str): What the value was given as, for the error, e.g. ``"url="``.
 
     Raises:
-      ConfigurationError: naming ``what``, the value and what was
-        expected.
+      ConfigurationError: naming ``what``, the value and what was expected.
     """
     url = _text(what, value)
     if not url.startswith(BACKEND_URL_SCHEMES):
@@ -210,15 +175,11 @@ def check_backend_url(what: str, value: Any) -> str:
 
 
 def masked(url: Optional[str]) -> Optional[str]:
-    """``url`` with its password, in the user part or in libpq's
-    ``password=`` parameter, shown as ``***``: for errors, reprs and
-    the operators' output.
-    """
+    """``url`` with its password (user part or libpq's ``password=``) shown as ``***``."""
     if url is None:
         return None
-    # By pattern, not urlsplit: a URL that does not parse (e.g. "[::1")
-    # is shown in an error too.  The last "@" of the netloc ends the
-    # password, as it does for urlsplit.
+    # By pattern, not urlsplit: a URL that does not parse (e.g. "[::1") is shown in an error too.  The
+    # last "@" of the netloc ends the password, as for urlsplit.
     url = re.sub(r"^([^:/?#]+://[^:/?#@]*:)[^/?#]*@", r"\1***@", url)
     return re.sub(r"([?&]password=)[^&#]*", r"\1***", url)
 
@@ -305,9 +266,8 @@ def from_environment(environ: Optional[Mapping[str, str]] = None) -> Settings:
     """Read every ``dramatiq_unique_*`` variable.
 
     Raises:
-      ConfigurationError: naming the variable, when a value is bad or
-        the name is not a setting (a misspelt name would otherwise be
-        ignored without a word).
+      ConfigurationError: naming the variable, when a value is bad or the name is not a setting (a
+        misspelt name would otherwise be ignored).
     """
     environ = os.environ if environ is None else environ
     for name in environ:

@@ -1,34 +1,13 @@
-"""Helpers for testing your own actors: pytest fixtures, a switch that
-turns uniqueness off, and an assertion for refused duplicates.
+"""Helpers for testing your own actors: pytest fixtures, a switch that turns uniqueness off, and an
+assertion for refused duplicates.  See docs/testing.md for examples.
 
-The fixtures come as a pytest plugin that pytest loads by itself once
-dramatiq-unique is installed:
+The fixtures come as a pytest plugin that pytest loads by itself once dramatiq-unique is installed:
 
 * ``unique_stub_backend``: a fresh in-memory :class:`StubBackend`;
 * ``unique_prefix``: a key prefix that no other test uses;
-* ``unique_redis_backend``: a Redis lock backend on ``REDIS_URL``
-  (default ``redis://127.0.0.1:6379/0``), made by
-  :func:`dramatiq_unique.backends.from_url`; every key under
-  ``unique_prefix`` is deleted after the test.  The test fails, saying
-  how to get one, when that Redis does not answer.
-
-With the ``StubBroker``, locks live in memory::
-
-  def test_a_sync_is_enqueued_once(stub_broker, unique_stub_backend):
-      stub_broker.add_middleware(UniqueMiddleware(backend=unique_stub_backend))
-      first = sync_account_balance.send(42)
-      assert_duplicate(sync_account_balance.send(42), of=first)
-
-With Redis, as in production, on a prefix of the test's own::
-
-  def test_locks_in_redis(broker, unique_redis_backend, unique_prefix):
-      broker.add_middleware(UniqueMiddleware(backend=unique_redis_backend, prefix=unique_prefix))
-
-To send or run without locks, e.g. to seed a queue::
-
-  with disabled(broker):
-      sync_account_balance.send(42)
-      sync_account_balance.send(42)  # both enqueued
+* ``unique_redis_backend``: a Redis lock backend on ``REDIS_URL`` (default
+  ``redis://127.0.0.1:6379/0``); keys under ``unique_prefix`` are deleted after the test, and the
+  test fails, saying how to get one, when that Redis does not answer.
 """
 
 from __future__ import annotations
@@ -40,9 +19,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 
 from .model.wire import UNIQUE_DUPLICATE_OF, check_key
 
-# Loaded by pytest as a plugin in every run of an environment that has
-# dramatiq-unique: import nothing heavy here (no Dramatiq, no redis), so
-# that a broken or partial install can never break an unrelated run.
+# Loaded as a pytest plugin in every run where dramatiq-unique is installed: import nothing heavy
+# here, so that a broken or partial install can never break an unrelated run.
 if TYPE_CHECKING:
     from dramatiq import Broker, Message
 
@@ -50,8 +28,7 @@ if TYPE_CHECKING:
     from .backends.base import LockBackend
     from .middleware import UniqueMiddleware
 
-#: The Redis the ``unique_redis_backend`` fixture uses when
-#: ``REDIS_URL`` is not set.
+#: The Redis the ``unique_redis_backend`` fixture uses when ``REDIS_URL`` is not set.
 DEFAULT_TEST_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
@@ -69,11 +46,10 @@ def _middlewares(target: Union["UniqueMiddleware", "Broker"]) -> list["UniqueMid
 
 @contextlib.contextmanager
 def disabled(target: Union["UniqueMiddleware", "Broker"]) -> Iterator[None]:
-    """Turn locking off inside a ``with`` block, for one middleware or
-    every ``UniqueMiddleware`` of a broker.  Sends inside the block take
-    no lock and are never refused; messages that start running inside
-    it neither take nor release locks.  Nested blocks restore what was
-    there before.
+    """Turn locking off inside a ``with`` block, for one middleware or every one of a broker.
+
+    Sends inside take no lock and are never refused; messages that start running inside neither
+    take nor release locks.  Nested blocks restore what was there before.
 
     Parameters:
       target(UniqueMiddleware|Broker): The middleware, or its broker.
@@ -93,21 +69,19 @@ def disabled(target: Union["UniqueMiddleware", "Broker"]) -> Iterator[None]:
 
 
 def assert_duplicate(message: "Message[Any]", of: Union["Message[Any]", str, None] = None) -> str:
-    """Assert that ``send()`` refused ``message`` as a duplicate, under
-    the client strategy ``log`` (the default).  For ``raise``, use
-    ``pytest.raises(DuplicateMessage)``.
+    """Assert that ``send()`` refused ``message`` as a duplicate under the client strategy ``log``.
+
+    For ``raise``, use ``pytest.raises(DuplicateMessage)``.
 
     Parameters:
       message(Message): What ``send()`` returned.
-      of(Message|str): The message, or message id, expected to hold
-        the lock.
+      of(Message|str): The message, or message id, expected to hold the lock.
 
     Returns:
       str: The id of the message that holds the lock.
 
     Raises:
-      AssertionError: when ``message`` was enqueued, or a different
-        message holds the lock.
+      AssertionError: when ``message`` was enqueued, or another message holds the lock.
     """
     holder = message.options.get(UNIQUE_DUPLICATE_OF)
     if holder is None:
@@ -119,10 +93,9 @@ def assert_duplicate(message: "Message[Any]", of: Union["Message[Any]", str, Non
 
 
 def wait_for_releases(target: Union[UniqueMiddleware, "Broker"], timeout: int = 10_000) -> None:
-    """Wait until the run locks that ``target``'s workers released in
-    the background are released in the backend, at most ``timeout``
-    milliseconds.  A worker's ``join()`` returns once every message is
-    processed; a run lock on Redis is released a moment later.
+    """Wait at most ``timeout`` ms until the run locks released in the background reach the backend.
+
+    A worker's ``join()`` returns once every message is processed; on Redis the release comes a moment later.
 
     Raises:
       TimeoutError: when releases are still pending after ``timeout``.
@@ -134,9 +107,7 @@ def wait_for_releases(target: Union[UniqueMiddleware, "Broker"], timeout: int = 
 
 
 def redis_backend_for_tests(url: Optional[str] = None) -> "LockBackend":
-    """A Redis lock backend on ``url``, ``REDIS_URL`` or
-    :data:`DEFAULT_TEST_REDIS_URL`, made by
-    :func:`~dramatiq_unique.backends.from_url`.
+    """A Redis lock backend on ``url``, ``REDIS_URL`` or :data:`DEFAULT_TEST_REDIS_URL`.
 
     Raises:
       ConfigurationError: naming the URL, when Redis does not answer.
@@ -186,9 +157,7 @@ if pytest is not None:
 
     @pytest.fixture
     def unique_redis_backend(unique_prefix: str) -> Iterator["LockBackend"]:
-        """A Redis lock backend; the keys under ``unique_prefix`` are
-        deleted after the test.
-        """
+        """A Redis lock backend; the keys under ``unique_prefix`` are deleted after the test."""
         from .errors import ConfigurationError
 
         try:

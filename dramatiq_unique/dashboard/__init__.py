@@ -1,16 +1,11 @@
-"""A small lock dashboard: a WSGI app to mount, or to run with
-``dramatiq-unique dashboard``.
+"""A small lock dashboard: a WSGI app to mount, or to run with ``dramatiq-unique dashboard``.
 
-It lists and filters locks, shows their holders with deadlines
-counting down, and releases a lock or one holder after a
-confirmation.  It needs nothing beyond the standard library and loads
-nothing from a CDN.
+It lists and filters locks, shows holders with deadlines counting down, and releases a lock or one
+holder after a confirmation; standard library only, nothing from a CDN.
 
 Warning:
-  The dashboard has no authentication of its own: anyone who can reach
-  it can release any lock under its prefix.  Mount it behind your own
-  authentication, or bind it to 127.0.0.1 (the default of
-  ``dramatiq-unique dashboard``).
+  It has no authentication of its own: anyone who can reach it can release any lock under its
+  prefix.  Mount it behind yours, or bind it to 127.0.0.1 (the command's default).
 
 Examples:
   >>> from dramatiq_unique.backends import from_url

@@ -1,12 +1,10 @@
-"""The dashboard's WSGI app: the page, its JSON endpoints, and the
-checks that keep other sites from releasing locks.
+"""The dashboard's WSGI app: the page, its JSON endpoints, and the checks that keep other sites from
+releasing locks.
 
-Release is a ``POST`` with a JSON body and the :data:`CSRF_HEADER`
-header.  Another site's page cannot send a custom header or a JSON
-content type without a CORS preflight, which this app never approves,
-and an HTML form can send neither.  A browser that reports
-``Sec-Fetch-Site`` must also report a same-origin request.  Against DNS
-rebinding, ``allowed_hosts`` limits the ``Host`` header.
+Release is a JSON ``POST`` with the :data:`CSRF_HEADER` header: another site's page cannot send
+either without a CORS preflight, which this app never approves, and an HTML form can send neither.
+A browser reporting ``Sec-Fetch-Site`` must report same-origin.  Against DNS rebinding,
+``allowed_hosts`` limits the ``Host`` header.
 """
 
 from __future__ import annotations
@@ -27,22 +25,19 @@ from . import view
 #: How many locks one listing shows at most.
 DEFAULT_LIMIT = 500
 
-#: The header, with the value ``1``, that every release request must
-#: carry.  The page's script sets it.
+#: The header, valued ``1``, that every release request must carry; the page's script sets it.
 CSRF_HEADER = "X-Dramatiq-Unique"
 
 #: The largest release request body read, in bytes.
 MAX_BODY = 16_384
 
-#: The page's assets: path -> (package file, content type).  The page
-#: itself, ``/``, is rendered from ``index.html`` with the locks in it.
+#: The page's assets: path -> (package file, content type); ``/`` is rendered from ``index.html``.
 ASSETS = {
     "/dashboard.js": ("dashboard.js", "text/javascript; charset=utf-8"),
     "/dashboard.css": ("dashboard.css", "text/css; charset=utf-8"),
 }
 
-#: The icon, at the path the page names and at the one browsers try
-#: by themselves, so that no page load meets a 404.
+#: The icon, at the page's path and at the one browsers try by themselves, so no page load meets a 404.
 FAVICON = (
     b'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 32 32">'
     b'<rect width="32" height="32" rx="7" fill="#1d4ed8"/>'
@@ -101,9 +96,8 @@ class Dashboard:
 
     Parameters:
       admin(LockAdmin): What the dashboard shows and releases.
-      allowed_hosts(Collection[str]): Host names the ``Host`` header
-        may carry, or None for any.  Set it when the app is reachable
-        on a loopback address, so a DNS-rebinding page cannot use it.
+      allowed_hosts(Collection[str]): Host names the ``Host`` header may carry, or None for any.  Set
+        it when the app is reachable on a loopback address, so a DNS-rebinding page cannot use it.
       limit(int): How many locks one listing shows at most.
 
     Warning:
@@ -182,9 +176,7 @@ class Dashboard:
         return view.sort_locks(listed[: self.limit], query, now), seen, truncated, now
 
     def _view(self, query: view.Query, *, failed: bool = False) -> dict[str, Any]:
-        """The page's fragments for ``query``; with ``failed``, of no
-        locks (the listing failed).
-        """
+        """The page's fragments for ``query``; with ``failed``, of no locks (the listing failed)."""
         listing = self._listing(query) if not failed else ([], [], False, _now_ms())
         locks, _, truncated, now = listing
         html = view.fragments(listing, query, self.admin.prefix, self.limit)
@@ -254,8 +246,8 @@ def make_app(
     allowed_hosts: Optional[Collection[str]] = None,
     limit: int = DEFAULT_LIMIT,
 ) -> Dashboard:
-    """Build the :class:`Dashboard` (a WSGI application, with no
-    authentication of its own: mount it behind yours) for the locks of
-    ``backend`` under ``prefix``, the prefix the middleware was given.
+    """Build the :class:`Dashboard` for the locks of ``backend`` under the middleware's ``prefix``.
+
+    It has no authentication of its own: mount it behind yours.
     """
     return Dashboard(LockAdmin(backend, prefix=prefix), allowed_hosts=allowed_hosts, limit=limit)

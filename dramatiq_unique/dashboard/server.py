@@ -35,10 +35,7 @@ POLLED_PATHS = ("/api/view", "/api/locks")
 
 
 class AccessLogHandler(WSGIRequestHandler):
-    """Logs one line per request, like ``wsgiref``, except the page's own
-    successful refreshes of the listing.  Releases, errors and page
-    loads are all logged.
-    """
+    """Logs one line per request, like ``wsgiref``, but for the page's own successful refreshes."""
 
     def log_request(self, code: Any = "-", size: Any = "-") -> None:
         path = self.path.split("?", 1)[0]
@@ -58,8 +55,7 @@ def make_server(app: Any, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
     """Bind a server for ``app``; port 0 picks a free port.
 
     Parameters:
-      quiet(bool): Log no request at all; else every request but the
-        page's own refreshes (see :class:`AccessLogHandler`).
+      quiet(bool): Log no request at all; else every request but the page's own refreshes.
 
     Returns:
       WSGIServer: call ``serve_forever()`` on it, and ``shutdown()``

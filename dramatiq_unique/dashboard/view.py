@@ -1,12 +1,9 @@
-"""The dashboard page's filters, totals and lock table, rendered on the
-server as HTML fragments, from the dicts of :meth:`Lock.as_dict`.
+"""The dashboard page's filters, totals and lock table, rendered on the server as HTML fragments from
+the dicts of :meth:`Lock.as_dict`.
 
-The page's first response already holds them (a screenshot or a page
-without its script shows the locks, never "Loading"), and its script
-asks ``api/view`` for the same fragments on each refresh, sort or
-filter: this is the one renderer, and every piece of lock data goes
-through :func:`html.escape`.  A field a lock or holder lacks (say, when
-a run lock was taken, on older data) shows ``?``.
+The first response holds them (a page without its script shows the locks, never "Loading"), and the
+script asks ``api/view`` for the same fragments on each refresh: this is the one renderer, and all
+lock data goes through :func:`html.escape`.  A field a lock lacks (on older data) shows ``?``.
 """
 
 from __future__ import annotations
@@ -19,9 +16,7 @@ from html import escape
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 from urllib.parse import urlencode
 
-#: The sortable columns: name -> (header, the direction it sorts in on
-#: its first click: oldest, most held and most waited for first; names
-#: from A).
+#: The sortable columns: name -> (header, first-click direction: oldest, most held, most waiting first).
 SORTS = {
     "actor": ("Actor", "asc"),
     "lock": ("Lock", "asc"),
@@ -55,9 +50,7 @@ class Query:
         return cls(actor, lock_type, text, pattern, sort, direction if direction in ("asc", "desc") else SORTS[sort][1])
 
     def href(self, **changes: str) -> str:
-        """A link to the page with ``changes``, naming only the
-        parameters that differ from the defaults.
-        """
+        """A link to the page with ``changes``, naming only the parameters that differ from the defaults."""
         values = {**dict(zip(PARAMS, astuple(self))), **changes}
         if values["sort"] == DEFAULT_SORT and values["dir"] == SORTS[DEFAULT_SORT][1]:
             values["sort"] = values["dir"] = ""
@@ -111,9 +104,7 @@ def matches(lock: Mapping[str, Any], query: Query) -> bool:
 
 
 def sort_locks(locks: Iterable[Mapping[str, Any]], query: Query, now: int) -> list[Mapping[str, Any]]:
-    """The locks in the query's order; those without the sorted value
-    (an unknown age) come last either way, ties in key order.
-    """
+    """The locks in the query's order; those without the value come last either way, ties by key."""
     value: Callable[[Mapping[str, Any]], Any] = {
         "actor": lambda lock: str(lock.get("actor") or ""),
         "lock": lambda lock: (lock_type(lock), str(lock.get("phase") or "")),
@@ -337,9 +328,7 @@ def _breakdown(param: str, locks: Sequence[Mapping[str, Any]], query: Query) -> 
 
 
 def summary_html(locks: Sequence[Mapping[str, Any]], query: Query, now: int) -> str:
-    """The totals of the listed (filtered) locks: cards, then per actor
-    and per lock type.
-    """
+    """The totals of the listed (filtered) locks: cards, then per actor and per lock type."""
     holders = sum(len(_items(lock, "holders")) for lock in locks)
     waiting = sum(len(_items(lock, "waiting")) for lock in locks)
     runs = sum(1 for lock in locks if lock.get("phase") == "run")
@@ -369,9 +358,8 @@ def options_html(values: Iterable[str], selected: str, everything: str) -> str:
     return "".join(options)
 
 
-#: A listing: the listed locks, filtered and sorted; every lock the scan
-#: found, for the filters' choices; whether the listing was cut at the
-#: limit; and when it was made, in Unix ms.
+#: A listing: the listed locks (filtered, sorted); every lock scanned (for the filters' choices); whether
+#: it was cut at the limit; and when it was made, in Unix ms.
 Listing = tuple[Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]], bool, int]
 
 

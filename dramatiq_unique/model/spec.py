@@ -1,12 +1,8 @@
-"""What a lock is and what an actor's lock options mean: the lock
-types and conflict strategies, as data, the options of each actor,
-validated when it is declared, and the digest each message gets.
+"""What a lock is and what an actor's lock options mean: lock types and conflict strategies as data,
+each actor's options, validated when it is declared, and the digest each message gets.
 
-Every lock type is one row of :data:`LOCK_TYPES`: whether it takes a
-queue lock when the message is enqueued (owned by the message id),
-whether it takes a run lock around the actor (owned by a token per
-execution, kept alive as a lease), and when the queue lock is released.
-The middleware reads these rows; there is no class per lock type.
+Each lock type is one row of :data:`LOCK_TYPES` (a queue lock at enqueue? a run lock around the
+actor? when is the queue lock released?), which the middleware reads: no class per lock type.
 """
 
 from __future__ import annotations
@@ -29,8 +25,7 @@ from .wire import ANY_ACTOR, DIGEST_LENGTH, UNIQUE_ACROSS_ACTORS, UNIQUE_ACROSS_
 if TYPE_CHECKING:
     from dramatiq import Actor
 
-#: When a queue lock is released: just before the actor runs, after it
-#: has finished for good, or only when it expires.
+#: When a queue lock is released: just before the actor runs, after it finished for good, or at expiry.
 QueueRelease = Literal["run_start", "run_end", "expiry"]
 
 
@@ -60,9 +55,7 @@ LOCK_TYPES: Mapping[str, LockType] = {
     )
 }
 
-#: Valid strategies per side, the default first.  The client strategy
-#: ``replace`` makes a new send the holder of the enqueue lock and
-#: supersedes the message that held it (see :mod:`dramatiq_unique.send.guard`).
+#: Valid strategies per side, the default first.  Client ``replace``: a new send supersedes the holder.
 STRATEGIES: Mapping[str, tuple[str, ...]] = {
     "client": ("log", "raise", "replace"),
     "server": ("reschedule", "log", "raise", "reject"),
@@ -85,14 +78,11 @@ def lock_type(name: object) -> LockType:
 def strategies(lock: LockType, on_conflict: Optional[OnConflict]) -> dict[str, str]:
     """Resolve ``on_conflict`` into one strategy per side of ``lock``.
 
-    A plain name applies to every side the lock type has, so it must be
-    valid on each of them, except ``"replace"``, which only a client
-    side has; a ``{"client": ..., "server": ...}`` mapping
-    names sides explicitly.
+    A plain name applies to every side the lock type has, so must be valid on each, except
+    ``"replace"`` (client only); a ``{"client": ..., "server": ...}`` mapping names sides explicitly.
 
     Raises:
-      ConfigurationError: for an unknown name or a side the lock type
-        does not have, listing the valid choices.
+      ConfigurationError: for an unknown name or side, listing the valid choices.
     """
     chosen = {side: STRATEGIES[side][0] for side in lock.sides}
     if on_conflict is None:
@@ -149,8 +139,7 @@ ACTOR_OPTIONS = frozenset(
 #: The lock type ``debounce`` implies when the actor sets no ``lock``.
 DEBOUNCE_LOCK = "until_executing"
 
-#: Bumped whenever the digest's inputs change shape, so old and new
-#: digests never collide.
+#: Bumped whenever the digest's inputs change shape, so old and new digests never collide.
 DIGEST_VERSION = 1
 
 logger = get_logger(__name__)
@@ -184,12 +173,11 @@ class ActorSpec:
         return escape_actor(self.actor_name)
 
     def digest(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
-        """The digest of one send: a hash of the actor name, the queue
-        name and canonical JSON of the lock args.
+        """The digest of one send: a hash of actor name, queue name and canonical JSON of the lock args.
 
         Raises:
-          ConfigurationError: when the arguments do not fit the actor's
-            signature or the lock args are not JSON-serialisable.
+          ConfigurationError: when the arguments do not fit the signature, or the lock args are not
+            JSON-serialisable.
         """
         material = [
             DIGEST_VERSION,
@@ -222,17 +210,14 @@ class ActorSpec:
         return {name: bound.arguments[name] for name in self.lock_args}
 
     def canonical(self, material: Any) -> str:
-        """Sorted-key, compact JSON that refuses anything JSON cannot
-        round-trip exactly.
-        """
+        """Sorted-key, compact JSON that refuses anything JSON cannot round-trip exactly."""
         try:
             text = json.dumps(material, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
             _require_str_keys(material)
             text.encode()  # a lone surrogate is not text JSON carries exactly
             return text
         except Exception as e:
-            # Whatever fails, even inside a custom container: Dramatiq
-            # swallows all but MiddlewareErrors, and would send unlocked.
+            # Anything, even from a custom container: Dramatiq swallows all but MiddlewareErrors, sending unlocked.
             raise ConfigurationError(
                 f"Lock args of actor {self.actor_name!r} must be JSON-serialisable "
                 f"(str, int, float, bool, None, lists and dicts with str keys): {e}."
@@ -240,9 +225,8 @@ class ActorSpec:
 
 
 def _require_str_keys(value: Any) -> None:
-    """Raise TypeError for a dict key that is not a str: JSON would
-    silently turn ``1``, ``True`` or ``None`` into ``"1"``, ``"true"``,
-    ``"null"`` and merge keys that differ.
+    """Raise TypeError for a non-str dict key: JSON would turn ``1``, ``True``, ``None`` into strings,
+    merging keys that differ.
     """
     if isinstance(value, dict):
         for key, item in value.items():
@@ -273,9 +257,7 @@ def _is_int(value: Any, minimum: int) -> bool:
 
 
 def _duration(options: Mapping[str, Any], name: str, minimum: int) -> Optional[int]:
-    """The option ``name``: None, or whole milliseconds from ``minimum``
-    (0 or 1) up to :data:`~dramatiq_unique.settings.MAX_DURATION`.
-    """
+    """The option ``name``: None, or whole ms from ``minimum`` up to :data:`~..settings.MAX_DURATION`."""
     expected = "a positive whole number of milliseconds" if minimum else "a whole number of milliseconds, 0 or more"
     duration: Optional[int] = _optional(
         options, name, lambda v: is_duration(v, minimum), f"{expected}, at most {MAX_DURATION}"
@@ -306,8 +288,7 @@ def actor_spec(actor: "Actor[Any, Any]") -> Optional[ActorSpec]:
       ActorSpec: or None when the actor takes no lock.
 
     Raises:
-      ConfigurationError: for any invalid option, naming the actor and
-        the valid choices.
+      ConfigurationError: for any invalid option, naming the actor and the valid choices.
     """
     try:
         return _actor_spec(actor)
@@ -363,9 +344,7 @@ def _actor_spec(actor: "Actor[Any, Any]") -> Optional[ActorSpec]:
 
 
 def _on_conflict(options: Mapping[str, Any], lock: LockType) -> Any:
-    """``on_conflict``, with the client strategy ``replace`` that
-    ``debounce`` implies; any other client strategy is an error.
-    """
+    """``on_conflict``, with the client ``replace`` that ``debounce`` implies (any other is an error)."""
     on_conflict = options.get("on_conflict")
     if options.get("debounce") is None:
         return on_conflict

@@ -1,20 +1,13 @@
-"""The wire format: every text the package writes for another process
-to read (a sender's lock read by a worker, a worker's by an operator,
-an old release's by a new one).  Keys and records already deployed must
-stay readable, so nothing here changes shape without a migration; the
-Lua scripts in ``backends/redis/lua`` write the same texts, and
-``tests/test_wire_format.py`` checks that they agree.
+"""The wire format: every text the package writes for another process to read (a sender's lock read
+by a worker, a worker's by an operator, an old release's by a new one).  Deployed keys and records
+must stay readable, so nothing here changes shape without a migration; the Lua scripts in
+``backends/redis/lua`` write the same texts, and ``tests/test_wire_format.py`` checks they agree.
 
-* Lock keys: ``<prefix>:<scope>:{<digest>}:<phase>``, the scope being
-  the actor name with ``%{}():`` and a leading ``@`` written as ``%XX``
-  (:func:`escape_actor`), and the companion keys a backend hangs off one
-  (:func:`lock_key`, :func:`parse_lock_key`).
-* Lock owners: a message id (an enqueue lock), or ``<message id>/<token>``
-  (a run lock, one token per execution) (:func:`join_owner`,
-  :func:`split_owner`).
+* Lock keys ``<prefix>:<scope>:{<digest>}:<phase>`` (scope: the actor name, ``%{}():`` and a leading
+  ``@`` written ``%XX``), and their companion keys.
+* Lock owners: a message id (enqueue lock), or ``<message id>/<token>`` (run lock, one token per run).
 * The message options this package stamps (``UNIQUE_*``).
-* The enqueue record of a lock holder, and the place in it
-  (:class:`EnqueueRecord`, :class:`Place`).
+* The enqueue record of a lock holder, and the place in it.
 
 It imports nothing of the package: every side reads it.
 """
@@ -27,38 +20,30 @@ from typing import NamedTuple, Optional
 
 # -- Lock keys -------------------------------------------------------------
 
-#: The scope of the keys of the actors with ``unique_across_actors``,
-#: instead of an actor name.
+#: The scope of the keys of actors with ``unique_across_actors``, instead of an actor name.
 ANY_ACTOR = "@any"
 
-#: The phase of an enqueue lock's key, owned by a message id.
+#: The phases of a lock key: an enqueue lock (owned by a message id) and a run lock.
 QUEUE = "queue"
-
-#: The phase of a run lock's key, owned by ``<message id>/<token>``.
 RUN = "run"
-
-#: The two kinds of lock key: taken at enqueue, or around a run.
 PHASES = (QUEUE, RUN)
 
-#: How many hex characters a digest has (a truncated SHA-256).
+#: Hex characters in a digest (a truncated SHA-256).
 DIGEST_LENGTH = 32
 
-#: A lock key after its prefix and colon.  The scope holds no colon (an
-#: actor name's colons are escaped), so a key splits into its parts one
+#: A lock key after its prefix and colon.  The scope holds no colon (escaped), so a key splits one
 #: way only, whatever its prefix holds.
 _KEY = re.compile(rf"(?P<scope>[^:]+):\{{(?P<digest>[0-9a-f]{{{DIGEST_LENGTH}}})\}}:(?P<phase>queue|run)")
 _DIGEST = re.compile(rf"[0-9a-f]{{{DIGEST_LENGTH}}}")
 _GLOB_SPECIALS = re.compile(r"[*?\[\]\\]")
 
-#: The companions of a run lock key: its waiters (a zset of message ids
-#: by send order), their encoded bodies (a hash), and the record of each
-#: of its messages (a hash per message id, ``<key>:m:<message id>``).
+#: A run lock key's companions: its waiters (zset of message ids by send order), their encoded bodies
+#: (hash), and each message's record (hash, ``<key>:m:<message id>``).
 WAIT_SUFFIX = ":wait"
 BODIES_SUFFIX = ":bodies"
 MESSAGE_SUFFIX = ":m:"
 
-#: The companion of an enqueue lock key under ``on_conflict="replace"``:
-#: the messages its sends superseded.
+#: An enqueue lock key's companion under ``on_conflict="replace"``: the messages its sends superseded.
 SUPERSEDED_SUFFIX = ":superseded"
 
 
@@ -67,8 +52,7 @@ class LockKey(NamedTuple):
 
     Attributes:
       prefix(str): The middleware's prefix.
-      scope(str): The actor name as :func:`escape_actor` writes it
-        (``@any`` under ``unique_across_actors``).
+      scope(str): The actor name as :func:`escape_actor` writes it (``@any`` across actors).
       digest(str): The 32 hex characters inside the Cluster hash tag.
       phase(str): :data:`QUEUE` or :data:`RUN`.
     """
@@ -84,38 +68,29 @@ class LockKey(NamedTuple):
         return scope_actor(self.scope)
 
 
-#: What :func:`escape_actor` writes as ``%XX`` (the character's code in
-#: upper-case hex): the escape itself, the braces of the Cluster hash
-#: tag, the parentheses that the old format wrote braces as (so that its
-#: keys read as old), the colon between a key's parts, and a leading
-#: ``@``, so that no actor's scope is :data:`ANY_ACTOR`.
+#: What :func:`escape_actor` writes as ``%XX`` (upper-case hex): the escape itself, the hash tag's
+#: braces, the parentheses the old format wrote braces as (so its keys read as old), the colon between
+#: a key's parts, and a leading ``@`` (so no actor's scope is :data:`ANY_ACTOR`).
 _ESCAPED = re.compile(r"[%{}():]|^@")
 _ESCAPE = re.compile(r"%([0-9A-F]{2})")
 
 
 def escape_actor(actor: str) -> str:
-    """The scope of the keys of the actor named ``actor``: the name
-    itself, but for the few characters that a key's syntax gives a
-    meaning, written as ``%XX``.  Different names get different scopes,
-    and the common name (letters, digits, ``_``, ``.``, ``-``, and any
-    other character but ``%{}():``) is written unchanged.
+    """The scope of ``actor``'s keys: the name, with the characters a key's syntax gives a meaning
+    written ``%XX``.  Different names get different scopes; common names are written unchanged.
     """
     return _ESCAPED.sub(lambda found: f"%{ord(found[0]):02X}", actor)
 
 
 def actor_scope(actor: str) -> str:
-    """The scope an operator's actor filter names: :data:`ANY_ACTOR`
-    names the keys of the actors with ``unique_across_actors``, any other
-    text the keys of the actor of that name (:func:`escape_actor`).
-    """
+    """The scope an operator's actor filter names: :data:`ANY_ACTOR` itself, else the actor's scope."""
     return ANY_ACTOR if actor == ANY_ACTOR else escape_actor(actor)
 
 
 def scope_actor(scope: str) -> Optional[str]:
-    """The actor name a scope names (:data:`ANY_ACTOR` for itself); None
-    for a scope :func:`escape_actor` does not write: one the old format
-    wrote for a name holding ``{}()%`` or a leading ``@``, which may name
-    either of two actors.
+    """The actor name a scope names (:data:`ANY_ACTOR` for itself); None for a scope that
+    :func:`escape_actor` does not write: an old-format one for a name holding ``{}()%`` or a leading
+    ``@``, which may name either of two actors.
     """
     if scope == ANY_ACTOR:
         return ANY_ACTOR
@@ -124,17 +99,12 @@ def scope_actor(scope: str) -> Optional[str]:
 
 
 def lock_key(*, prefix: str, scope: str, digest: str, phase: str) -> str:
-    """The backend key of one lock: prefix, actor in clear text, and the
-    digest inside a Cluster hash tag (so a lock's keys share a slot).
-    """
+    """Prefix, actor in clear text, and the digest in a Cluster hash tag (so a lock's keys share a slot)."""
     return f"{prefix}:{scope}:{{{digest}}}:{phase}"
 
 
 def parse_lock_key(key: str, *, prefix: str) -> Optional[LockKey]:
-    """The parts of a lock key under ``prefix``; None for any other key
-    (another prefix, a companion key, an empty scope, a digest that is
-    not 32 lowercase hex characters).
-    """
+    """The parts of a lock key under ``prefix``; None for any other key (companion, bad digest, ...)."""
     if not key.startswith(f"{prefix}:"):
         return None
     found = _KEY.fullmatch(key, len(prefix) + 1)
@@ -144,9 +114,7 @@ def parse_lock_key(key: str, *, prefix: str) -> Optional[LockKey]:
 
 
 def digest_in(text: str) -> Optional[str]:
-    """The digest ``text`` names: a digest itself, or a lock key (under
-    any prefix); None when it names none.
-    """
+    """The digest ``text`` names: a digest itself, or a lock key under any prefix; else None."""
     text = text.strip()
     if _DIGEST.fullmatch(text):
         return text
@@ -155,9 +123,8 @@ def digest_in(text: str) -> Optional[str]:
 
 
 def _wildcard(text: str) -> str:
-    """``text`` as a glob where each glob special character matches any
-    one character.  Redis and ``fnmatch`` escape differently, so matches
-    are re-checked exactly with :func:`parse_lock_key`.
+    """``text`` as a glob, each special character matching any one character: Redis and ``fnmatch``
+    escape differently, so matches are re-checked with :func:`parse_lock_key`.
     """
     return _GLOB_SPECIALS.sub("?", text)
 
@@ -165,10 +132,7 @@ def _wildcard(text: str) -> str:
 def lock_key_glob(
     *, prefix: str, scope: Optional[str] = None, digest: Optional[str] = None, phase: Optional[str] = None
 ) -> str:
-    """A ``SCAN`` glob for the lock keys under ``prefix``, of one scope,
-    digest or phase if given.  It may match companion keys too: parse
-    each match.
-    """
+    """A ``SCAN`` glob for lock keys under ``prefix``; it may match companion keys too: parse matches."""
     tail = f"{{{digest}}}:*" if digest else "*"
     return f"{_wildcard(prefix)}:{_wildcard(scope) if scope else '*'}:{tail}{f':{phase}' if phase else ''}"
 
@@ -214,8 +178,7 @@ class Owner(NamedTuple):
 
     Attributes:
       message_id(str): The message that holds the slot.
-      token(str): The execution's token (a run lock); None for an
-        enqueue lock, owned by the message id alone.
+      token(str): The execution's token (a run lock); None for an enqueue lock.
     """
 
     message_id: str
@@ -223,9 +186,8 @@ class Owner(NamedTuple):
 
 
 def join_owner(message_id: str, token: Optional[str] = None) -> str:
-    """The owner string of a message's slot: its id, then ``/token`` for
-    a run lock.  A message id holding ``/`` does not split back (the Lua
-    scripts read the id up to the first ``/`` too).
+    """A slot's owner string: the message id, then ``/token`` for a run lock.  An id holding ``/`` does
+    not split back (the Lua scripts, too, read the id up to the first ``/``).
     """
     return message_id if token is None else f"{message_id}{OWNER_SEPARATOR}{token}"
 
@@ -243,8 +205,7 @@ def message_id_of(owner: Optional[str]) -> Optional[str]:
 
 # -- Message options -------------------------------------------------------
 
-#: The lock digest, stamped at send; a message that carries it is a
-#: re-enqueue (a retry, a move, a reschedule), never refused.
+#: The lock digest, stamped at send; a message carrying it is a re-enqueue, never refused.
 UNIQUE_DIGEST = "unique_digest"
 
 #: The send's place among its producer's sends of the same millisecond.
@@ -291,13 +252,11 @@ MESSAGE_OPTIONS = frozenset(
 
 # -- Enqueue records -------------------------------------------------------
 
-#: The lock hash's fields other than its holders start with this: a
-#: holder's own field is its owner string, valued its deadline (ms).
+#: Starts the lock hash's fields other than its holders' (owner string -> deadline in ms).
 META_MARK = "!"
 
-#: The lock hash's meta fields: the lock type, the lock args JSON (when
-#: recorded), the last fencing token, the newest send (under replace),
-#: and how many sends were superseded.
+#: The meta fields: lock type, lock args JSON (when recorded), last fencing token, newest send
+#: (under replace), and how many sends were superseded.
 LOCK_FIELD = "!lock"
 ARGS_FIELD = "!args"
 FENCE_FIELD = "!fence"
@@ -322,10 +281,7 @@ def _canonical_queue(queue: str) -> str:
 
 @dataclass(frozen=True)
 class Place:
-    """Where a message was published, as an :class:`EnqueueRecord`
-    writes it: ``namespace\tqueue\tredis_message_id`` (namespace and id
-    empty on brokers other than Redis).
-    """
+    """Where a message was published: ``namespace\tqueue\tredis_message_id`` (only the queue off Redis)."""
 
     namespace: str
     queue: str
@@ -333,9 +289,7 @@ class Place:
 
     @classmethod
     def parse(cls, where: str) -> Optional["Place"]:
-        """The place in a record's ``where``; None when it names none
-        that can be looked up (another broker, or nothing recorded).
-        """
+        """The place in a record's ``where``; None when none can be looked up (other broker, none)."""
         parts = where.split("\t")
         if len(parts) != 3 or not parts[0] or not parts[2]:
             return None
@@ -343,9 +297,7 @@ class Place:
 
     @staticmethod
     def queue_in(where: str) -> str:
-        """The queue a ``where`` names, on any broker, without a delay
-        queue's ``.DQ``; "" if none.
-        """
+        """The queue a ``where`` names, on any broker, without a delay queue's ``.DQ``; "" if none."""
         parts = where.split("\t")
         return _canonical_queue(parts[1]) if len(parts) == 3 else ""
 
@@ -356,30 +308,19 @@ class Place:
 
 @dataclass(frozen=True)
 class EnqueueRecord:
-    """What an enqueue lock records about its holder, for operators and
-    the reaper.
+    """What an enqueue lock records about its holder, for operators and the reaper.
 
-    The Redis backend stores it in the lock hash, field
-    ``!m:<owner>`` (:func:`record_field`), as the text
-    ``<taken_at>|<provisional_until>|<where>\\n<before>``: two decimal
-    integers (Unix ms, no sign, no fraction: Lua writes them with
-    ``%.0f``), ``|`` after each, then ``where`` up to the newline and
-    ``before`` after it.  ``_take.lua`` writes it (``before`` empty for a
-    new slot; a run lock's slot records ``<taken>|0|\\n``),
-    ``replace.lua`` writes it confirmed (``|0|``) and ``confirm.lua``
-    rewrites its second number to 0; ``reap.lua`` compares it whole to
-    :meth:`encode`'s text.  A place holds no newline of its own (queue
-    names and message ids cannot).
+    Stored in the lock hash, field ``!m:<owner>``, as ``<taken_at>|<provisional_until>|<where>\\n<before>``:
+    two decimal integers (Unix ms, no sign or fraction: Lua writes ``%.0f``), then ``where`` up to the
+    newline and ``before`` after it (a place holds no newline).  ``_take.lua`` writes it (a run lock's
+    slot ``<taken>|0|\\n``), ``replace.lua`` writes it confirmed, ``confirm.lua`` zeroes the second
+    number, and ``reap.lua`` compares it whole to :meth:`encode`'s text.
 
     Attributes:
       taken_at(int): When the slot was taken, in Unix milliseconds.
-      provisional_until(int): While the slot waits for its message's
-        publish to be confirmed, the Unix milliseconds when it lapses
-        unless confirmed; 0 once confirmed.
-      where(str): Where the message was last published (for the Redis
-        broker ``namespace\tqueue\tredis_message_id``), or "".
-      before(str): Where it was published before that, or "": during a
-        move between queues the message is at one of the two.
+      provisional_until(int): Until its publish is confirmed, the Unix ms when the slot lapses; then 0.
+      where(str): Where the message was last published, or "".
+      before(str): Where it was published before, or "": mid-move it is at one of the two.
     """
 
     taken_at: int
@@ -403,7 +344,5 @@ class EnqueueRecord:
 
     @property
     def queue(self) -> str:
-        """The queue ``where`` names, without a delay queue's ``.DQ``;
-        "" if none.
-        """
+        """The queue ``where`` names, without a delay queue's ``.DQ``; "" if none."""
         return Place.queue_in(self.where)

@@ -1,12 +1,7 @@
 """The operator's view of the locks: list, inspect and release them.
 
-Lock keys look like ``{prefix}:{actor}:{<digest>}:queue`` (an enqueue
-lock, owned by a message id) or ``...:run`` (a run lock, owned by
-``<message_id>/<nonce>``).  Keys are found with ``SCAN`` through
-:meth:`LockBackend.scan`, never ``KEYS``, and the ``:wait``,
-``:bodies``, ``:m:<message id>`` and ``:superseded`` companions of a
-lock are never listed or touched.  See docs/operations.md, "The same
-in Python".
+Keys are found with ``SCAN`` (:meth:`LockBackend.scan`), never ``KEYS``; a lock's companion keys
+are never listed or touched.  See docs/operations.md, "The same in Python".
 """
 
 from __future__ import annotations
@@ -30,10 +25,8 @@ class UnknownLock(UniqueError, LookupError):
 
 @dataclass(frozen=True)
 class Holder:
-    """One holder of a lock: its ``owner`` string as the backend stores
-    it, the ``message_id`` that holds the slot, its ``deadline`` (Unix
-    ms), and the ``record`` of when it was taken and, for an enqueue
-    lock, whether it is still provisional and where its message went.
+    """One holder of a lock: ``owner`` as stored, the ``message_id`` of the slot, its ``deadline``
+    (Unix ms), and the ``record`` of when it was taken, whether provisional and where its message went.
     """
 
     owner: str
@@ -53,9 +46,7 @@ class Holder:
 
     @property
     def provisional(self) -> bool:
-        """True while the slot waits for its message's publish to be
-        confirmed: it lapses at its (short) deadline unless confirmed.
-        """
+        """True until its publish is confirmed: meanwhile it lapses at its (short) deadline."""
         return self.record is not None and self.record.provisional_until > 0
 
     def as_dict(self) -> dict[str, Any]:
@@ -66,19 +57,13 @@ class Holder:
 
 @dataclass(frozen=True)
 class Lock:
-    """One live lock key: its ``phase`` is ``queue`` (an enqueue lock)
-    or ``run``, its ``lock`` the lock type that took it, its ``holders``
-    soonest deadline first, its ``lock_args`` JSON (when recorded), its
-    ``fence`` the last fencing token handed out, its ``waiting`` the
-    messages waiting for a run lock, first in line first.  Under
-    ``on_conflict="replace"`` or ``debounce``, ``current`` is the newest
-    send (the one that runs) and ``superseded`` counts the messages
-    superseded since the lock was taken.
+    """One live lock key: ``lock`` is the lock type that took it, ``holders`` soonest deadline first,
+    ``fence`` the last fencing token, ``waiting`` a run lock's waiters, first in line first.  Under
+    replace or debounce, ``current`` is the newest send (the one that runs) and ``superseded`` counts
+    the messages it superseded.
 
-    ``actor`` is ``@any`` for locks taken with ``unique_across_actors``;
-    for a key an older release wrote for a name holding ``{}()%`` or a
-    leading ``@``, which may name either of two actors, it is the actor
-    part as written.
+    ``actor`` is ``@any`` across actors; for an old-format key that may name either of two actors,
+    it is the actor part as written.
     """
 
     key: str
@@ -131,14 +116,11 @@ class LockAdmin:
       backend(LockBackend): Where the locks live.
       prefix(str): The prefix the middleware was given.
 
-    Every method raises :class:`LockBackendError` when the backend
-    fails, e.g. when Redis cannot be reached.
+    Every method raises :class:`LockBackendError` when the backend fails.
 
     Note:
-      Releasing a run-lock holder does not hand its slot to the key's
-      longest waiter, as a worker would: this process has no broker to
-      enqueue it.  The waiter runs when its delayed copy arrives,
-      within ``reschedule_delay``.
+      Releasing a run-lock holder does not hand its slot to the longest waiter, as a worker would:
+      there is no broker here to enqueue it.  The waiter runs when its delayed copy arrives.
     """
 
     def __init__(self, backend: LockBackend, *, prefix: str = DEFAULT_PREFIX) -> None:
@@ -154,9 +136,7 @@ class LockAdmin:
     def locks(
         self, *, actor: Optional[str] = None, pattern: Optional[str] = None, phase: Optional[str] = None
     ) -> Iterator[Lock]:
-        """The live locks that :meth:`PrefixLocks.locks` lists for these
-        filters, in ``SCAN`` order, with the waiters of each run lock.
-        """
+        """The live locks for these filters, in ``SCAN`` order, with each run lock's waiters."""
         for listed in self.listing.locks(actor=actor, pattern=pattern, phase=phase):
             waiting = []
             if listed.phase == RUN:
@@ -181,11 +161,9 @@ class LockAdmin:
         return found
 
     def release(self, digest: str, *, holder: Optional[str] = None, phase: Optional[str] = None) -> list[str]:
-        """Release the locks of a digest (or whole lock key), or only the
-        ``phase`` lock, or only the ``holder`` (owner or message id),
-        owner-checked so that a slot someone else took meanwhile is left
-        alone.  Return the deleted keys, or ``"key owner"`` of each
-        released slot.
+        """Release the locks of a digest or lock key, or only its ``phase`` lock, or only ``holder``
+        (owner or message id), owner-checked so that a slot taken meanwhile is left alone.  Return the
+        deleted keys, or ``"key owner"`` of each released slot.
 
         Raises:
           UnknownLock: when the digest has no such lock or holder.
@@ -207,16 +185,13 @@ class LockAdmin:
         return self._delete(list(self.locks(actor=actor)))
 
     def release_queue(self, queue: str) -> list[str]:
-        """Release, owner-checked, the :meth:`queue_holders` of ``queue``
-        (after a purge on RabbitMQ, where :meth:`reap` cannot look messages
-        up); return ``"key owner"`` for each released slot.
+        """Release, owner-checked, the :meth:`queue_holders` of ``queue`` (after a purge on RabbitMQ,
+        where :meth:`reap` cannot look messages up); return ``"key owner"`` of each.
         """
         return self._release_slots(self.queue_holders(queue))
 
     def queue_holders(self, queue: str) -> list[tuple[str, str]]:
-        """The ``(key, owner)`` of every enqueue-lock holder whose message
-        was last published to ``queue`` (or its delay queue), as recorded.
-        """
+        """``(key, owner)`` of each enqueue-lock holder last published to ``queue`` or its delay queue."""
         locks = self.locks(phase=QUEUE)
         return [(lock.key, h.owner) for lock in locks for h in lock.holders if h.record and h.record.queue == queue]
 
@@ -238,12 +213,9 @@ class LockAdmin:
         min_age: Optional[int] = None,
         batch: Optional[int] = None,
     ) -> ReapReport:
-        """Find the enqueue locks whose message is in no queue, delay
-        queue, dead-letter queue or worker of the Redis broker, and
-        release them when ``release`` (see :mod:`dramatiq_unique.worker.reap`):
-        only those of ``actor``, if given, and none younger than ``min_age``
-        ms; ``batch`` locks per broker transaction.  ``broker_client`` is a
-        ``redis.Redis`` client of the broker's Redis.
+        """Find the enqueue locks whose message is nowhere in the Redis broker (``broker_client``), and
+        release them when ``release``: only ``actor``'s if given, none younger than ``min_age`` ms,
+        ``batch`` per broker transaction.
         """
         min_age = DEFAULT_MIN_AGE if min_age is None else min_age
         reaper = Reaper(self, RedisQueues(broker_client), min_age=min_age, batch=batch or DEFAULT_BATCH)

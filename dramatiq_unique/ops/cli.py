@@ -177,9 +177,7 @@ def _release(args: argparse.Namespace) -> int:
 
 
 def _release_many(admin: "LockAdmin", args: argparse.Namespace) -> int:
-    """``release --actor NAME`` or ``release --queue NAME``: ask first,
-    unless ``--yes``.
-    """
+    """``release --actor NAME`` or ``release --queue NAME``: ask first, unless ``--yes``."""
     if args.actor is not None:
         count, noun, whose = sum(1 for _ in admin.locks(actor=args.actor)), "lock", f"of actor {args.actor!r}"
     else:
@@ -336,9 +334,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the command.  It ends quietly, with :data:`CLOSED_PIPE_STATUS`,
-    when whatever reads its output stops reading (``inspect D --json |
-    head``), instead of with a ``BrokenPipeError`` traceback.
+    """Run the command; when its reader stops (``inspect D --json | head``), end quietly with
+    :data:`CLOSED_PIPE_STATUS`, not a ``BrokenPipeError`` traceback.
     """
     try:
         try:

@@ -1,12 +1,8 @@
 """The seed scenario, serialize per resource, run end to end.
 
-Several balance syncs for account 42 and one each for accounts 43 and
-44 are sent at once to a ``while_executing`` actor with
-``on_conflict="reschedule"``.  The syncs for 42 run one after another;
-43 and 44 run alongside them.  By default everything is in memory (a
-``StubBroker`` and a ``StubBackend``); ``--redis URL`` uses a
-``RedisBroker`` and locks in that Redis instead, and ``--url URL`` keeps
-the locks where the URL says (:func:`~..backends.from_url`).
+Several syncs for account 42 and one each for 43 and 44 go at once to a ``while_executing`` actor
+with ``on_conflict="reschedule"``: 42's run one after another, 43 and 44 alongside.  In memory by
+default; ``--redis URL`` uses a ``RedisBroker`` and its Redis, ``--url URL`` keeps the locks there.
 """
 
 from __future__ import annotations

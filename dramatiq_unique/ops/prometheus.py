@@ -1,12 +1,9 @@
-"""Prometheus metrics of dramatiq-unique, exposed along Dramatiq's own
-(see docs/operations.md, "Prometheus metrics").
+"""Prometheus metrics of dramatiq-unique, exposed along Dramatiq's own (docs/operations.md,
+"Prometheus metrics").
 
-``prometheus_client`` decides between in-process and multiprocess
-values when it is first imported, which must come after Dramatiq's
-``Prometheus`` middleware has set up its multiprocess directory: so
-:class:`LockMetrics` imports it only when the first event arrives.  The
-gauge uses the ``livesum`` mode, so a process that has shut down drops
-out.
+``prometheus_client`` picks in-process or multiprocess values on first import, which must follow
+Dramatiq's ``Prometheus`` middleware setting up its directory: so it is imported at the first event.
+The gauge's ``livesum`` mode drops out a process that has shut down.
 """
 
 from __future__ import annotations
@@ -23,8 +20,7 @@ if TYPE_CHECKING:
 
     from ..middleware import UniqueMiddleware
 
-#: The metrics, as ``(name, type, labels, meaning)``; a counter's
-#: samples carry a ``_total`` suffix.
+#: The metrics, as ``(name, type, labels, meaning)``; a counter's samples carry a ``_total`` suffix.
 METRICS = (
     ("dramatiq_unique_lock_events", "counter", ("actor_name", "event"), "lock events, by actor and event name"),
     ("dramatiq_unique_leases_held", "gauge", ("actor_name",), "run locks (leases) this process holds now"),
@@ -35,9 +31,7 @@ _by_registry_mutex = threading.Lock()
 
 
 def _metrics(registry: Optional["CollectorRegistry"]) -> tuple["Counter", "Gauge"]:
-    """The metrics on ``registry``, created once per registry so that
-    several middlewares in one process share them.
-    """
+    """The metrics on ``registry``, made once per registry so a process's middlewares share them."""
     import prometheus_client as prom  # here, never at import: see the module docstring
 
     target = prom.REGISTRY if registry is None else registry
@@ -52,14 +46,12 @@ def _metrics(registry: Optional["CollectorRegistry"]) -> tuple["Counter", "Gauge
 
 
 class LockMetrics:
-    """Counts the lock events of a :class:`UniqueMiddleware`, and
-    gauges the run leases its process holds.
+    """Counts the lock events of a :class:`UniqueMiddleware`, and gauges its process's run leases.
 
     Parameters:
-      middleware(UniqueMiddleware): The middleware to observe; this
-        subscribes to its events.
-      registry(prometheus_client.CollectorRegistry): Where to register
-        the metrics.  Defaults to ``prometheus_client.REGISTRY``.
+      middleware(UniqueMiddleware): The middleware to observe (this subscribes to its events).
+      registry(prometheus_client.CollectorRegistry): Where to register the metrics; defaults to
+        ``prometheus_client.REGISTRY``.
 
     Raises:
       ImportError: when ``prometheus_client`` is not installed.
@@ -70,8 +62,7 @@ class LockMetrics:
             raise ImportError("LockMetrics needs prometheus_client. Run `pip install dramatiq-unique[prometheus]`.")
         self.middleware = middleware
         self.registry = registry
-        # Serialises reading the lease count and setting the gauge, so
-        # an older count never overwrites a newer one.
+        # Serialises reading the count and setting the gauge: an older count never overwrites a newer.
         self._gauge_mutex = threading.Lock()
         middleware.events.subscribe(self)
 

@@ -1,22 +1,10 @@
 """Confirms provisional enqueue locks, off the callers' threads.
 
-A new enqueue lock is taken for the provisional window only (30 s by
-default), so that a producer that dies before its message is published
-leaves a key that frees itself within that window.  Once the publish has
-returned, the guarded enqueue hands the lock to this process's
-:class:`Confirmer`, which gives it its full lifetime in one round trip
-with every other lock due at the time.
-
-Timeline of one send, with the default window::
-
-  t=0       send(): acquire, provisional until t=30 s (caller's thread)
-  t=0+      publish returns; the lock is queued for confirmation
-  t=0.1 s   the confirmer confirms it, with the others queued meanwhile:
-            it now lasts lock_ttl (+ the message's delay)
-  (crash between acquire and publish: the key is free at t=30 s)
-
-A confirmation never revives a slot that was released (a worker that
-ran the message first) or that lapsed and was taken by someone else.
+A new enqueue lock holds for the provisional window only (30 s by default), so that a producer dying
+before its publish leaves a key that frees itself.  Once the publish returned, the :class:`Confirmer`
+gives it its full lifetime (lock_ttl + delay, ~0.1 s later), in one round trip with every other lock
+due then.  It never revives a slot that was released (a worker ran the message first) or lapsed and
+was taken by someone else.
 """
 
 from __future__ import annotations
@@ -33,15 +21,10 @@ from dramatiq.logging import get_logger
 from ..backends.base import LockBackend
 from ..background import BackgroundThread, now_ms, pid
 
-# The confirmer's limits, in milliseconds unless said: the most locks one
-# round trip confirms; how long it gathers locks before a round trip (a busy
-# producer then shares one round trip, and one wake-up of the thread, among
-# many sends, at the price of this much more time in the crash window); the
-# wait before a failed confirmation is tried again; how long a round trip may
-# take before its thread is abandoned and a new one takes over its locks; how
-# many locks may wait (more lapse after the provisional window, logged); how
-# long an exiting process waits for its confirmations, in seconds; and how
-# long :meth:`Confirmer.stop` waits for the thread once it confirmed what it could.
+# In ms unless said: locks per round trip; gathering before one (a busy producer shares a round trip
+# and a wake-up among many sends, for this much more crash window); retry wait; how long a call may
+# take before a new thread takes over its locks; most locks waiting (more lapse, logged); an exiting
+# process's wait, in seconds; and how long stop() waits for the thread once it confirmed what it could.
 DEFAULT_BATCH = 500
 DEFAULT_LINGER = 100
 RETRY_INTERVAL = 500
@@ -59,8 +42,7 @@ class Pending(NamedTuple):
       owner(str): Its holder: the message id.
       ttl(int): The full lifetime to give it, in milliseconds.
       actor(str): The actor, for events and logs.
-      lapses_at(float): Monotonic milliseconds after which the
-        provisional slot is gone, and confirming it is pointless.
+      lapses_at(float): Monotonic ms after which the slot is gone, and confirming it pointless.
     """
 
     key: str
@@ -71,14 +53,11 @@ class Pending(NamedTuple):
 
 
 class Confirmer:
-    """One background thread per process that confirms provisional locks
-    (a :class:`~..background.BackgroundThread`; a greenlet under gevent,
-    which confirms with the backend's own client).
+    """One background thread per process that confirms provisional locks (a greenlet under gevent).
 
     Parameters:
       backend(LockBackend): Where the locks live.
-      on_lapsed(callable): Called with each :class:`Pending` that could
-        not be confirmed before its window ran out.
+      on_lapsed(callable): Called with each :class:`Pending` not confirmed before its window ran out.
     """
 
     def __init__(self, backend: LockBackend, *, on_lapsed: Optional[Callable[[Pending], None]] = None) -> None:
@@ -86,17 +65,15 @@ class Confirmer:
         self.backend = backend
         self.on_lapsed = on_lapsed
         self._reset()
-        # Each start is a generation of its own: a thread stuck in a call
-        # is retired and replaced, and exits, reporting nothing, once it
-        # finds a newer generation.
+        # Each start is a generation: a thread stuck in a call is retired and replaced, and exits,
+        # reporting nothing, once it finds a newer generation.
         self._thread = BackgroundThread(
             name="dramatiq-unique-confirm", loop=self._loop, on_fork=self._reset, on_wake=self._notify
         )
         _LIVE.add(self)
 
     def _reset(self) -> None:
-        # Also run in a forked child: the parent's locks are the parent's
-        # to confirm, and its condition may have been held at the fork.
+        # Also run in a forked child: the parent's locks are its own, and the condition may have been held.
         self._pid = pid()
         self._wakeup = threading.Condition(threading.Lock())
         self._waiting: deque[Pending] = deque()
@@ -129,10 +106,8 @@ class Confirmer:
                 self._wakeup.notify()
 
     def _check_thread(self) -> None:
-        """Start the thread if it is not running, or replace it when it
-        has waited for the backend longer than :data:`CALL_TIMEOUT` (a
-        silent network can hold a call for minutes).  Called with the
-        condition held.
+        """Start the thread, or replace it after :data:`CALL_TIMEOUT` in one call (a silent network can
+        hold a call for minutes).  Called with the condition held.
         """
         if self._busy_since is not None and now_ms() - self._busy_since > CALL_TIMEOUT:
             self.logger.warning(
@@ -151,8 +126,7 @@ class Confirmer:
             return len(self._waiting) + len(self._inflight)
 
     def flush(self, timeout: float = EXIT_TIMEOUT) -> bool:
-        """Wait until every submitted lock was confirmed (or gave up),
-        at most ``timeout`` seconds.
+        """Wait at most ``timeout`` seconds until every submitted lock was confirmed (or gave up).
 
         Returns:
           bool: True when nothing is left waiting.
@@ -173,24 +147,19 @@ class Confirmer:
                 self._hurry = False
 
     def stop(self, timeout: float = EXIT_TIMEOUT) -> None:
-        """Confirm what is waiting, at most ``timeout`` seconds, then
-        stop the thread.
-        """
+        """Confirm what is waiting, at most ``timeout`` seconds, then stop the thread."""
         self.flush(timeout)
         self._thread.stop(timeout=STOP_TIMEOUT)
 
     def _loop(self, thread: BackgroundThread) -> None:
-        # Read once, as the thread starts: a newer generation comes only
-        # after this one was retired, stuck in a call it made later.
+        # Read once, at start: a newer generation comes only after this one was retired, stuck in a call.
         generation = thread.generation
         while True:
             with self._wakeup:
                 while not self._waiting and not thread.stopping and thread.generation == generation:
                     self._wakeup.wait()
                 if not self._hurry and thread.generation == generation:
-                    # Gather what the next moments bring into one round
-                    # trip: every wake-up of this thread costs the sending
-                    # thread a hand-over of the GIL.
+                    # Gather the next moments into one round trip: each wake-up costs the sender a GIL hand-over.
                     self._wakeup.wait(DEFAULT_LINGER / 1000)
                 if thread.generation != generation:
                     return  # retired and replaced: the newer thread has its locks
@@ -216,8 +185,7 @@ class Confirmer:
         if not due:
             return
         try:
-            # A slot that is gone was released by a worker that ran the
-            # message first, or lapsed: either way there is nothing to do.
+            # A gone slot was released by a worker that ran the message first, or lapsed: nothing to do.
             self.backend.confirm([(lock.key, lock.owner, lock.ttl) for lock in due])
         except Exception as e:
             self.logger.warning("Could not confirm %d enqueue lock(s): %r. Trying again.", len(due), e)

@@ -1,17 +1,12 @@
-"""What the guards and the worker work with: the lock context, the
-guarded enqueue call, what a send stamps on a message, and what a caller
+"""The lock context, the guarded enqueue call, what a send stamps on a message, and what a caller
 waiting on a result learns.  A delivery runs no other send module.
 
-The guards, replace, debounce and the send fast path each act for one
-middleware through a :class:`LockContext`, never the middleware itself.
-Imports go downwards only (``guard`` imports ``fastpath``, both import
-this module, this module imports ``confirm``; the worker side imports the
-send side), and ``tests/test_import_graph.py`` fails on any cycle.
+Guards, replace, debounce and the fast path act for one middleware through a :class:`LockContext`,
+never the middleware itself.  Imports go downwards only (guard -> fastpath -> this -> confirm; the
+worker side imports the send side); ``tests/test_import_graph.py`` fails on any cycle.
 
-A message that this package drops, dead-letters or supersedes gives its
-caller a ``ResultFailure`` naming why (:func:`store_failure`), and a copy
-skipped while another copy runs stores nothing (:func:`store_nothing`):
-Dramatiq's ``Results`` would store ``None`` for both.
+A message we drop, dead-letter or supersede gives its caller a ``ResultFailure`` naming why, and a
+copy skipped while another runs stores nothing: Dramatiq's ``Results`` would store ``None`` for both.
 """
 
 from __future__ import annotations
@@ -50,8 +45,7 @@ if TYPE_CHECKING:
     from ..settings import Settings
 
 
-#: A slot handed to a waiter stays reserved for its message this many
-#: reschedule delays, plus RESERVE_SLACK milliseconds.
+#: A slot handed to a waiter stays reserved this many reschedule delays, plus RESERVE_SLACK ms.
 RESERVE_DELAYS = 2
 RESERVE_SLACK = 1_000
 
@@ -63,8 +57,8 @@ class LockContext:
       settings(Settings): The middleware's settings.
       logger(logging.Logger): The middleware's logger.
       events(EventHub): Where lock events go.
-      specs(dict[str, ActorSpec]): The locked actors, by name (the
-        middleware's own dict, filled as actors are declared).
+      specs(dict[str, ActorSpec]): The locked actors by name: the middleware's own dict, filled as
+        actors are declared.
     """
 
     def __init__(
@@ -74,18 +68,15 @@ class LockContext:
         self.logger = logger
         self.events = events
         self.specs = specs
-        #: Where the locks live; None until a broker picks the default.
+        #: None until a broker picks the default.
         self.backend: Optional["LockBackend"] = None
-        #: False turns all locking off (the middleware's ``enabled``).
         self.enabled = settings.enabled
-        #: Store the lock args JSON with each lock, for operators.
         self.record_lock_args = settings.record_lock_args
 
     @property
     def locks(self) -> "LockBackend":
-        """The backend, once a broker picked it.  A capability's verbs
-        are reached with ``Capability.require(service.locks, ...)``: the
-        middleware checked it when it declared each actor that needs it.
+        """The backend, once picked.  Reach a capability's verbs with ``Capability.require(service.locks, ...)``:
+        the middleware checked it when declaring each actor that needs it.
         """
         backend = self.backend
         assert backend is not None
@@ -96,17 +87,13 @@ class LockContext:
         return spec.reschedule_delay if spec.reschedule_delay is not None else self.settings.reschedule_delay
 
     def reserve(self, spec: "ActorSpec") -> int:
-        """How long, in ms, a slot handed to a waiter of ``spec`` stays
-        reserved for its message: :data:`RESERVE_DELAYS` reschedule
-        delays (the longest a delayed copy of it takes to come, when its
-        hand-off copy is lost), plus :data:`RESERVE_SLACK`.
+        """How long, in ms, a slot handed to a waiter stays reserved: :data:`RESERVE_DELAYS` reschedule
+        delays (the longest its delayed copy takes to come if the hand-off copy is lost), plus slack.
         """
         return RESERVE_DELAYS * self.reschedule_delay(spec) + RESERVE_SLACK
 
     def key(self, spec: "ActorSpec", digest: str, phase: str) -> str:
-        """The backend key of one lock: prefix, actor in clear text, and
-        the digest inside a Cluster hash tag.
-        """
+        """The backend key of one lock: prefix, actor in clear text, digest inside a Cluster hash tag."""
         return lock_key(prefix=self.settings.prefix, scope=spec.scope, digest=digest, phase=phase)
 
     def emit(
@@ -149,9 +136,7 @@ class LockContext:
 
 
 class Deferred(NamedTuple):
-    """An enqueue lock noted in ``before_enqueue``, for the send fast
-    path to take in ``do_enqueue`` (see :mod:`.fastpath`).
-    """
+    """An enqueue lock noted in ``before_enqueue``, for the fast path to take in ``do_enqueue``."""
 
     key: str
     ttl: int
@@ -171,8 +156,7 @@ class GuardedCall:
         self.taken: list[tuple[str, str]] = []
         #: Provisional locks: confirmed once the publish returns.
         self.provisional: list[Pending] = []
-        #: Locks the send fast path takes with the publish, by
-        #: ``redis_message_id`` (a hook may enqueue another message).
+        #: Locks the fast path takes with the publish, by ``redis_message_id`` (a hook may enqueue another).
         self.deferred: Optional[dict[str, Deferred]] = None
 
 
@@ -181,37 +165,27 @@ CURRENT_CALL: ContextVar[Optional[GuardedCall]] = ContextVar("dramatiq_unique_ta
 
 
 class Refused(DuplicateMessage):
-    """A duplicate under ``on_conflict="log"``: the guarded enqueue
-    returns the message without sending it.
-    """
+    """A duplicate under ``on_conflict="log"``: the guarded enqueue returns it unsent."""
 
 
 def maybe_applied(error: Exception) -> bool:
-    """Whether a failed call may have taken effect: a timeout (builtin,
-    socket or redis-py) may have lost only its reply; a refused
+    """Whether a failed call may have taken effect: a timeout may have lost only its reply; a refused
     connection never sent anything.
     """
     return "timeout" in type(error).__name__.lower()
 
 
 def is_fresh(message: Any) -> bool:
-    """Whether this enqueue is a new send, which may be refused, rather
-    than a re-enqueue, which must never raise.
-    """
+    """Whether this is a new send, which may be refused, not a re-enqueue, which must never raise."""
     return UNIQUE_DIGEST not in message.options and not isinstance(threading.current_thread(), ConsumerThread)
 
 
 class EnqueueLocks:
-    """What every path that takes an enqueue lock shares (the two-step
-    path and replace in :mod:`.guard`, the fast path in :mod:`.fastpath`),
-    and the guarded enqueue call they run in.
+    """What every path that takes an enqueue lock shares, and the guarded enqueue call they run in.
 
-    Dramatiq 2.x has no supported way for middleware to cancel an
-    enqueue, so the middleware wraps its broker's ``enqueue`` once
-    (:meth:`guard`): the wrapper turns a refused duplicate into a
-    returned, unsent message, gives back what its call took when the
-    publish fails, and hands the provisional locks to the
-    :class:`~.confirm.Confirmer` once the publish has returned.
+    Dramatiq 2.x gives middleware no way to cancel an enqueue, so :meth:`guard` wraps the broker's
+    ``enqueue``: a refused duplicate is returned unsent, a failed publish gives back what its call
+    took, and provisional locks go to the :class:`~.confirm.Confirmer` once the publish returned.
 
     Parameters:
       service(LockContext): The middleware's lock context.
@@ -219,8 +193,7 @@ class EnqueueLocks:
 
     def __init__(self, service: LockContext) -> None:
         self.service = service
-        #: The Redis broker's namespace, to record where each message
-        #: goes for the reaper; None on other brokers.
+        #: The Redis broker's namespace, to record for the reaper where each message goes; else None.
         self.namespace: Optional[str] = None
         self._confirmer: Optional[Confirmer] = None
         self._confirmer_mutex = threading.Lock()
@@ -259,12 +232,9 @@ class EnqueueLocks:
         replace_broker_enqueue(broker, enqueue)
 
     def stamp(self, message: Any, spec: "ActorSpec", fresh: bool) -> None:
-        """Stamp the digest on a new message, and on a new message of an
-        actor with a run lock its send order and the lock args it
-        records (the worker's run lock records them from the message,
-        see :func:`copy_of`).  A message that carries the digest already
-        is being re-enqueued (a retry, a delay-queue move, a reschedule,
-        a publish retry), and keeps its stamps.
+        """Stamp the digest on a new message; with a run lock, also its send order and the lock args
+        (the run lock records them from the message).  A message with a digest is being re-enqueued
+        (retry, delay-queue move, reschedule, publish retry) and keeps its stamps.
         """
         if UNIQUE_DIGEST not in message.options:
             message.options[UNIQUE_DIGEST] = spec.digest(message.args, message.kwargs)
@@ -276,9 +246,8 @@ class EnqueueLocks:
                 message.options.setdefault(UNIQUE_LOCK_ARGS, recorded)
 
     def debounce_delay(self, message: Any, delay: Optional[int]) -> Optional[int]:
-        """The delay to enqueue ``message`` with: for a new send of a
-        debounced actor, at least its quiet window, so that the broker puts
-        it on the delay queue; ``before_enqueue`` then sets its due time.
+        """For a new debounced send, at least its quiet window, so that the broker puts it on the delay
+        queue; ``before_enqueue`` then sets its due time.
         """
         service = self.service
         spec = service.specs.get(message.actor_name)
@@ -292,10 +261,9 @@ class EnqueueLocks:
         return NewestWins.require(self.service.locks, feature="on_conflict='replace'")
 
     def _restore(self, message: Any, taken: list[tuple[str, str]]) -> None:
-        """After a failed publish, make the message that this send superseded
-        current again, so that it runs; the guard then releases this send's
-        own slot.  A backend failure here leaves the superseded message
-        superseded, as the send's error tells its caller.
+        """After a failed publish, make the message this send superseded current again, so it runs; the
+        guard then releases this send's slot.  On a backend failure it stays superseded, as the
+        send's error tells its caller.
         """
         service = self.service
         spec = service.specs.get(message.actor_name)
@@ -355,16 +323,12 @@ class EnqueueLocks:
         self.service.events.emit(LockEvent("lock_lost", lock.actor, lock.key, lock.owner))
 
     def flush(self, timeout: float) -> bool:
-        """Wait at most ``timeout`` seconds for this process's
-        provisional locks to be confirmed.
-        """
+        """Wait at most ``timeout`` seconds for this process's provisional locks to be confirmed."""
         return self._confirmer is None or self._confirmer.flush(timeout)
 
     def where(self, message: Any) -> str:
-        """Where ``message`` is being published, as the reaper looks for
-        it: ``namespace\tqueue\tredis_message_id`` on the Redis broker;
-        on other brokers the namespace and id are empty (a RabbitMQ
-        message cannot be looked up by id), the queue is still named.
+        """Where ``message`` is published, for the reaper: ``namespace\tqueue\tredis_message_id``; on other
+        brokers only the queue (a RabbitMQ message cannot be looked up by id).
         """
         redis_id = message.options.get("redis_message_id")
         if self.namespace is None or not isinstance(redis_id, str):
@@ -372,9 +336,7 @@ class EnqueueLocks:
         return join_place(self.namespace, message.queue_name, redis_id)
 
     def lock_args(self, message: Any, spec: "ActorSpec", fresh: bool) -> Optional[str]:
-        """The lock args JSON a new send records, if the middleware
-        records them: the one stamped on the message, else worked out.
-        """
+        """The lock args JSON a new send records, if recorded: the stamped one, else worked out."""
         if not (fresh and self.service.record_lock_args):
             return None
         stamped = message.options.get(UNIQUE_LOCK_ARGS)
@@ -383,9 +345,7 @@ class EnqueueLocks:
         return spec.canonical(spec.key_material(message.args, message.kwargs))
 
     def record(self, key: str, owner: str) -> None:
-        """Remember a lock this guarded call took, to give it back if
-        the message is not enqueued after all.
-        """
+        """Remember a lock this call took, to give back if the message is not enqueued after all."""
         call = CURRENT_CALL.get()
         if call is not None:
             call.taken.append((key, owner))
@@ -396,10 +356,7 @@ class EnqueueLocks:
         self.service.emit("locked", spec, key, message)
 
     def refuse(self, message: Any, spec: "ActorSpec", key: str, holder: Optional[str]) -> None:
-        """Refuse a duplicate: raise to the caller under ``raise``, else
-        :class:`Refused`, which the guarded enqueue turns into a
-        returned, unsent message.
-        """
+        """Refuse a duplicate: raise to the caller under ``raise``, else :class:`Refused` (returned unsent)."""
         service = self.service
         message.options.pop(UNIQUE_DIGEST, None)
         service.emit("duplicate", spec, key, message, holder)
@@ -410,9 +367,7 @@ class EnqueueLocks:
         raise Refused(text, key=key, holder=holder)
 
     def lapsed(self, message: Any, spec: "ActorSpec", key: str, holder: Optional[str]) -> None:
-        """A re-enqueue found its lock lapsed and held by ``holder``: it
-        goes on unlocked, and says so.
-        """
+        """A re-enqueue found its lock lapsed and held by ``holder``: it goes on unlocked, and says so."""
         self.service.logger.warning(
             "Lock %r of %s lapsed and is held by %s; enqueueing it anyway.", key, message, holder
         )
@@ -421,18 +376,16 @@ class EnqueueLocks:
     def take_failed(
         self, message: Any, spec: "ActorSpec", key: str, fresh: bool, error: Exception, *, give_back: bool = True
     ) -> None:
-        """A call that takes the enqueue lock failed: a new send fails
-        closed (unless told to go on unlocked); a re-enqueue goes on.
-        ``give_back`` gives back a lock the call may have taken, when it
-        fails closed: unless the same call also published the message.
+        """Taking the enqueue lock failed: a new send fails closed (unless told to run unlocked); a
+        re-enqueue goes on.  ``give_back``: failing closed, give back a lock the call may have taken
+        (false when the same call also published the message).
         """
         service = self.service
         wrapped = service.backend_error("take the enqueue lock", key, spec, message, error)
         if fresh and service.settings.on_backend_error == "fail":
             message.options.pop(UNIQUE_DIGEST, None)
             if give_back and maybe_applied(error):
-                # Only the reply may be lost: the guard gives back whatever
-                # this new message holds (and what a replace superseded).
+                # Only the reply may be lost: give back what it holds (and what a replace superseded).
                 self.record(key, message.message_id)
             raise wrapped from error
         service.logger.warning("Enqueueing %s without its lock %r.", message, key)
@@ -442,9 +395,8 @@ class EnqueueLocks:
 
 
 class _SendOrder:
-    """The place of each send among this process's sends of the same
-    millisecond: waiters of one key are handed the key in send order,
-    and message ids, the only other tie-breaker, are random.
+    """Each send's place among this process's sends of its millisecond: waiters get a key in send
+    order, and message ids, the only other tie-breaker, are random.
     """
 
     def __init__(self) -> None:
@@ -452,9 +404,7 @@ class _SendOrder:
         self._ms, self._next = -1, 0
 
     def stamp(self, message: Any) -> None:
-        """Stamp ``unique_seq`` on a new message (never on a re-enqueue:
-        a retry or a move keeps its place).
-        """
+        """Stamp ``unique_seq`` on a new message (a retry or a move keeps its place)."""
         ms = int(message.message_timestamp)
         with self._lock:
             if ms != self._ms:
@@ -468,10 +418,7 @@ send_sequence = _SendOrder()
 
 
 def send_order(message: Any) -> int:
-    """Where a waiting message stands among its key's waiters: the
-    millisecond its message was made, then its place among its
-    producer's messages of that millisecond.
-    """
+    """A waiter's place: the millisecond its message was made, then its place within that millisecond."""
     return int(message.message_timestamp) * SENDS_PER_MS + int(message.options.get(UNIQUE_SEQ, 0))
 
 
@@ -496,16 +443,13 @@ logger = get_logger(__name__)
 
 
 def store_nothing(message: Any) -> None:
-    """Keep ``Results`` from storing ``None`` for a skipped copy, which
-    would overwrite or pre-empt the result of the copy that runs.
-    """
+    """Keep ``Results`` from storing ``None`` for a skipped copy, over the result of the copy that runs."""
     message.options["store_results"] = False
 
 
 def store_failure(broker: "Broker", message: Any, error: Exception) -> None:
-    """Store ``error`` as the result of ``message`` in every ``Results``
-    middleware of ``broker`` whose actor stores results, then keep
-    Dramatiq from storing anything else for this delivery.
+    """Store ``error`` as the result of ``message`` in every ``Results`` middleware of ``broker`` that
+    stores it, then keep Dramatiq from storing anything else for this delivery.
     """
     from dramatiq.results import Results
 

@@ -1,44 +1,19 @@
-"""The send fast path: one round trip that takes a new message's enqueue
-lock and enqueues it, when the locks live in the Redis broker's own
-Redis.
+"""The send fast path: one round trip that takes a new message's enqueue lock and enqueues it, when
+the locks live in the Redis broker's own Redis.
 
-The lock cannot be taken in ``before_enqueue`` and published in the
-same round trip: Dramatiq encodes the message only after every
-``before_enqueue`` ran.  So, for a new send that takes an enqueue lock,
-``before_enqueue`` only notes the lock to take (in the guarded enqueue
-call, see :mod:`.guard`), and the broker's ``do_enqueue`` (the one
-place where Dramatiq hands Redis the encoded message) runs one script:
-acquire.lua, then, only when the lock was taken, the broker's own
-``dispatch.lua`` with exactly the arguments Dramatiq would have passed
-(send.lua).  Every middleware hook fires as before; a refused duplicate
-raises from ``do_enqueue``, so nothing is enqueued and no
-``after_enqueue`` fires, and the guarded call turns it into a returned,
-unsent message as on the two-step path.
+Dramatiq encodes the message only after every ``before_enqueue`` ran, so ``before_enqueue`` only
+notes the lock, and the broker's ``do_enqueue`` (where Dramatiq hands Redis the encoded message)
+runs one script: acquire.lua, then, only if the lock was taken, the broker's own ``dispatch.lua``
+with Dramatiq's exact arguments.  A refused duplicate raises from ``do_enqueue`` (no
+``after_enqueue``), and the guarded call returns it unsent, as on the two-step path.  The lock is
+taken confirmed: a producer dying at any point leaves both the lock and its message, or neither.
 
-The lock is taken confirmed, for its full lifetime, with no provisional
-window and nothing for the :class:`~.confirm.Confirmer` to do: the
-message is published in the same script, so a producer that dies at any
-point leaves either both the lock and its message or neither.  An
-orphaned enqueue lock cannot happen on this path.  A ``dispatch.lua``
-that fails inside the script drops the lock it took in the same script.
-
-The path is taken only when it is known to be exact, else the usual two
-steps are: a ``RedisBroker`` itself (not a subclass) whose
-``do_enqueue`` nobody else replaced, with a ``dispatch.lua`` this module
-knows; a backend that sends with the publish (the Redis backend, see
-:class:`~..backends.capabilities.SendsWithPublish`) on the same standalone
-Redis and database (not Cluster, not Sentinel); no later middleware
-with its own ``before_enqueue`` (it would otherwise see a refused
-duplicate that it never saw before); and a new send, not a re-enqueue
-(retries, delay-queue moves and reschedules re-enter their lock in two
-steps, and never raise).
-
-It calls private methods of the broker (through :mod:`..compat`, which
-checks they are there), so it has to pay for that, and does: in the
-harness's enqueue round (one thread, distinct keys, chunks in turn),
-with the fast path on and off interleaved within each round, every lock
-type with an enqueue lock sent at 1.59 to 1.66 x its rate without it
-(medians of 5 rounds of 3000 sends; each round's ratios 1.48 to 1.70).
+The path is taken only where it is known to be exact: a plain ``RedisBroker`` with a known
+``dispatch.lua`` and its own ``do_enqueue``, a :class:`~..backends.capabilities.SendsWithPublish`
+backend on the same standalone database, no later ``before_enqueue`` (it would see a refused
+duplicate it never saw before), and a new send (re-enqueues never raise).  Its use of the broker's
+private methods pays: ~1.6 x the enqueue rate.  See docs/reliability.md, "The send fast path: no
+orphan on the Redis broker's own Redis", and docs/architecture.md for the figures.
 """
 
 from __future__ import annotations
@@ -59,18 +34,13 @@ from .context import CURRENT_CALL, Deferred, EnqueueLocks, maybe_applied
 if TYPE_CHECKING:
     from dramatiq import Broker
 
-#: SHA1 of the ``dispatch.lua`` scripts whose ``enqueue`` command and
-#: arguments this module reproduces: [command, timestamp, queue name,
-#: broker id, heartbeat timeout, dead message ttl, do maintenance, max
-#: unpack size, redis message id, encoded message], under keys
-#: [namespace].
+#: SHA1 of the ``dispatch.lua`` scripts whose ``enqueue`` arguments :meth:`SendPath._send` reproduces.
 KNOWN_DISPATCH = {
     "fdacc359c79a5adc3b8eeb53ff5772d7c42144e3": "dramatiq 2.2",
     "976fb89fbb3c404c8c7bed59060c56521eb9ba69": "dramatiq 1.17",
 }
 
-#: What the fast path reads of a broker to call its ``dispatch.lua``
-#: (public attributes; the private methods it calls are in compat).
+#: The public broker attributes the fast path reads (the private methods it calls are in compat).
 _BROKER_ATTRIBUTES = ("broker_id", "namespace", "heartbeat_timeout", "dead_message_ttl", "client", "scripts")
 
 #: The connection parameters that say two clients reach one database.
@@ -78,9 +48,7 @@ _WHERE = ("host", "port", "path", "db", "username", "password")
 
 
 def dispatch_source(broker: Any) -> Optional[str]:
-    """The broker's ``dispatch.lua`` when it is one this module knows
-    and the broker is a plain ``RedisBroker``; None otherwise.
-    """
+    """A plain ``RedisBroker``'s ``dispatch.lua``, when this module knows it; else None."""
     cls = type(broker)
     if cls.__name__ != "RedisBroker" or cls.__module__ != "dramatiq.brokers.redis":
         return None
@@ -95,9 +63,7 @@ def dispatch_source(broker: Any) -> Optional[str]:
 
 
 def _standalone(client: Any) -> Optional[dict[str, Any]]:
-    """The connection parameters of a plain standalone client; None for
-    Cluster, Sentinel and anything else.
-    """
+    """The connection parameters of a plain standalone client; None for Cluster, Sentinel and others."""
     import redis  # only a Redis broker gets here
 
     pool: Any = getattr(client, "connection_pool", None)
@@ -108,10 +74,7 @@ def _standalone(client: Any) -> Optional[dict[str, Any]]:
 
 
 def same_redis(backend: Optional[LockBackend], broker: Any) -> bool:
-    """Whether ``backend`` can take a lock and publish in one call
-    (:attr:`~..backends.capabilities.SendsWithPublish.dispatch_client`) on the standalone
-    Redis database of ``broker``.
-    """
+    """Whether ``backend`` can take a lock and publish in one call on ``broker``'s standalone database."""
     client = backend.dispatch_client if isinstance(backend, SendsWithPublish) else None
     if client is None:
         return False
@@ -133,22 +96,19 @@ class SendPath:
 
     Parameters:
       locks(EnqueueLocks): What taking an enqueue lock shares.
-      middleware(Middleware): The middleware, as it stands in a broker's
-        stack: a later ``before_enqueue`` turns the path off.
+      middleware(Middleware): The middleware, as it stands in a broker's stack: a later
+        ``before_enqueue`` turns the path off.
     """
 
     def __init__(self, locks: EnqueueLocks, *, middleware: Any) -> None:
         self.locks = locks
         self.service = locks.service
         self.middleware = middleware
-        #: The last verdict of :meth:`applies`, and what it was drawn from:
-        #: (backend, broker client, middleware stack, its length, verdict).
+        #: (backend, broker client, middleware stack, its length, verdict) of :meth:`applies`'s last call.
         self._verdict: Optional[tuple[Any, Any, Any, int, bool]] = None
 
     def install(self, broker: "Broker") -> None:
-        """Route ``broker.do_enqueue`` through the fast path, once, when
-        the broker is one whose enqueue it can reproduce.
-        """
+        """Route ``broker.do_enqueue`` through the fast path, once, if it can reproduce its enqueue."""
         source = dispatch_source(broker)
         if source is None or "do_enqueue" in broker.__dict__:  # ours already, or someone else's
             return
@@ -169,8 +129,7 @@ class SendPath:
         """Whether a new send on ``broker`` may take the fast path now."""
         if getattr(broker.__dict__.get("do_enqueue"), "_unique_send_path", None) is not self:
             return False
-        # Drawn again only when the backend, the client or the stack changes,
-        # not per send: a middleware is added to the stack, never swapped in.
+        # Redrawn only when backend, client or stack change (middleware is added, never swapped in).
         backend, client, stack = self.service.backend, getattr(broker, "client", None), broker.middleware
         last = self._verdict
         if last is not None and all(a is b for a, b in zip(last, (backend, client, stack))) and last[3] == len(stack):
@@ -180,13 +139,11 @@ class SendPath:
         return verdict
 
     def defer(self, message: Any, delay: Optional[int], spec: ActorSpec, fresh: bool, broker: Any) -> bool:
-        """Note the enqueue lock of a new send for the broker's publish to
-        take, in one round trip with it.
+        """Note the enqueue lock of a new send for the broker's publish to take, in one round trip.
 
         Returns:
-          bool: False when the two-step path applies: a re-enqueue, a
-          replacing actor, an enqueue outside a guarded call, or a
-          broker the fast path does not serve.
+          bool: False when the two-step path applies (re-enqueue, replacing actor, no guarded call,
+          a broker the fast path does not serve).
         """
         call = CURRENT_CALL.get()
         redis_message_id = message.options.get("redis_message_id")
@@ -209,9 +166,7 @@ class SendPath:
         return True
 
     def take_deferred(self, redis_message_id: str) -> Optional[Deferred]:
-        """The lock noted for the publish of ``redis_message_id`` in the
-        current guarded call, once; None when there is none to take.
-        """
+        """The lock noted for publishing ``redis_message_id`` in the current call, once; else None."""
         call = CURRENT_CALL.get()
         if call is None or not call.deferred:
             return None
@@ -257,13 +212,9 @@ class SendPath:
         except DispatchFailed:
             raise  # the broker's own failure, as its enqueue raises it; nothing is locked
         except Exception as e:
-            # Fail closed as EnqueueLocks.take_failed does, or go on unlocked.
-            # The call was also the publish, so a timeout, which may have
-            # locked and enqueued, raises even when told to go on, as the
-            # broker's own enqueue would.  Its lock is kept: one script took
-            # it and enqueued, or did neither, so what it holds always
-            # matches the queue, and a send again is refused as a duplicate
-            # exactly when the first one went out.
+            # Fail closed as take_failed does, or go on unlocked.  The call was also the publish, so a
+            # timeout (may have locked and enqueued) raises even under run_unlocked, as the broker's
+            # enqueue would.  Its lock is kept: one script did both or neither, so it matches the queue.
             if self.service.settings.on_backend_error != "fail" and maybe_applied(e):
                 self.service.backend_error("take the enqueue lock", key, spec, message, e)
                 raise

@@ -1,25 +1,13 @@
-"""Taking enqueue locks: the two steps of a new send (a provisional
-lock, then the publish), its re-enqueues, and newest wins:
-``on_conflict="replace"`` and trailing-edge ``debounce``.
+"""Taking enqueue locks: the two steps of a new send (a provisional lock, then the publish), its
+re-enqueues, and newest wins (``on_conflict="replace"``, trailing-edge ``debounce``).  Each runs in
+the guarded enqueue call of :class:`~.context.EnqueueLocks`; on the Redis broker's own Redis a new
+send takes its lock with its publish instead (:mod:`.fastpath`).
 
-Each runs inside the guarded enqueue call of
-:class:`~.context.EnqueueLocks`, which gives back what a failed publish
-took, and hands a new provisional lock to the process's
-:class:`~.confirm.Confirmer` once the publish has returned.  On the
-Redis broker's own Redis, a new send takes its lock with its publish
-instead, in one round trip (see :mod:`dramatiq_unique.send.fastpath`).
-
-Under replace nothing is deleted from a queue.  A replacing send makes
-itself the current holder of the enqueue lock in one round trip and
-records the message it superseded (``replace.lua``).  Every later copy
-of the superseded message (the original, a retry, a delay-queue move, a
-redelivery, a reschedule or hand-off copy) is skipped when a worker
-delivers it (``current.lua``, read by :mod:`..worker.take`).  That
-needs no scan of a queue, works on any broker, and touches one digest's
-keys only.  ``debounce`` is replace plus a delay: each send is due
-``debounce`` ms later, so only the newest of a burst is still current
-when it comes due; ``debounce_max`` caps the delay at that long after
-the burst's first send, which the lock records.
+Replace deletes nothing from a queue: a replacing send makes itself the lock's current holder and
+records the message it superseded (``replace.lua``), and a worker skips every later copy of that
+message (``current.lua``, in :mod:`..worker.take`): no queue scan, any broker, one digest's keys.
+``debounce`` is replace plus a delay, so only a burst's newest send is current when due;
+``debounce_max`` caps it from the burst's first send, which the lock records.
 """
 
 from __future__ import annotations
@@ -45,10 +33,9 @@ class EnqueueGuard:
     """Takes enqueue locks for one middleware and guards its brokers.
 
     Parameters:
-      locks(EnqueueLocks): What taking an enqueue lock shares, and the
-        guarded enqueue call.
-      middleware(Middleware): The middleware itself, as it stands in a
-        broker's stack: the send fast path checks what comes after it.
+      locks(EnqueueLocks): What taking an enqueue lock shares, and the guarded enqueue call.
+      middleware(Middleware): The middleware, as it stands in a broker's stack: the fast path checks
+        what comes after it.
     """
 
     def __init__(self, locks: EnqueueLocks, *, middleware: Any) -> None:
@@ -57,9 +44,7 @@ class EnqueueGuard:
         self.send_path = SendPath(locks, middleware=middleware)
 
     def install(self, broker: "Broker") -> None:
-        """Guard ``broker.enqueue``, once, and route the Redis broker's
-        publish through the send fast path where it applies.
-        """
+        """Guard ``broker.enqueue``, once, and route the Redis broker's publish through the fast path."""
         if getattr(broker.enqueue, "_unique_guard", None) is self.locks:
             return
         self.send_path.install(broker)
@@ -68,13 +53,10 @@ class EnqueueGuard:
     def take(
         self, message: Any, delay: Optional[int], spec: ActorSpec, *, fresh: bool, broker: Optional["Broker"] = None
     ) -> None:
-        """Take or re-enter the enqueue lock of a stamped message (see
-        :meth:`EnqueueLocks.stamp`).  A new send on the Redis broker's own
-        Redis leaves it to the send fast path, to take with the publish.
-        Inside a guarded enqueue call a new lock holds for the provisional
-        window only, and is confirmed once the publish returns.  Replacing
-        actors take theirs in :meth:`_take_replacing`, at once for the full
-        lifetime (no provisional window).  A re-enqueue never raises here.
+        """Take or re-enter the enqueue lock of a stamped message; a re-enqueue never raises here.
+
+        In a guarded call a new lock holds for the provisional window until the publish returns;
+        replacing actors take theirs for the full lifetime at once.
         """
         if self.send_path.defer(message, delay, spec, fresh, broker):
             return
@@ -87,8 +69,8 @@ class EnqueueGuard:
         call = CURRENT_CALL.get()
         window = service.settings.provisional_window if call is not None else 0
         started = time.monotonic() * 1000
-        # A re-enqueued copy of a message that a reschedule made twice
-        # over may not run (see Copy): it must not take the lock back.
+        # A re-enqueued copy of a message that a reschedule doubled may not run (see Copy): it must
+        # not take the lock back.
         copy = None if fresh or not spec.lock.run_lock else copy_of(message, service.key(spec, digest, RUN))
         try:
             got = service.locks.acquire(
@@ -122,10 +104,7 @@ class EnqueueGuard:
     # Newest wins ----------------------------------------------------
 
     def _take_replacing(self, message: Any, delay: Optional[int], spec: ActorSpec, fresh: bool) -> None:
-        """Take the enqueue lock of a message of a replacing actor: a new
-        send replaces the current holder; a re-enqueue re-enters, unless its
-        message was superseded.
-        """
+        """A new send replaces the current holder; a re-enqueue re-enters, unless superseded."""
         service = self.service
         key = service.key(spec, message.options[UNIQUE_DIGEST], QUEUE)
         ttl = service.enqueue_ttl(spec, delay)
@@ -147,8 +126,7 @@ class EnqueueGuard:
             ttl=ttl,
             lock=spec.lock.name,
             lock_args=locks.lock_args(message, spec, True),
-            # until_expired runs a key at most once per lock_ttl: once its
-            # holder has started, a new send is a duplicate.
+            # until_expired runs a key at most once per lock_ttl: once started, a new send is a duplicate.
             keep_started=spec.lock.queue_release == "expiry",
             debounce=spec.debounce or 0,
             debounce_max=spec.debounce_max or 0,
@@ -177,8 +155,7 @@ class EnqueueGuard:
         status, other = locks.newest_wins.current(
             key, message.message_id, reenter=True, ttl=ttl, lock=spec.lock.name, copy=copy, where=locks.where(message)
         )
-        # SUPERSEDED goes on and is skipped when delivered: raising would
-        # lose or strand a delay-queue move; REENTERED holds what it held.
+        # SUPERSEDED goes on, skipped when delivered: raising would lose or strand a delay-queue move.
         if status is CurrentStatus.MAY_NOT_RUN:
             self.service.logger.debug("Re-enqueued %s without its lock %r: %s.", message, key, other)
         elif status is CurrentStatus.CURRENT:
