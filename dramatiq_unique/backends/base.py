@@ -59,9 +59,7 @@ def glob_pattern(glob: str) -> "re.Pattern[str]":
 
 
 class LockReads(abc.ABC):
-    """What operators read of a backend (never the middleware): no verb
-    here changes a lock.
-    """
+    """What operators read of a backend (never the middleware): no verb here changes a lock."""
 
     @abc.abstractmethod
     def inspect(self, key: str) -> Optional[LockInfo]:
@@ -83,14 +81,11 @@ class LockReads(abc.ABC):
         return type(self).__name__
 
     def close(self) -> None:
-        """Close the connections this backend opened itself (not a client it
-        was given); a later call opens them again.
-        """
+        """Close the connections this backend opened (not a client given); a later call reopens."""
         return None
 
     def check(self, key: str) -> None:
-        """Make one read that changes nothing, to find out whether the
-        backend answers (a worker at boot, the CLI before it reads).
+        """Make one read that changes nothing, to find out whether the backend answers.
 
         Parameters:
           key(str): A key nobody holds, under the locks' prefix (so that a
@@ -104,12 +99,7 @@ class LockReads(abc.ABC):
 
 
 class LockBackend(LockReads):
-    """The core of every lock backend.  Durations are in milliseconds.
-
-    The verbs are the hot path (every job makes these) and operators'
-    writes; operators' reads are :class:`LockReads`, and what only some
-    backends can do are the capabilities (:mod:`.capabilities`).
-    """
+    """The core of every lock backend: the hot path and operators' writes.  Durations are in ms."""
 
     # The hot path: every job -----------------------------------------
 
@@ -250,9 +240,7 @@ class LockBackend(LockReads):
 
 
 def call_backend(backend: LockReads, doing: str, call: Callable[..., T], *args: Any) -> T:
-    """Run one call of ``backend``, a failure raised as a one-line
-    :class:`LockBackendError` saying what it was ``doing``.
-    """
+    """Run one call of ``backend``, a failure raised as a one-line :class:`LockBackendError`."""
     try:
         return call(*args)
     except UniqueError:
@@ -280,9 +268,7 @@ class PrefixLocks:
     def locks(
         self, *, actor: Optional[str] = None, pattern: Optional[str] = None, phase: Optional[str] = None
     ) -> Iterator[ListedLock]:
-        """Iterate once over each live lock, filtered as
-        :meth:`~dramatiq_unique.ops.admin.LockAdmin.locks` says.
-        """
+        """Iterate once over each live lock, filtered as :meth:`~dramatiq_unique.ops.admin.LockAdmin.locks` says."""
         scope = actor_scope(actor) if actor is not None else None
         glob = pattern or lock_key_glob(prefix=self.prefix, scope=scope, phase=phase)
         keys = self.call(f"scan {glob!r}", self.backend.scan, glob)

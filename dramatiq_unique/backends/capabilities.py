@@ -74,9 +74,8 @@ class Reschedules(Capability):
 
     @abc.abstractmethod
     def join_line(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> int:
-        """Register ``copy``'s message as waiting for ``copy.key`` (as
-        reschedule ``copy.attempt``), ``message`` the encoded copy to hand
-        the key to; waiters are promoted lowest ``order`` first.  The
+        """Register ``copy``'s message as waiting for ``copy.key``, ``message``
+        the encoded copy to hand the key to, lowest ``order`` first.  The
         caller also enqueues a delayed copy: the first to arrive wins.
 
         Returns:
@@ -99,9 +98,7 @@ class Reschedules(Capability):
 
 
 class NewestWins(Capability):
-    """Newest wins (``on_conflict="replace"``, ``debounce``): a send
-    supersedes the message that holds the enqueue lock.
-    """
+    """Newest wins (``on_conflict="replace"``, ``debounce``): a send supersedes the lock's holder."""
 
     capability = "newest wins (replace, current, unreplace)"
 
@@ -120,10 +117,9 @@ class NewestWins(Capability):
         where: str = "",
     ) -> Replacement:
         """Make ``owner`` the current holder of enqueue lock ``key`` (one
-        slot), superseding its holder, in one round trip.  The superseded id
-        is recorded ``superseded_ttl`` ms, so that its later copies are
-        skipped (:meth:`current`).  A started holder keeps its slot until it
-        releases it; with ``keep_started`` the send is refused instead.
+        slot), in one round trip.  The superseded id is recorded
+        ``superseded_ttl`` ms, so that its later copies are skipped.  A
+        started holder keeps its slot (``keep_started``: the send is refused).
 
         Parameters:
           debounce(int): When > 0, the message is due ``debounce`` ms from
@@ -177,26 +173,21 @@ class NewestWins(Capability):
 
 
 class DispatchFailed(Exception):
-    """The broker's own enqueue failed inside
-    :meth:`SendsWithPublish.acquire_and_dispatch`: nothing was enqueued,
-    and the lock taken was dropped.  Backends raise a subclass that is also
-    their client's error, as the broker's enqueue would have raised.
+    """The broker's enqueue failed in :meth:`SendsWithPublish.acquire_and_dispatch`;
+    the lock taken was dropped.  Raised as a subclass that is also the
+    client's error, as the broker's enqueue would have raised.
     """
 
 
 class SendsWithPublish(Capability):
-    """Take an enqueue lock and run the Redis broker's own enqueue script in
-    one call, when the locks live in the broker's Redis (the send fast path).
-    """
+    """Take an enqueue lock and run the Redis broker's enqueue script in one call (the send fast path)."""
 
     capability = "sending with the publish"
 
     @property
     @abc.abstractmethod
     def dispatch_client(self) -> Optional[Any]:
-        """The standalone Redis client :meth:`acquire_and_dispatch` runs on,
-        or None when this instance cannot (a Cluster): no fast path then.
-        """
+        """The client :meth:`acquire_and_dispatch` runs on, or None where it cannot (a Cluster)."""
 
     @abc.abstractmethod
     def acquire_and_dispatch(
@@ -224,9 +215,8 @@ class SendsWithPublish(Capability):
 
 
 class BatchedReleases(Capability):
-    """:meth:`~LockBackend.release_many` in one round trip, and
-    :meth:`release_and_start` with the next start: the worker then releases
-    run locks off the worker thread.
+    """:meth:`~LockBackend.release_many` in one round trip, or with the next
+    start: the worker then releases run locks off the worker thread.
     """
 
     capability = "batched releases"
@@ -262,10 +252,9 @@ def release_then_start(
 
 
 class NativeExtender(Protocol):
-    """:meth:`LockBackend.extend` on a connection of its own, for a native OS
-    thread under gevent: unpatched (``compat.original``), so that no
-    greenlet-patched socket or pool lock is touched from another OS thread.
-    Used by one thread at a time.
+    """:meth:`LockBackend.extend` on an unpatched connection of its own, so
+    that a native thread under gevent touches no greenlet-patched socket or
+    pool lock.  Used by one thread at a time.
     """
 
     def __call__(self, locks: Sequence[tuple[str, str]], ttl: int, *, timeout: float) -> list[bool]:
@@ -288,9 +277,7 @@ class NativeExtender(Protocol):
 class RenewsNatively(Capability):
     """Renewal from a native thread: under gevent the lease keeper renews
     through :meth:`native_extender` on a native OS thread, so that leases
-    renew while an actor holds the hub (a C call, a CPU loop); without it,
-    on a greenlet.  The connection must avoid gevent's patched modules
-    (Redis: RESP on an unpatched socket; PostgreSQL: a libpq connection).
+    renew while an actor holds the hub (a C call, a CPU loop).
     """
 
     capability = "renewal from a native thread"

@@ -83,8 +83,7 @@ class Acquisition(NamedTuple):
       fence(int): A fencing token that grows with every new holder.
       provisional(bool): The slot holds for the provisional window only,
         until :meth:`LockBackend.confirm` (once the message is published).
-      refused(CopyVerdict): Why the :class:`Copy` asked for may not run;
-        nothing was taken.
+      refused(CopyVerdict): Why the :class:`Copy` may not run; nothing was taken.
     """
 
     acquired: bool
@@ -106,10 +105,9 @@ class Copy(NamedTuple):
       message_id(str): The logical message.
       attempt(int): How many times it was rescheduled (0: the original).
       via(str): ``"delay"``, ``"handoff"``, or ``""`` for the original.
-      lock_args(str): The lock args JSON its run lock records
-        (``record_lock_args``), or None.
-      retries(int): Its Retries count: a retry of a copy whose run ended
-        has more, a duplicate of it no more.
+      lock_args(str): The lock args JSON its run lock records, or None.
+      retries(int): Its Retries count: more for a retry of a copy whose run
+        ended, no more for a duplicate.
     """
 
     key: str
@@ -124,17 +122,14 @@ class Start(NamedTuple):
     """The outcome of :meth:`LockBackend.start`.
 
     Attributes:
-      acquisition(Acquisition): Of the run lock (``refused``: why this
-        copy may not run; nothing was taken).
+      acquisition(Acquisition): Of the run lock (``refused``: why this copy may not run).
       queue_released(bool): The enqueue lock was held, and is released.
-      in_line(bool): The lock is held or reserved and this copy's message
-        is still in line: nothing was written; the copy comes back later.
+      in_line(bool): Held or reserved, and this copy's message still in line:
+        nothing was written; the copy comes back later.
       promoted(bytes): The free slot went (reserved) to an older waiter,
         whose encoded message the caller enqueues at once.
-      duplicate_of(str): With ``refused`` DONE: the owner of the run this
-        copy duplicates.
-      free_in(int): With ``in_line``: the ms until the key's last holder
-        or reservation runs out unless renewed.
+      duplicate_of(str): With ``refused`` DONE: the owner of the run duplicated.
+      free_in(int): With ``in_line``: ms until the last holder or reservation runs out.
     """
 
     acquisition: Acquisition
@@ -149,8 +144,7 @@ class Release(NamedTuple):
     """The outcome of :meth:`LockBackend.release`.
 
     Attributes:
-      held(bool): False when the owner no longer held it (expired, or
-        removed by an operator).
+      held(bool): False when the owner no longer held it (expired, or removed).
       promoted(bytes): The longest waiter's encoded message, to enqueue at once.
     """
 
@@ -283,8 +277,7 @@ class Waiter(NamedTuple):
     Attributes:
       message_id(str): The waiting message.
       order(int): Its place in line, lowest first: the Unix ms it was made
-        times :data:`SENDS_PER_MS`, plus its rank among its producer's
-        sends of that ms.
+        times :data:`SENDS_PER_MS`, plus its rank among its producer's sends.
     """
 
     message_id: str

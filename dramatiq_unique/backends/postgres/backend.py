@@ -75,9 +75,8 @@ def _without_password(url: str) -> str:
 
 
 def check_url(conninfo: str) -> None:
-    """Raise ConfigurationError when ``conninfo`` does not parse.  A host that
-    does not resolve is left to the worker's boot check (it may not be in
-    DNS yet), as with Redis.
+    """Raise ConfigurationError when ``conninfo`` does not parse; an unknown
+    host is left to the boot check (it may not be in DNS yet), as on Redis.
     """
     try:
         conninfo_to_dict(conninfo)
@@ -261,9 +260,7 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
             self._ready = True
 
     def check(self, key: str) -> None:
-        """Read ``key`` (:meth:`LockReads.check`) after a connection of its
-        own: a pool only says it timed out, where libpq's error says why.
-        """
+        """:meth:`LockReads.check`, first connecting alone: libpq says why it cannot, a pool only "timeout"."""
         with psycopg.connect(self.conninfo, autocommit=True) as conn:
             conn.execute("SELECT 1")
         self.inspect(key)
@@ -293,10 +290,7 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
             self._pool_pid = pid()
 
     def _locked(self, keys: Sequence[str], verb: Callable[[LockRules], T]) -> T:
-        """Run ``verb`` on the locked rows of ``keys``, in one transaction of
-        two queries: the opening (begin, settings, row locks) and the
-        closing (writes, deletes, commit).
-        """
+        """Run ``verb`` on the locked rows of ``keys``: one transaction, two queries."""
         self._ensure_schema()
         payload = json.dumps(sorted(set(keys)))
         for attempt in range(2):
@@ -341,8 +335,7 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
             logger.warning("Could not sweep expired locks from %s: %r", self.describe(), e)
 
     def sweep(self, *, batches: int = DEFAULT_SWEEP_BATCHES) -> Optional[int]:
-        """Delete expired rows, ``sweep_batch`` per transaction, unless
-        another process sweeps now.
+        """Delete expired rows, ``sweep_batch`` per transaction, unless another process sweeps.
 
         Returns:
           int: How many rows were deleted, or None when another was sweeping.

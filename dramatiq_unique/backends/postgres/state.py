@@ -154,9 +154,7 @@ def load(rules: LockRules, key: str, state: dict[str, Any]) -> None:
 
 
 def dump(rules: LockRules, key: str, *, fence: int = 0) -> Dumped:
-    """Take ``key``'s state out of ``rules``; ``fence``, its last fence known
-    before, is kept when the entry is gone.
-    """
+    """Take ``key``'s state out of ``rules``, keeping ``fence`` (its last known) when the entry is gone."""
     kept = rules.key_state(key)
     state: dict[str, Any] = {}
     deadlines = [0]
@@ -192,9 +190,7 @@ class Applied(NamedTuple):
 
 
 def loaded(rows: Sequence[Row]) -> tuple[LockRules, dict[str, dict[str, Any]]]:
-    """Rules holding ``rows``, at their latest clock (this process's when
-    none has one), and each row's state by key.
-    """
+    """Rules holding ``rows`` at their latest clock (else this process's), and each row's state."""
     rules = LockRules(clock=max((int(row[2]) for row in rows if row[2] is not None), default=None))
     states = {}
     for key, text, _ in rows:

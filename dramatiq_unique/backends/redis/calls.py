@@ -21,8 +21,7 @@ from redis.retry import Retry
 from ...background import DEFAULT_STUCK_AFTER, Interruptible, calls_deadline, interrupt_at_deadline, now_ms, pid
 from ...compat import timeout_in_disguise
 
-#: How long, in seconds, a caller waits for another thread's round trip
-#: when the connection has no socket timeout.
+#: The seconds a caller waits for another thread's round trip, without a socket timeout.
 DEFAULT_TIMEOUT = 30.0
 
 #: How often, in seconds, a waiting caller looks at the shutdown's deadline.
@@ -56,9 +55,7 @@ _INTERRUPTED = "the worker's shutdown interrupted this lock call; it may have ap
 
 
 def _interrupted(interrupt: BaseException) -> TimeoutError:
-    """What the other callers get when an interrupt meant for the leading
-    thread broke their round trip: a lost reply, not that thread's interrupt.
-    """
+    """A lost reply, not the interrupt, for the others in a round trip its leader's interrupt broke."""
     return TimeoutError(
         f"the round trip carrying this call was interrupted in another thread ({interrupt!r}); "
         "the call may have applied"
@@ -118,10 +115,9 @@ class GroupCommit:
         return caller.result()
 
     def _wait(self, caller: _Caller) -> bool:
-        """Wait for ``caller``'s replies (or the lead) at most ``timeout``
-        seconds, never past a shutdown's deadline; a caller after that
-        deadline still waits ``DEFAULT_STUCK_AFTER`` ms, as long as a call
-        in flight is left before it is broken.
+        """Wait for ``caller``'s replies (or the lead) at most ``timeout`` s,
+        never past a shutdown's deadline, but ``DEFAULT_STUCK_AFTER`` ms at
+        least: as long as a call in flight is left before it is broken.
         """
         end, began = time.monotonic() + self.timeout, now_ms()
         while True:
@@ -334,9 +330,7 @@ class ScriptCalls(Interruptible):
             self._idle.append(conn)
 
     def add(self, name: str, source: str) -> None:
-        """Make one more script callable by ``name``.  Safe beside concurrent
-        calls: ``sources``, where callers look, gets it after ``shas``.
-        """
+        """Make script ``name`` callable; safe beside calls, which look in ``sources``, set last."""
         with self._adding:  # two names added at once: neither is lost
             self.shas = {**self.shas, name: hashlib.sha1(source.encode()).hexdigest().encode()}
             self.sources = {**self.sources, name: source}
@@ -348,9 +342,7 @@ class ScriptCalls(Interruptible):
             conn.disconnect()
 
     def _exchange(self, conn: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
-        """One round trip; an error reply is returned in its place, not
-        raised, and a timeout raised as ``TimeoutError`` (see :func:`_unmasked`).
-        """
+        """One round trip; error replies returned, not raised; timeouts as :func:`_unmasked`."""
         packed = b"".join(map(_pack, commands))
         replies: list[Any] = _unmasked(lambda: self._send_and_read(conn, packed, len(commands)))
         return replies
@@ -469,9 +461,8 @@ class ScriptCalls(Interruptible):
         replies: list[Any],
         trailer: Optional[tuple[Any, ...]] = None,
     ) -> list[Any]:
-        """Load the missing scripts and send again the calls that got
-        ``NOSCRIPT`` (none of them ran), in one round trip, the trailer
-        after them again (a ``WAIT`` before them did not cover them).
+        """Load the missing scripts and resend the calls that got ``NOSCRIPT``
+        (none ran) in one round trip, the trailer again after them.
         """
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         loads = [(b"SCRIPT", b"LOAD", self.sources[name]) for name in {calls[i][0] for i in missing}]

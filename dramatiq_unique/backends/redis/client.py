@@ -87,9 +87,7 @@ def _message_of(owner: str) -> str:
 
 
 def _release_keys(key: str, owner: str) -> list[str]:
-    """release.lua's keys: the lock, its waiters and bodies, and the owner's
-    message record (every job's, so spelled out).
-    """
+    """release.lua's keys: lock, waiters, bodies, the owner's message record (spelled out: every job's)."""
     message = f"{key}{wire.MESSAGE_SUFFIX}{_message_of(owner)}"
     return [key, f"{key}{wire.WAIT_SUFFIX}", f"{key}{wire.BODIES_SUFFIX}", message]
 
@@ -410,9 +408,7 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         return self._each("extend", [(key, owner, ttl) for key, owner in locks])
 
     def native_extender(self) -> Optional[NativeExtender]:
-        """:class:`~.native.NativeExtend` for a standalone client on plain TCP
-        or a Unix socket; None otherwise.
-        """
+        """:class:`~.native.NativeExtend` for a standalone client on TCP or a Unix socket, else None."""
         return None if self.cluster else native_extend(self.client, script=SCRIPTS["extend"])
 
     def confirm(self, locks: Sequence[tuple[str, str, int]]) -> list[bool]:
@@ -450,9 +446,7 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         return got
 
     def _replaced_back(self, key: str, owner: str, status: ReplaceStatus) -> Optional[Callable[[], Any]]:
-        """How to give back what a replace took: the superseded message
-        current again, then the slot; nothing for a re-entered slot.
-        """
+        """How to give back what a replace took (the superseded one current again, then the slot)."""
         if status is ReplaceStatus.REENTERED:
             return None
         release = self._give_back(key, owner)

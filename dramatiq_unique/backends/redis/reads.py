@@ -1,7 +1,4 @@
-"""The operators' reads of :class:`~.client.RedisBackend` (see
-:class:`~..base.LockReads`): straight redis-py commands on its client,
-none of them on a job's path.
-"""
+"""The operators' reads of :class:`~.client.RedisBackend`: plain redis-py commands, none on a job's path."""
 
 from __future__ import annotations
 
