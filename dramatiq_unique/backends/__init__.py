@@ -67,9 +67,7 @@ def from_url(url: str, **options: Any) -> LockBackend:
 
 
 def for_broker(broker: Any, **options: Any) -> Optional[LockBackend]:
-    """The backend a broker lends when no URL is set: a ``RedisBackend`` on
-    a ``RedisBroker``'s client, a :class:`StubBackend` for a ``StubBroker``,
-    or None.
+    """The backend a broker lends when no URL is set: a ``RedisBroker``'s client, a ``StubBroker``'s memory, or None.
 
     Parameters:
       **options: Passed to ``RedisBackend`` (``min_replicas``, say).

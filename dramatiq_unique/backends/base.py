@@ -240,7 +240,7 @@ class LockBackend(LockReads):
 
 
 def call_backend(backend: LockReads, doing: str, call: Callable[..., T], *args: Any) -> T:
-    """Run one call of ``backend``, a failure raised as a one-line :class:`LockBackendError`."""
+    """Run one call of ``backend``, a failure raised as a one-line :class:`LockBackendError` of ``doing``."""
     try:
         return call(*args)
     except UniqueError:

@@ -95,10 +95,9 @@ class Acquisition(NamedTuple):
 
 
 class Copy(NamedTuple):
-    """One copy of a message that may exist several times over, under one
-    message id: the original, or a reschedule's delayed or handed-over
-    copy, each maybe retried or redelivered.  See ``docs/reliability.md``,
-    "The hand-off model".
+    """One copy of a message that exists several times over under one id: the
+    original, or a reschedule's delayed or handed-over copy, each maybe
+    retried or redelivered.  See ``docs/reliability.md``, "The hand-off model".
 
     Attributes:
       key(str): The run lock the message waits or waited for.

@@ -122,16 +122,14 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
 
     Parameters:
       url(str): A ``postgresql://`` URL, or any libpq connection string.
-      pool(psycopg_pool.ConnectionPool): A pool to use instead (autocommit
-        connections); ``url`` and the connection parameters are ignored.
+      pool(psycopg_pool.ConnectionPool): A pool of autocommit connections, instead of ``url``.
       timeout(float): How long a call waits for a pool connection, and a
         new connection for the server, in seconds.
       statement_timeout(int): The longest a call's statements may take, in ms.
       max_size(int): The most connections the pool opens.
-      prepare_threshold(int): psycopg's, for the reads and the sweep (lock
-        calls prepare nothing); None prepares nothing, as PgBouncer's
-        transaction mode needs before 1.21 (from 1.21, with
-        ``max_prepared_statements`` set, 5 saves a little server time).
+      prepare_threshold(int): psycopg's, for the reads and the sweep; None
+        prepares nothing, as PgBouncer's transaction mode needs before 1.21
+        (from 1.21, with ``max_prepared_statements``, 5 saves a little).
       synchronous_commit(str): Each lock transaction's, e.g. ``"off"``,
         which halves a call's time, and a server crash can then lose the
         last few hundred ms of locks (see docs/postgres.md); None keeps the

@@ -18,8 +18,7 @@ SCHEMA_VERSION = 1
 #: The table of lock state.
 LOCKS = f"dramatiq_unique_v{SCHEMA_VERSION}_locks"
 
-#: A transaction-level advisory lock, so that concurrent first uses
-#: create the schema once.
+#: An advisory lock, so that concurrent first uses create the schema once.
 SCHEMA_LOCK = 0x6471_5F75_6E69_7131  # "dq_uniq1"
 #: Held by the one process that sweeps, for the sweep's transaction.
 SWEEP_LOCK = 0x6471_5F75_6E69_7153  # "dq_uniqS"
@@ -60,8 +59,7 @@ SCAN = f"""SELECT key, state::text, NULL FROM {LOCKS}
     WHERE key LIKE %s AND expires_at > clock_timestamp()
     UNION ALL SELECT NULL, NULL, {CLOCK}"""
 
-#: Store a key's state (JSON) and expiry (server Unix ms): one index
-#: lookup per key, sent together.
+#: Store a key's state (JSON) and expiry (server Unix ms): an index lookup.
 WRITE = f"UPDATE {LOCKS} SET state = %s::jsonb, expires_at = to_timestamp(%s::bigint / 1000.0) WHERE key = %s"
 
 #: Drop a key's row.

@@ -1,12 +1,8 @@
-"""The lock rules run on rows: each key's :class:`~..keystate.KeyState`
-as JSON, one row per key, with its last fence.  :func:`apply` loads the
-locked rows into a :class:`~..rules.LockRules` made at the server's
-clock, runs the verb, and says which rows to write back and which to
-drop: so the rules of the claim are the in-memory backend's.
-
-The encoding follows the dataclasses' type hints, so a field added to
-one is stored with no change here.  Default fields are left out; bytes
-are base64 text, sets sorted lists, tuples lists.
+"""The lock rules run on rows, each a key's :class:`~..keystate.KeyState`
+in JSON: :func:`apply` loads the locked rows into a :class:`~..rules.LockRules`
+at the server's clock, runs the verb, and says what to write back, so
+the rules of the claim are the in-memory backend's.  The encoding follows
+the type hints, so a new field is stored with no change here.
 """
 
 from __future__ import annotations

@@ -67,8 +67,7 @@ class GroupCommit:
 
     Parameters:
       round_trip(callable): Sends commands in one round trip, returns replies.
-      timeout(float): The longest a caller waits for another thread's round
-        trip, in seconds.
+      timeout(float): The most seconds a caller waits for another thread's round trip.
     """
 
     def __init__(self, round_trip: RoundTrip, *, timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -190,18 +189,16 @@ Call = tuple[str, Sequence[Union[str, bytes]], Sequence[Union[str, bytes, int]]]
 _MIRRORED = (Connection, SSLConnection, UnixDomainSocketConnection)
 _EVALSHA = b"EVALSHA"
 
-#: How many times a lock call whose connection failed is sent again on a
-#: fresh one, where the client names no retry policy: redis-py gives a
-#: client from a URL (the broker's too) none, so one dropped connection
-#: would fail a send or leave a key held until its lease ran out.  Not
-#: after a timeout: that would multiply the socket timeout.
+#: How often a lock call whose connection failed is resent on a fresh one,
+#: where the client names no retry policy: redis-py gives a client from a
+#: URL (the broker's too) none, so one dropped connection would fail a
+#: send or leave a key held.  Never after a timeout, which it would multiply.
 DEFAULT_RETRIES = 3
 
 
 class _Retry(Retry):
     """Retries failed connections, never timeouts, even those redis-py
-    reports as failed connections (``timeout_in_disguise``); the health
-    check and handshake retry with it too.
+    reports as failed connections (``timeout_in_disguise``).
     """
 
     def call_with_retry(self, do: Callable[[], Any], fail: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -219,9 +216,8 @@ def _unmasked(do: Callable[[], Any]) -> Any:
 
 
 def default_retry() -> Retry:
-    """:data:`DEFAULT_RETRIES`, after at most 20, 40, 80 ms (full jitter).
-    Safe: every script survives a lost reply (the owner re-enters, a
-    release checks the owner, a send finds its message enqueued).
+    """:data:`DEFAULT_RETRIES`, after at most 20, 40, 80 ms (full jitter): safe,
+    as every script survives a lost reply.
     """
     return _Retry(FullJitterBackoff(cap=1.0, base=0.01), DEFAULT_RETRIES, supported_errors=(redis.ConnectionError,))
 
@@ -462,7 +458,8 @@ class ScriptCalls(Interruptible):
         trailer: Optional[tuple[Any, ...]] = None,
     ) -> list[Any]:
         """Load the missing scripts and resend the calls that got ``NOSCRIPT``
-        (none ran) in one round trip, the trailer again after them.
+        (none ran), then the trailer again: a ``WAIT`` before them did not
+        cover them.
         """
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         loads = [(b"SCRIPT", b"LOAD", self.sources[name]) for name in {calls[i][0] for i in missing}]

@@ -195,9 +195,10 @@ def _releases(replies: Sequence[Any]) -> list[Union[Release, Exception]]:
 
 
 class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, BatchedReleases, RenewsNatively):
-    """A lock backend that stores locks in Redis, with every capability; on
-    a Cluster the last three are off (:attr:`dispatch_client` and
-    :meth:`native_extender` give None, :attr:`batches_releases` is False).
+    """A lock backend that stores locks in Redis, with every capability; on a
+    Cluster, sending with the publish, batched releases and native renewal
+    are off (:attr:`dispatch_client` and :meth:`native_extender` give None,
+    :attr:`batches_releases` is False).
 
     Parameters:
       client(redis.Redis): A client to use, e.g. a

@@ -21,8 +21,7 @@ class NativeExtend:
       address(tuple or str): ``(host, port)``, or a Unix socket path.
       db(int): The database to select.
       username(str), password(str): For ``AUTH``, when set.
-      script(str): The source of ``extend.lua`` (keys ``[key]``, arguments
-        ``[owner, ttl]``).
+      script(str): The source of ``extend.lua`` (``[key], [owner, ttl]``).
       connect_timeout(float): In seconds.
     """
 
