@@ -18,8 +18,7 @@ from .stub import StubBackend
 
 __all__ = ["StubBackend", "RedisBackend", "from_url", "for_broker"]
 
-#: Each optional backend by module (and extra) name: its driver's import
-#: name, the name to tell a user, and its URL schemes.
+#: Each optional backend by module and extra: driver import, its name for users, URL schemes.
 _EXTRAS = {
     "redis": ("redis", "redis-py", REDIS_URL_SCHEMES),
     "postgres": ("psycopg", "psycopg", POSTGRES_URL_SCHEMES),

@@ -34,8 +34,8 @@ T = TypeVar("T")
 
 def glob_pattern(glob: str) -> "re.Pattern[str]":
     """The regular expression, matching whole keys, of a key glob: Redis's
-    ``SCAN MATCH`` glob (``*``, ``?``, ``[a-z]``, ``[^abc]``, ``\\``), so
-    that every backend reads a pattern as the Redis backend does.
+    ``SCAN MATCH`` glob (``*``, ``?``, ``[a-z]``, ``[^abc]``, ``\\`` to
+    escape), so that every backend reads a pattern as the Redis backend does.
     """
     parts, i = [], 0
     while i < len(glob):

@@ -19,8 +19,7 @@ class MessageRecord:
     winner: str
     expires_at: int
     out: set[tuple[int, str]] = field(default_factory=set)
-    #: The run lock owner the message runs under, and as which copy
-    #: ``(attempt, via, retries)``.
+    #: The run lock owner it runs under, and as which copy ``(attempt, via, retries)``.
     runner: Optional[str] = None
     ran: tuple[int, str, int] = (0, "", 0)
     #: The succeeded run's Retries count (or None), copy, and owner.

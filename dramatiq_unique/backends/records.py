@@ -26,8 +26,7 @@ class CopyVerdict(_Named):
     STALE = "stale"
     #: The other copy of its reschedule arrived first.
     LOST = "lost"
-    #: A copy of a run that succeeded, with no more retries than it: a
-    #: duplicate publish or delivery.
+    #: A copy of a succeeded run, with no more retries: a duplicate publish or delivery.
     DONE = "done"
 
 
@@ -53,7 +52,7 @@ class CurrentStatus(enum.IntEnum):
     SUPERSEDED = -2
     #: A re-enqueued copy that may not run: ``other`` is the verdict's text.
     MAY_NOT_RUN = 3
-    #: A delivery: current (now started).  A re-enqueue: took the free key.
+    #: A delivery: current (now started).  A re-enqueue: took the free key (``other``: itself).
     CURRENT = 1
     #: A re-enqueue re-entered its slot (``other`` is itself).
     REENTERED = 2

@@ -6,7 +6,7 @@ from .rules import LockRules
 
 
 class StubBackend(LockRules):
-    """An in-memory lock backend, :class:`~.rules.LockRules` on this
-    process's clocks: its locks live in this process only, for tests, the
-    demo and single-process workers.
+    """An in-memory lock backend with the reschedule protocol and newest
+    wins: :class:`~.rules.LockRules` on this process's clocks.  Its locks
+    live in this process only, for tests, the demo and single-process workers.
     """

@@ -23,8 +23,7 @@ SCHEMA_LOCK = 0x6471_5F75_6E69_7131  # "dq_uniq1"
 #: Held by the one process that sweeps, for the sweep's transaction.
 SWEEP_LOCK = 0x6471_5F75_6E69_7153  # "dq_uniqS"
 
-#: Room on each page for the updated row, so that most updates are HOT
-#: (no index write, pruned without a vacuum).
+#: Room on each page for the updated row, so that most updates are HOT (no index write, no vacuum).
 FILLFACTOR = 70
 
 CREATE = [

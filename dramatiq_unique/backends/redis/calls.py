@@ -370,8 +370,7 @@ class ScriptCalls(Interruptible):
         try:
             result: list[Any] = conn.retry.call_with_retry(attempt, lambda _error: conn.disconnect())
         except BaseException as e:
-            # What broke the exchange (a time limit too) may have left
-            # replies unread: never reuse the connection.
+            # Whatever broke the exchange (a time limit too) may have left replies unread: never reuse it.
             conn.disconnect()
             if isinstance(e, Exception) and interrupts != self._interrupts:
                 # A shutdown broke it from another thread (redis-py's parser

@@ -297,8 +297,7 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         return reply, acked
 
     def _give_back(self, key: str, owner: str) -> Callable[[], Any]:
-        # No hand-over: a promoted message could not be enqueued from here,
-        # and the waiters' delayed copies come anyway.
+        # No hand-over (a promoted message could not be enqueued here): the waiters' delayed copies come anyway.
         return lambda: self.release(key, owner, hand_over=False)
 
     def acquire(self, key: str, owner: str, *, copy: Optional[Copy] = None, **take: Any) -> Acquisition:
@@ -335,8 +334,7 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         args = [*_take_args(owner, TakeArgs(**take)), *arguments]
         reply, acked = self._take(name, [key, namespace], args)
         if isinstance(reply, int):
-            # The script enqueued the message: keep its lock, so that the
-            # lock matches the queue (a lost reply's rule).
+            # The script enqueued the message: keep its lock to match the queue (a lost reply's rule).
             self._require(acked, key, None)
             return Acquisition(True, holder=owner, fence=reply)
         status, holder, fence, _ = reply

@@ -17,8 +17,7 @@ class RedisReads(LockReads):
     ``HGETALL`` at the server's ``TIME``.
     """
 
-    #: The redis-py client, standalone or Cluster, and whether it is this
-    #: backend's own, to close with it.
+    #: The redis-py client (standalone or Cluster), and whether to close it with this backend.
     client: Any
     owns_client: bool
     #: The URL it was made from, if any, and whether it is a Cluster's.
