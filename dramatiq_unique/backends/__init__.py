@@ -1,10 +1,7 @@
-"""Lock backends: the interface and its capabilities (:mod:`.base`),
-:class:`StubBackend` always, :class:`RedisBackend` when the ``redis``
-extra is installed, ``PostgresBackend`` with the ``postgres`` extra,
-and :func:`from_url`, which makes one from a URL by its scheme.
-
-Code outside this package makes a backend with :func:`from_url` or
-:func:`for_broker` and never imports a concrete backend's module.
+"""Lock backends: :class:`StubBackend`, :class:`RedisBackend` (the
+``redis`` extra), ``PostgresBackend`` (the ``postgres`` extra).  Code
+outside this package makes one with :func:`from_url` or
+:func:`for_broker`, never importing a concrete backend's module.
 """
 
 from __future__ import annotations
@@ -21,9 +18,7 @@ from .stub import StubBackend
 
 __all__ = ["StubBackend", "RedisBackend", "from_url", "for_broker"]
 
-#: Each optional backend, by its module's name (also the extra that
-#: brings its driver): the driver's import name, the name to tell a user,
-#: and the URL schemes it serves.
+#: Each optional backend by module and extra: driver import, its name for users, URL schemes.
 _EXTRAS = {
     "redis": ("redis", "redis-py", REDIS_URL_SCHEMES),
     "postgres": ("psycopg", "psycopg", POSTGRES_URL_SCHEMES),
@@ -34,8 +29,7 @@ def _module(extra: str) -> ModuleType:
     """The backend module of ``extra``, imported on first use.
 
     Raises:
-      ConfigurationError: the module or its driver is missing, saying
-        which extra to install.
+      ConfigurationError: its driver is missing, naming the extra to install.
     """
     driver, name, schemes = _EXTRAS[extra]
     try:
@@ -51,19 +45,17 @@ def _module(extra: str) -> ModuleType:
 
 def from_url(url: str, **options: Any) -> LockBackend:
     """Make a lock backend from ``url``, by its scheme: ``redis://``,
-    ``rediss://``, ``unix://`` and ``redis+cluster://`` make a
+    ``rediss://``, ``unix://``, ``redis+cluster://`` make a
     ``RedisBackend``, ``postgresql://`` and ``postgres://`` a
     ``PostgresBackend``.
 
     Parameters:
       url(str): Where the locks live.
-      **options: Passed to the backend: ``RedisBackend(url=url,
-        **options)`` or ``PostgresBackend.from_url(url, **options)``.
+      **options: Passed to the backend's constructor.
 
     Raises:
-      ConfigurationError: naming ``url=``, for a URL that is not one, or
-        of a scheme no backend serves; or naming the extra to install
-        when the backend's driver is missing.
+      ConfigurationError: naming ``url=``, for a URL that is not one or of
+        no backend's scheme; or naming the extra its driver needs.
     """
     url = check_backend_url("url=", url)
     if url.startswith(POSTGRES_URL_SCHEMES):
@@ -74,9 +66,7 @@ def from_url(url: str, **options: Any) -> LockBackend:
 
 
 def for_broker(broker: Any, **options: Any) -> Optional[LockBackend]:
-    """The backend a broker lends when no URL is set: a ``RedisBackend``
-    on a ``RedisBroker``'s own client, a :class:`StubBackend` for a
-    ``StubBroker``; None for any other broker.
+    """The backend a broker lends when no URL is set: a ``RedisBroker``'s client, a ``StubBroker``'s memory, or None.
 
     Parameters:
       **options: Passed to ``RedisBackend`` (``min_replicas``, say).

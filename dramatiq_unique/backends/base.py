@@ -1,14 +1,11 @@
-"""The core of the lock backend interface: what every backend has.
+"""The core of the lock backend interface: :class:`LockBackend` and the
+operators' reads of :class:`LockReads`.  Capabilities are in
+:mod:`.capabilities`, the verbs' records in :mod:`.records`.
 
-The core is :class:`LockBackend`, with the operators' reads of
-:class:`LockReads`: what every lock type needs.  What only some backends
-can do are the capabilities (:mod:`.capabilities`), and the records the
-verbs take and return are in :mod:`.records`.
-
-A lock is a set of holders under one key.  Each holder is an owner
-string with its own deadline, so ``limit`` holders may share a key and
-a dead holder frees only its own slot.  Every verb checks the owner,
-and every deadline is enforced by the backend's own clock.
+A lock is a set of holders under one key, each an owner with its own
+deadline, so ``limit`` holders may share a key and a dead holder frees
+only its own slot.  Every verb checks the owner; deadlines follow the
+backend's own clock.
 """
 
 from __future__ import annotations
@@ -36,12 +33,9 @@ T = TypeVar("T")
 
 
 def glob_pattern(glob: str) -> "re.Pattern[str]":
-    """The regular expression of a key glob, as :meth:`LockReads.scan`
-    reads it: ``*`` matches any run of characters, ``?`` one character,
-    ``[abc]`` one of a set (``[a-z]`` a range, ``[^abc]`` none of them),
-    and ``\\`` makes the next character plain.  The pattern matches the
-    whole key.  It is Redis's ``SCAN MATCH`` glob, so that every backend
-    reads a pattern as the Redis backend does.
+    """The regular expression, matching whole keys, of a key glob: Redis's
+    ``SCAN MATCH`` glob (``*``, ``?``, ``[a-z]``, ``[^abc]``, ``\\`` to
+    escape), so that every backend reads a pattern as the Redis backend does.
     """
     parts, i = [], 0
     while i < len(glob):
@@ -65,10 +59,7 @@ def glob_pattern(glob: str) -> "re.Pattern[str]":
 
 
 class LockReads(abc.ABC):
-    """What operators read of a backend: no verb here changes a lock.
-    :class:`~dramatiq_unique.ops.admin.LockAdmin` and the dashboard read
-    through these; the middleware never does.
-    """
+    """What operators read of a backend (never the middleware): no verb here changes a lock."""
 
     @abc.abstractmethod
     def inspect(self, key: str) -> Optional[LockInfo]:
@@ -76,59 +67,39 @@ class LockReads(abc.ABC):
 
     @abc.abstractmethod
     def scan(self, pattern: str) -> Iterator[str]:
-        """Iterate over the held keys matching ``pattern``, a glob read
-        as :func:`glob_pattern` says, each key once.  A backend may also
-        yield the keys it keeps beside a lock (waiters, records), which
-        share the lock key as their prefix: callers that want locks
-        only match the phase at the end (``*:run``, ``*:queue``).
+        """Iterate once over each held key matching glob ``pattern``
+        (:func:`glob_pattern`).  Keys kept beside a lock (waiters, records)
+        may come too: match the phase (``*:run``) to get locks only.
         """
 
     def waiters(self, key: str) -> list[Waiter]:
-        """The messages waiting for run lock ``key``, first in line
-        first; for operators.  A backend without waiting lists has none.
-        """
+        """The messages waiting for run lock ``key``, first in line first."""
         return []
 
     def describe(self) -> str:
-        """A short description for error messages, e.g. a URL without
-        its password.
-        """
+        """A short description for error messages, e.g. a URL without its password."""
         return type(self).__name__
 
     def close(self) -> None:
-        """Close the connections this backend opened itself (not a
-        client it was given); a later call opens them again.  Nothing to
-        close by default.
-        """
+        """Close the connections this backend opened (not a client given); a later call reopens."""
         return None
 
     def check(self, key: str) -> None:
-        """Make one read that changes nothing, to find out whether the
-        backend answers: a worker does at boot, the CLI before it reads.
+        """Make one read that changes nothing, to find out whether the backend answers.
 
         Parameters:
-          key(str): A key to read, under the locks' prefix (so that a
-            client allowed only those keys may read it); nobody holds it.
+          key(str): A key nobody holds, under the locks' prefix (so that a
+            client allowed only those keys may read it).
 
         Raises:
           Exception: What the backend's client raises when it cannot be
-            reached, e.g. redis-py's ``ConnectionError: Error -2
-            connecting to no-such-host.invalid:6379. Name or service not
-            known.``
+            reached, e.g. redis-py's ``ConnectionError``.
         """
         self.inspect(key)
 
 
 class LockBackend(LockReads):
-    """The core of every lock backend.  Durations are in milliseconds.
-
-    The verbs are grouped by who calls them: the hot path (every job
-    makes these) and operators' writes.  Operators' reads are
-    :class:`LockReads`; what only some backends can do are the
-    capabilities below (:class:`Reschedules`, :class:`NewestWins`,
-    :class:`SendsWithPublish`, :class:`BatchedReleases`,
-    :class:`RenewsNatively`).
-    """
+    """The core of every lock backend: the hot path and operators' writes.  Durations are in ms."""
 
     # The hot path: every job -----------------------------------------
 
@@ -146,28 +117,24 @@ class LockBackend(LockReads):
         where: Optional[str] = None,
         copy: Optional[Copy] = None,
     ) -> Acquisition:
-        """Take one of ``limit`` slots of ``key`` for ``owner`` until
-        ``ttl`` from now.  Acquiring again with the same owner succeeds
-        and keeps the later of the two deadlines.
+        """Take one of ``limit`` slots of ``key`` for ``owner`` until ``ttl``
+        from now.  The same owner again re-enters, keeping the later deadline.
 
         Parameters:
           key(str): The lock key.
           owner(str): The holder's identity.
-          ttl(int): How long the slot is held, in milliseconds.
+          ttl(int): How long the slot is held.
           limit(int): How many owners may hold the key at once.
           lock(str): The lock type, recorded for operators.
           lock_args(str): JSON of the lock args, recorded if given.
-          provisional(int): When above 0 and below ``ttl``, a new slot,
-            or one still provisional, lasts this long only, until
-            :meth:`confirm` gives it ``ttl``.  A confirmed slot that is
-            re-entered takes ``ttl`` at once.
-          where(str): Keep an :class:`EnqueueRecord` of the owner, with
-            this as where its message is being published; None keeps
-            none (run locks).
-          copy(Copy): A re-enqueued copy of a message that may have been
-            rescheduled: nothing is taken when it may not run.  A
-            backend without :class:`Reschedules` keeps no records, so
-            every copy may run.
+          provisional(int): When above 0 and below ``ttl``, a new or still
+            provisional slot lasts this long only, until :meth:`confirm`
+            gives it ``ttl``; a confirmed slot re-entered takes ``ttl``.
+          where(str): Where the owner's message is being published, kept in
+            its :class:`EnqueueRecord`; None keeps none (run locks).
+          copy(Copy): A re-enqueued copy of a maybe rescheduled message:
+            nothing is taken when it may not run (never without
+            :class:`Reschedules`, which keeps the records).
         """
 
     @abc.abstractmethod
@@ -184,48 +151,41 @@ class LockBackend(LockReads):
         order: Optional[int] = None,
         reserve: int = DEFAULT_RESERVE,
     ) -> Start:
-        """Claim the delivered ``copy`` (see :meth:`Reschedules.claim`), take a slot
-        of the run lock ``key`` for ``owner``, and release the enqueue
-        lock ``queue_key`` of the message once the slot is taken: one
-        round trip for everything a delivery takes before it runs.
+        """Claim the delivered ``copy`` (:meth:`Reschedules.claim`), take a
+        slot of run lock ``key`` for ``owner``, then release the enqueue
+        lock ``queue_key``: one round trip for all a delivery takes.
 
-        A slot reserved for another message counts as held.  A free
-        slot goes to the oldest waiter in line instead, when one was
-        sent before ``copy`` (``order``, see :meth:`Reschedules.join_line`; None: after
-        every waiter): it is reserved for it for ``reserve`` ms and its
-        message returned in :attr:`Start.promoted`.  A copy whose
-        message is still in line when the slot is not its to take
-        changes nothing (:attr:`Start.in_line`).
+        A slot reserved for another message counts as held.  A free slot
+        goes instead to the oldest waiter sent before ``copy`` (``order``,
+        see :meth:`Reschedules.join_line`; None: after every waiter),
+        reserved ``reserve`` ms, its message in :attr:`Start.promoted`.  A
+        copy still in line for a slot not its own changes nothing
+        (:attr:`Start.in_line`).
         """
 
     @abc.abstractmethod
     def release(
         self, key: str, owner: str, *, hand_over: bool = True, succeeded: bool = False, reserve: int = DEFAULT_RESERVE
     ) -> Release:
-        """Remove ``owner`` from ``key``, and hand the freed slot to the
-        longest waiter of ``key``, if any (see :meth:`Reschedules.join_line`), reserved
-        for that waiter's message until a copy of it takes it or
-        ``reserve`` ms have passed.
+        """Remove ``owner`` from ``key``, and hand the freed slot to its
+        longest waiter (:meth:`Reschedules.join_line`), reserved until a
+        copy of that message takes it or ``reserve`` ms pass.
 
         Parameters:
           hand_over(bool): False leaves the waiters waiting, for a caller
             that cannot enqueue the promoted message (an operator).
-          succeeded(bool): The owner's run succeeded and leaves nothing
-            to do: it finishes its message, so that a later copy with no
-            more retries is skipped as a duplicate.  False (a failed run,
-            or an outcome unknown) leaves the message's next copy to run.
+          succeeded(bool): The run succeeded: it finishes its message, so
+            that a later copy with no more retries is skipped as a
+            duplicate.  False (failed, or unknown) lets the next copy run.
           reserve(int): In milliseconds.
         """
 
     def release_many(self, locks: Sequence[tuple[Any, ...]]) -> list[Union[Release, Exception]]:
-        """Release each ``(key, owner)`` (or :class:`Releasing`) and hand
-        its slot over, as :meth:`release` does, in as few round trips as
-        the backend can (one each here; one in all with
-        :class:`BatchedReleases`).
+        """:meth:`release` each ``(key, owner)`` (or :class:`Releasing`), in
+        one round trip each here, one in all with :class:`BatchedReleases`.
 
         Returns:
-          list: per lock, its :class:`Release`, or the exception its
-          release raised.
+          list: per lock, its :class:`Release`, or the exception it raised.
         """
         outcomes: list[Union[Release, Exception]] = []
         for lock in locks:
@@ -238,9 +198,8 @@ class LockBackend(LockReads):
 
     @abc.abstractmethod
     def extend(self, locks: Sequence[tuple[str, str]], ttl: int) -> list[bool]:
-        """Move the deadline of each ``(key, owner)`` to ``ttl`` from
-        now, in one round trip.  An owner whose slot lapsed or was taken
-        is not extended.
+        """Move each ``(key, owner)``'s deadline to ``ttl`` from now, in one
+        round trip; a slot that lapsed or was taken is not extended.
 
         Returns:
           list[bool]: per lock, whether it is still held.
@@ -248,9 +207,8 @@ class LockBackend(LockReads):
 
     @abc.abstractmethod
     def confirm(self, locks: Sequence[tuple[str, str, int]]) -> list[bool]:
-        """Give each provisional ``(key, owner, ttl)`` slot its full
-        lifetime: a deadline of at least ``ttl`` from now, in one round
-        trip.  A slot released meanwhile, or lapsed, is never revived.
+        """Give each provisional ``(key, owner, ttl)`` slot a deadline of at
+        least ``ttl`` from now, in one round trip; never revive a slot.
 
         Returns:
           list[bool]: per lock, whether it is still held.
@@ -260,9 +218,8 @@ class LockBackend(LockReads):
 
     @abc.abstractmethod
     def reap(self, key: str, owner: str, record: EnqueueRecord) -> bool:
-        """Release ``owner``'s slot of ``key`` if its enqueue record is
-        still ``record``: a reaper checked that record's message and
-        found it nowhere.
+        """Release ``owner``'s slot of ``key`` if its enqueue record is still
+        ``record``, whose message a reaper found nowhere.
 
         Returns:
           bool: True when a live slot was released.
@@ -274,10 +231,8 @@ class LockBackend(LockReads):
 
     @abc.abstractmethod
     def delete_prefix(self, prefix: str) -> int:
-        """Drop every key that starts with ``prefix`` (a plain string,
-        not a glob): locks, and what the backend keeps beside them
-        (waiters, message records, superseded records).  For tests and
-        for operators clearing an application's keys.
+        """Drop every key starting with ``prefix`` (not a glob), with what is
+        kept beside it (waiters, records): for tests and operators.
 
         Returns:
           int: How many keys were dropped (as the backend counts them).
@@ -285,10 +240,7 @@ class LockBackend(LockReads):
 
 
 def call_backend(backend: LockReads, doing: str, call: Callable[..., T], *args: Any) -> T:
-    """Run one call of ``backend``, turning its failures into
-    :class:`LockBackendError` with a one-line message that says what it
-    was ``doing``, as the operators' listing words them.
-    """
+    """Run one call of ``backend``, a failure raised as a one-line :class:`LockBackendError` of ``doing``."""
     try:
         return call(*args)
     except UniqueError:
@@ -300,10 +252,9 @@ def call_backend(backend: LockReads, doing: str, call: Callable[..., T], *args: 
 
 
 class PrefixLocks:
-    """The live locks under one prefix, read through a backend's reads:
-    what a worker's periodic reaper checks, and what the operators'
-    :class:`~dramatiq_unique.ops.admin.LockAdmin` lists.  Failures are
-    :class:`LockBackendError` (see :func:`call_backend`).
+    """The live locks under one prefix, as the reaper checks them and
+    :class:`~dramatiq_unique.ops.admin.LockAdmin` lists them; failures are
+    :class:`LockBackendError` (:func:`call_backend`).
 
     Parameters:
       backend(LockBackend): Where the locks live.
@@ -317,10 +268,7 @@ class PrefixLocks:
     def locks(
         self, *, actor: Optional[str] = None, pattern: Optional[str] = None, phase: Optional[str] = None
     ) -> Iterator[ListedLock]:
-        """Iterate over the live locks, in ``SCAN`` order, each once,
-        filtered as :meth:`~dramatiq_unique.ops.admin.LockAdmin.locks`
-        says (``pattern`` is read by :func:`glob_pattern`).
-        """
+        """Iterate once over each live lock, filtered as :meth:`~dramatiq_unique.ops.admin.LockAdmin.locks` says."""
         scope = actor_scope(actor) if actor is not None else None
         glob = pattern or lock_key_glob(prefix=self.prefix, scope=scope, phase=phase)
         keys = self.call(f"scan {glob!r}", self.backend.scan, glob)

@@ -1,8 +1,6 @@
-"""What :class:`~.rules.LockRules` keeps of each key, in memory: the
-lock entry, its waiters, its superseded record and the records of its
-messages, as the Redis scripts keep them in the key's hash and its
-companion keys.  ``PostgresBackend`` stores the same, one row per key
-(:mod:`.postgres.state`, which encodes these dataclasses by their hints).
+"""What :class:`~.rules.LockRules` keeps of each key, as the Redis scripts
+keep it in the key's hash and companion keys; ``PostgresBackend`` stores
+it as one row per key (:mod:`.postgres.state`).
 """
 
 from __future__ import annotations
@@ -15,20 +13,16 @@ from .records import EnqueueRecord
 
 @dataclass
 class MessageRecord:
-    """Which reschedule a message waits in, which copy won it, the
-    copies still to come, and whose run ended (see ``_claim.lua``).
-    """
+    """A message's reschedule, its winning copy, the copies to come, and its run (``_claim.lua``)."""
 
     attempt: int
     winner: str
     expires_at: int
     out: set[tuple[int, str]] = field(default_factory=set)
-    #: The run lock owner the message runs under, and as which copy
-    #: ``(attempt, via, retries)``.
+    #: The run lock owner it runs under, and as which copy ``(attempt, via, retries)``.
     runner: Optional[str] = None
     ran: tuple[int, str, int] = (0, "", 0)
-    #: The Retries count of the copy whose run succeeded, or None, that
-    #: copy ``(attempt, via, retries)``, and the owner it ran under.
+    #: The succeeded run's Retries count (or None), copy, and owner.
     finished: Optional[int] = None
     finished_as: Optional[tuple[int, str, int]] = None
     finished_by: Optional[str] = None
@@ -44,9 +38,7 @@ class Waiters:
 
 @dataclass
 class Entry:
-    """One lock key: its holders and their deadlines, what took it, its
-    fence, and under newest wins its current and superseded messages.
-    """
+    """One lock key: holders, what took it, its fence, and under newest wins its messages."""
 
     holders: dict[str, int] = field(default_factory=dict)
     lock: str = ""
@@ -59,16 +51,13 @@ class Entry:
     previous: Optional[str] = None
     #: The record ``previous`` had when it was superseded.
     previous_record: Optional[EnqueueRecord] = None
-    #: Each holder's record (its taken time, and for an enqueue lock where
-    #: its message went), with Unix times as RedisBackend keeps them.
+    #: Each holder's record, with Unix times as RedisBackend keeps them.
     records: dict[str, EnqueueRecord] = field(default_factory=dict)
     #: Slots handed to a waiter: message id -> deadline (see _take.lua).
     reserved: dict[str, int] = field(default_factory=dict)
 
     def taken(self, lock: str, lock_args: Optional[str]) -> None:
-        """Record who took the key: the lock type, and the lock args
-        when given (as RedisBackend does, keeping earlier ones otherwise).
-        """
+        """Record the lock type, and the lock args when given (as RedisBackend does)."""
         self.lock = lock
         if lock_args is not None:
             self.lock_args = lock_args
@@ -76,19 +65,15 @@ class Entry:
 
 @dataclass
 class SupersededBy:
-    """The superseded record of an enqueue lock key: message id -> the
-    message that superseded it.
-    """
+    """An enqueue lock key's superseded record: message id -> the one that superseded it."""
 
     by: dict[str, str] = field(default_factory=dict)
     expires_at: int = 0
 
 
 class KeyState(NamedTuple):
-    """Everything a :class:`LockRules` keeps of one key, for a backend
-    that stores it elsewhere and runs these rules on it
-    (``PostgresBackend``): the lock, its waiters, its superseded
-    record, its messages' records by message id, and the last fence.
+    """All a :class:`LockRules` keeps of one key, for a backend that stores
+    it elsewhere (``PostgresBackend``); records by message id.
     """
 
     entry: Optional[Entry]

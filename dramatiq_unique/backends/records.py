@@ -1,7 +1,6 @@
-"""The records the lock backends' verbs take and return: outcomes as
-named tuples (immutable, at a third of a frozen dataclass's cost to
-build: every job makes several), their statuses as enums, and the
-figures the backends share.  Pure declarations: no verb runs here.
+"""The records the backends' verbs take and return, their statuses, and
+shared figures.  Named tuples: immutable at a third of a frozen
+dataclass's cost to build, and every job makes several.
 """
 
 from __future__ import annotations
@@ -14,9 +13,7 @@ from ..model.wire import EnqueueRecord
 
 
 class _Named(str, enum.Enum):
-    """An outcome named by its text: equal to that text, and printed as
-    it (in log lines too), as the plain strings it replaces were.
-    """
+    """An outcome equal to its text and printed as it, like the strings it replaced."""
 
     def __str__(self) -> str:
         return str(self.value)
@@ -29,9 +26,7 @@ class CopyVerdict(_Named):
     STALE = "stale"
     #: The other copy of its reschedule arrived first.
     LOST = "lost"
-    #: A copy of a run that succeeded, with no more retries than it: a
-    #: broker published or delivered it twice.  (A failed run, or a
-    #: retired copy, never finishes its message.)
+    #: A copy of a succeeded run, with no more retries: a duplicate publish or delivery.
     DONE = "done"
 
 
@@ -49,18 +44,15 @@ class ReplaceStatus(_Named):
 
 
 class CurrentStatus(enum.IntEnum):
-    """What :meth:`LockBackend.current` found of a message.  The values
-    are current.lua's reply codes, so that code written against the
-    numbers ``current`` answered before still compares equal.
+    """What :meth:`LockBackend.current` found of a message.  The values are
+    current.lua's codes, so code written against the old numbers still works.
     """
 
     #: A newer send superseded it: ``other`` is that send.
     SUPERSEDED = -2
-    #: A re-enqueued copy that may not run: ``other`` is the verdict
-    #: (a :class:`CopyVerdict`'s text); nothing was taken.
+    #: A re-enqueued copy that may not run: ``other`` is the verdict's text.
     MAY_NOT_RUN = 3
-    #: A delivery: the message is current (and now started).  A
-    #: re-enqueue: it took the free key afresh (``other`` is itself).
+    #: A delivery: current (now started).  A re-enqueue: took the free key (``other``: itself).
     CURRENT = 1
     #: A re-enqueue re-entered its slot (``other`` is itself).
     REENTERED = 2
@@ -73,8 +65,7 @@ class CurrentCheck(NamedTuple):
 
     Attributes:
       status(CurrentStatus): What was found.
-      other(str): The message it names (see :class:`CurrentStatus`), or
-        None.
+      other(str): The message it names (see :class:`CurrentStatus`), or None.
     """
 
     status: CurrentStatus
@@ -88,13 +79,10 @@ class Acquisition(NamedTuple):
       acquired(bool): True when the owner holds the lock now.
       reentered(bool): True when the owner already held it.
       holder(str): On a conflict, the owner of one of the holders.
-      fence(int): A fencing token that grows with every new holder of
-        the key.
-      provisional(bool): True when the slot holds for the provisional
-        window only: :meth:`LockBackend.confirm` it once the message is
-        published.
-      refused(CopyVerdict): When the acquisition was asked for a
-        :class:`Copy` that may not run: why.  Nothing was taken.
+      fence(int): A fencing token that grows with every new holder.
+      provisional(bool): The slot holds for the provisional window only,
+        until :meth:`LockBackend.confirm` (once the message is published).
+      refused(CopyVerdict): Why the :class:`Copy` may not run; nothing was taken.
     """
 
     acquired: bool
@@ -106,23 +94,18 @@ class Acquisition(NamedTuple):
 
 
 class Copy(NamedTuple):
-    """One copy of a message that may exist several times over: the
-    original, or the delayed or handed-over copy of a reschedule, each
-    also retried, redelivered and moved out of the delay queue under
-    the same message id.  See ``docs/reliability.md``, "The hand-off
-    model".
+    """One copy of a message that exists several times over under one id: the
+    original, or a reschedule's delayed or handed-over copy, each maybe
+    retried or redelivered.  See ``docs/reliability.md``, "The hand-off model".
 
     Attributes:
-      key(str): The run lock the message waits for, or waited for.
+      key(str): The run lock the message waits or waited for.
       message_id(str): The logical message.
-      attempt(int): How many times it was rescheduled: 0 for the
-        original.
-      via(str): ``"delay"`` or ``"handoff"`` for the two copies of a
-        reschedule, ``""`` for the original.
-      lock_args(str): The lock args JSON a run lock taken for this copy
-        records (``record_lock_args``); None records none.
-      retries(int): Its Retries count: a retry of a copy whose run
-        ended has more retries than it, a duplicate of it no more.
+      attempt(int): How many times it was rescheduled (0: the original).
+      via(str): ``"delay"``, ``"handoff"``, or ``""`` for the original.
+      lock_args(str): The lock args JSON its run lock records, or None.
+      retries(int): Its Retries count: more for a retry of a copy whose run
+        ended, no more for a duplicate.
     """
 
     key: str
@@ -137,20 +120,14 @@ class Start(NamedTuple):
     """The outcome of :meth:`LockBackend.start`.
 
     Attributes:
-      acquisition(Acquisition): Of the run lock; ``refused`` names why
-        this copy may not run (a :class:`CopyVerdict`), and then
-        nothing was taken.
+      acquisition(Acquisition): Of the run lock (``refused``: why this copy may not run).
       queue_released(bool): The enqueue lock was held, and is released.
-      in_line(bool): The lock is held (or reserved for another waiter)
-        and this copy's message is still in line for it: nothing was
-        written; the copy only has to come back later.
-      promoted(bytes): The slot was free and an older waiter was in
-        line: it was handed to that waiter (and reserved for it), whose
-        encoded message the caller enqueues at once.
-      duplicate_of(str): With ``refused`` DONE: the run lock owner of
-        the run that this copy duplicates.
-      free_in(int): With ``in_line``: in how many milliseconds the
-        key's last holder or reservation runs out unless renewed.
+      in_line(bool): Held or reserved, and this copy's message still in line:
+        nothing was written; the copy comes back later.
+      promoted(bytes): The free slot went (reserved) to an older waiter,
+        whose encoded message the caller enqueues at once.
+      duplicate_of(str): With ``refused`` DONE: the owner of the run duplicated.
+      free_in(int): With ``in_line``: ms until the last holder or reservation runs out.
     """
 
     acquisition: Acquisition
@@ -165,29 +142,24 @@ class Release(NamedTuple):
     """The outcome of :meth:`LockBackend.release`.
 
     Attributes:
-      held(bool): False when the owner no longer held the lock: it had
-        expired, or an operator had removed it.
-      promoted(bytes): The encoded message of the longest waiter, taken
-        off the key's waiting list to be enqueued at once.
+      held(bool): False when the owner no longer held it (expired, or removed).
+      promoted(bytes): The longest waiter's encoded message, to enqueue at once.
     """
 
     held: bool
     promoted: Optional[bytes] = None
 
 
-#: How many messages of one producer, made in one millisecond, keep
-#: their order among a key's waiters; a zset score stays exact (under
-#: 2**53) with timestamps in milliseconds times this.
+#: How many messages of one producer in one millisecond keep their order
+#: among a key's waiters; a zset score of ms times this stays under 2**53.
 SENDS_PER_MS = 1000
 
-#: How long the record of a rescheduled message outlives its run and
-#: its last expected copy, in milliseconds: the window in which a copy
-#: that a broker published or delivered twice is still known as a
-#: duplicate (``_claim.lua`` holds the same figure).
+#: How long, in ms, a rescheduled message's record outlives its run and
+#: last expected copy: the window in which a duplicate publish or delivery
+#: is known as one (``_claim.lua`` holds the same figure).
 DUPLICATE_WINDOW = 600_000
 
-#: How long, in milliseconds, a slot handed to a waiter stays reserved
-#: for its message when the caller names no other bound.
+#: How long, in ms, a slot handed to a waiter stays reserved by default.
 DEFAULT_RESERVE = 10_000
 
 
@@ -197,8 +169,7 @@ class Replacement(NamedTuple):
     Attributes:
       status(ReplaceStatus): What the replace did.
       holder(str): The message superseded, or the one that refused.
-      delay(int): Under debounce, how long from now the message is due,
-        in milliseconds; 0 otherwise.
+      delay(int): Under debounce, in how many ms the message is due; else 0.
       fence(int): The key's fencing token.
     """
 
@@ -217,12 +188,9 @@ class LockInfo(NamedTuple):
       holders(dict[str, int]): owner -> deadline in Unix milliseconds.
       lock_args(str): JSON of the lock args, when they were recorded.
       fence(int): The last fencing token handed out.
-      current(str): Under ``on_conflict="replace"``, the message that
-        runs next: the newest send.
-      superseded(int): How many messages this key's sends superseded
-        since it was taken.
-      records(dict[str, EnqueueRecord]): owner -> its enqueue record,
-        for the holders that have one.
+      current(str): Under ``on_conflict="replace"``, the newest send.
+      superseded(int): How many messages its sends superseded since taken.
+      records(dict[str, EnqueueRecord]): owner -> its enqueue record.
     """
 
     key: str
@@ -241,10 +209,8 @@ class Releasing(NamedTuple):
     Attributes:
       key(str): The lock key.
       owner(str): Its holder.
-      succeeded(bool): The holder's run succeeded: it finishes its
-        message (see :meth:`LockBackend.release`).
-      reserve(int): How long the slot handed to a waiter stays
-        reserved for it, in milliseconds.
+      succeeded(bool): The run succeeded (see :meth:`LockBackend.release`).
+      reserve(int): How long, in ms, a slot handed to a waiter stays reserved.
     """
 
     key: str
@@ -269,9 +235,7 @@ class ReplaceArgs(NamedTuple):
 
 
 class TakeArgs(NamedTuple):
-    """The keywords of :meth:`~.base.LockBackend.acquire` that say what
-    to take, with its defaults: what the backends' take reads.
-    """
+    """The keywords of :meth:`~.base.LockBackend.acquire` that say what to take."""
 
     ttl: int
     limit: int = 1
@@ -282,9 +246,7 @@ class TakeArgs(NamedTuple):
 
 
 class StartArgs(NamedTuple):
-    """The keywords of :meth:`~.base.LockBackend.start`, with its
-    defaults: what the backends' start reads.
-    """
+    """The keywords of :meth:`~.base.LockBackend.start`, with its defaults."""
 
     ttl: int
     limit: int
@@ -308,14 +270,12 @@ class CurrentArgs(NamedTuple):
 
 
 class Waiter(NamedTuple):
-    """A message waiting for a run lock, to be handed the key when a
-    holder releases it (see :meth:`Reschedules.join_line`).
+    """A message waiting for a run lock (see :meth:`Reschedules.join_line`).
 
     Attributes:
       message_id(str): The waiting message.
-      order(int): Its place in line, the lowest first: the Unix
-        millisecond its message was made times :data:`SENDS_PER_MS`,
-        plus its place among its producer's sends of that millisecond.
+      order(int): Its place in line, lowest first: the Unix ms it was made
+        times :data:`SENDS_PER_MS`, plus its rank among its producer's sends.
     """
 
     message_id: str
@@ -346,8 +306,7 @@ class ListedLock(NamedTuple):
 
     Attributes:
       key(str): The full key.
-      actor(str): The actor part of the key (``@any`` for locks taken
-        with ``unique_across_actors``).
+      actor(str): The key's actor part (``@any`` under ``unique_across_actors``).
       digest(str): The 32 hex characters inside the braces.
       phase(str): ``queue`` for an enqueue lock, ``run`` for a run lock.
       lock(str): The lock type that took it.

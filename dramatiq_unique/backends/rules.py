@@ -1,11 +1,8 @@
-"""The lock rules in memory: :class:`LockRules`, what every verb does to
-a key's holders, waiters and records, as the Lua scripts do it on Redis.
-
-Two backends run these rules: :class:`~.stub.StubBackend` on state it
-keeps in this process, and ``PostgresBackend`` on the state of the keys
-one call locked, loaded into a :class:`LockRules` made for that call at
-the server's clock (:mod:`.postgres.state`).  So the rules of the claim
-are written twice in all: here, and in the scripts.
+"""The lock rules in memory: what every verb does to a key's holders,
+waiters and records, as the Lua scripts do it on Redis.  They run in
+:class:`~.stub.StubBackend` and, on the rows one call locked, in
+``PostgresBackend`` (:mod:`.postgres.state`): so the rules of the claim
+are written twice in all, here and in the scripts.
 """
 
 from __future__ import annotations
@@ -41,16 +38,12 @@ from .records import (
 
 
 class LockRules(Reschedules, NewestWins):
-    """The rules of every verb, on state held in memory, thread-safe.  It
-    has the reschedule protocol and newest wins (see
-    :mod:`~dramatiq_unique.backends.capabilities`).
+    """The rules of every verb, on state held in memory, thread-safe.
 
     Parameters:
-      clock(int): A fixed clock for every call, in Unix microseconds
-        (a PostgreSQL server's, read as the call locked its rows), so
-        that every deadline and fence follows it; None: this process's
-        clocks, ``time.monotonic`` for deadlines and ``time.time`` for
-        records and fences.
+      clock(int): A fixed clock for every call, in Unix microseconds (a
+        PostgreSQL server's, read as the call locked its rows); None:
+        ``time.monotonic`` for deadlines, ``time.time`` for records and fences.
     """
 
     def __init__(self, *, clock: Optional[int] = None) -> None:
@@ -114,9 +107,7 @@ class LockRules(Reschedules, NewestWins):
     def _take(
         self, key: str, owner: str, take: TakeArgs, ahead: Optional[Callable[[Entry], bool]] = None
     ) -> Acquisition:
-        """As take() of _take.lua; ``ahead`` as its ``ahead``: when it
-        returns True, nothing is taken and the outcome names no holder.
-        """
+        """take() of _take.lua; when ``ahead`` returns True, nothing is taken."""
         ttl, limit, lock, lock_args, provisional, where = take
         now = self._now_ms()
         entry = self._live(key, now) or Entry()
@@ -201,9 +192,8 @@ class LockRules(Reschedules, NewestWins):
     def _promote_older(
         self, key: str, entry: Entry, message_id: Optional[str], order: Optional[int], reserve: int
     ) -> Optional[tuple[str, bytes]]:
-        """ahead() of start.lua: hand a free slot to the oldest waiter
-        when it was sent before ``order`` (None: always) and is not
-        ``message_id``; its message id and message, or None.
+        """ahead() of start.lua: hand a free slot to the oldest waiter sent
+        before ``order`` (None: any) but ``message_id``; its id and message.
         """
         waiters = self._live_waiters(key)
         if waiters is None or not waiters.order:
@@ -230,9 +220,7 @@ class LockRules(Reschedules, NewestWins):
             return Release(held, self._promote(key, reserve) if hand_over and present else None)
 
     def _drop(self, key: str, owner: str) -> tuple[bool, bool]:
-        """Remove ``owner``: whether it held a live slot, and whether it
-        was there at all.
-        """
+        """Remove ``owner``: whether it held a live slot, and whether it was there."""
         now = self._now_ms()
         entry = self._entries.get(key)
         deadline = entry.holders.pop(owner, None) if entry is not None else None
@@ -271,9 +259,7 @@ class LockRules(Reschedules, NewestWins):
         return waiters is not None and waiters.order.pop(copy.message_id, None) is not None
 
     def _claim(self, copy: Copy, *, write: bool) -> Optional[CopyVerdict]:
-        """Why ``copy`` may not run, or None when it may (the rules of
-        _claim.lua); ``write`` settles that it arrived.
-        """
+        """Why ``copy`` may not run, or None (_claim.lua); ``write`` settles its arrival."""
         record = self._live_record(copy)
         if record is None:
             return None

@@ -6,11 +6,7 @@ from .rules import LockRules
 
 
 class StubBackend(LockRules):
-    """An in-memory lock backend.  Locks live in this process only,
-    so it suits tests, the demo and single-process workers.  It has the
-    reschedule protocol and newest wins (see
-    :mod:`~dramatiq_unique.backends.capabilities`): the rules of
-    :class:`~.rules.LockRules`, on this process's clocks.
-
-    Deadlines follow ``time.monotonic``.
+    """An in-memory lock backend with the reschedule protocol and newest
+    wins: :class:`~.rules.LockRules` on this process's clocks.  Its locks
+    live in this process only, for tests, the demo and single-process workers.
     """

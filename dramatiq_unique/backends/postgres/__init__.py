@@ -1,8 +1,5 @@
-"""The PostgreSQL lock backend: :class:`PostgresBackend` (in
-:mod:`.backend`), which runs the in-memory backend's rules
-(:class:`~..rules.LockRules`) on each key's state stored as JSON
-(:mod:`.state`), with the statements of
-:mod:`.sql` and lease renewal for gevent in :mod:`.native`.
+"""The PostgreSQL lock backend: :class:`PostgresBackend`, which runs the
+in-memory rules on each key's state stored as JSON (:mod:`.state`).
 """
 
 from .backend import PostgresBackend

@@ -1,13 +1,11 @@
 """A lock backend on PostgreSQL.
 
-Each call on one digest is one transaction: it locks the rows of the
-keys it touches (in key order, so that two calls never deadlock), runs
-:class:`~..rules.LockRules`'s own verb on their state at the server's
-clock (:mod:`.state`), writes back what changed and commits,
-in two round trips of one message each (:func:`.sql.opening`,
-:func:`.sql.closing`).  Nothing lives in a
-session: no advisory lock outlives its transaction, so the backend
-works behind PgBouncer in transaction mode.
+Each call is one transaction of two round trips (:func:`.sql.opening`,
+:func:`.sql.closing`): lock the rows of its keys (in key order, so that
+two calls never deadlock), run :class:`~..rules.LockRules`'s verb on
+their state at the server's clock (:mod:`.state`), write back and
+commit.  Nothing outlives its transaction, so PgBouncer's transaction
+mode works.
 """
 
 from __future__ import annotations
@@ -47,20 +45,17 @@ T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
-#: How long a call waits for a connection, and a connection for the
-#: server, in seconds: a PostgreSQL that is down fails lock calls (they
-#: fail closed), it does not hang workers.
+#: How long, in seconds, a call waits for a connection, and a connection
+#: for the server: a PostgreSQL that is down fails lock calls, not hangs workers.
 DEFAULT_TIMEOUT = 5.0
 
-#: The longest a transaction's statements may take, in milliseconds
-#: (``statement_timeout``, set in each transaction).
+#: The ``statement_timeout`` set in each transaction, in milliseconds.
 DEFAULT_STATEMENT_TIMEOUT = 5_000
 
 #: The most connections a process's pool opens.
 DEFAULT_POOL_SIZE = 10
 
-#: How often a process offers to sweep expired rows, in milliseconds;
-#: one process sweeps at a time.
+#: How often, in ms, a process offers to sweep expired rows (one at a time).
 DEFAULT_SWEEP_INTERVAL = 60_000
 
 #: How many expired rows one sweep transaction deletes at most.
@@ -81,10 +76,8 @@ def _without_password(url: str) -> str:
 
 
 def check_url(conninfo: str) -> None:
-    """Raise ConfigurationError when ``conninfo`` does not parse.  A host
-    that does not resolve is no error here: the name may not be in DNS
-    yet, so the worker's boot check reports it and the worker goes on,
-    as with Redis (:func:`dramatiq_unique.worker.reap.check_backend`).
+    """Raise ConfigurationError when ``conninfo`` does not parse; an unknown
+    host is left to the boot check (it may not be in DNS yet), as on Redis.
     """
     try:
         conninfo_to_dict(conninfo)
@@ -93,12 +86,12 @@ def check_url(conninfo: str) -> None:
 
 
 def _key(key: str, *_: Any, **__: Any) -> list[str]:
-    """The keys a verb locks that names one key first."""
+    """The keys locked by a verb that names one key first."""
     return [key]
 
 
 def _key_and_copy(key: str, *_: Any, copy: Optional[Copy] = None, **__: Any) -> list[str]:
-    """The keys a verb locks that names a key and maybe a :class:`Copy`."""
+    """The keys locked by a verb that names a key and maybe a :class:`Copy`."""
     return [key] if copy is None else [key, copy.key]
 
 
@@ -113,9 +106,8 @@ def _start_keys(key: str, *_: Any, copy: Copy, queue_key: Optional[str] = None, 
 
 
 def _in_transaction(verb: str, keys: Callable[..., list[str]]) -> Any:
-    """A :class:`PostgresBackend` method that runs :class:`LockRules`'s
-    ``verb``, with the arguments it is called with, on the locked rows of
-    the keys ``keys`` finds in those arguments, in one transaction.
+    """A method running :class:`LockRules`'s ``verb`` with its arguments in
+    one transaction, on the locked rows of the keys ``keys`` finds in them.
     """
     rule = getattr(LockRules, verb)
 
@@ -131,28 +123,21 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
 
     Parameters:
       url(str): A ``postgresql://`` URL, or any libpq connection string.
-      pool(psycopg_pool.ConnectionPool): A pool to use instead, whose
-        connections are in autocommit mode; ``url`` and the connection
-        parameters are then ignored.
+      pool(psycopg_pool.ConnectionPool): A pool of autocommit connections, instead of ``url``.
       timeout(float): How long a call waits for a pool connection, and a
         new connection for the server, in seconds.
-      statement_timeout(int): The longest a call's statements may take
-        on the server, in milliseconds.
+      statement_timeout(int): The longest a call's statements may take, in ms.
       max_size(int): The most connections the pool opens.
-      prepare_threshold(int): psycopg's, for the reads and the sweep
-        (lock calls prepare nothing); None (the default) prepares no
-        statement, as PgBouncer's transaction mode needs before 1.21
-        (from 1.21 with ``max_prepared_statements`` set, 5 saves a
-        little server time).
-      synchronous_commit(str): The ``synchronous_commit`` of each lock
-        transaction, e.g. ``"off"``; None (the default) keeps the
-        server's.  A transaction that only releases and promotes no
-        waiter commits with ``off`` whatever this says.  ``"off"`` halves a call's time, and a server crash
-        can then lose the last few hundred milliseconds of locks (see
-        docs/postgres.md).
-      create_schema(bool): Create the table on first use when it is
-        missing (the default); False expects :meth:`create_schema` to
-        have been run.
+      prepare_threshold(int): psycopg's, for the reads and the sweep; None
+        prepares nothing, as PgBouncer's transaction mode needs before 1.21
+        (from 1.21, with ``max_prepared_statements``, 5 saves a little).
+      synchronous_commit(str): Each lock transaction's, e.g. ``"off"``,
+        which halves a call's time, and a server crash can then lose the
+        last few hundred ms of locks (see docs/postgres.md); None keeps the
+        server's.  A transaction that only releases, promoting no waiter,
+        commits with ``off`` whatever this says.
+      create_schema(bool): Create the missing table on first use; False
+        expects :meth:`create_schema` to have been run.
       min_replicas(int): Refused above 0: PostgreSQL waits for standbys
         itself (``synchronous_standby_names``).
       **connect: More libpq connection parameters.
@@ -220,9 +205,7 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> "PostgresBackend":
-        """A backend on the PostgreSQL at ``url`` (``postgresql://`` or
-        ``postgres://``), with the constructor's ``options``.
-        """
+        """A backend on the PostgreSQL at ``url``, with the constructor's ``options``."""
         return cls(url=url, **options)
 
     def describe(self) -> str:
@@ -237,12 +220,11 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
     # Schema ------------------------------------------------------------
 
     def create_schema(self) -> None:
-        """Create the backend's table when it is missing, in one
-        transaction (safe when several processes do it at once).
+        """Create the missing table, in one transaction (safe in several processes at once).
 
         Raises:
-          LockBackendError: the database refused, e.g. for want of the
-            CREATE privilege; nothing was created.
+          LockBackendError: the database refused (e.g. no CREATE privilege);
+            nothing was created.
         """
         try:
             with self._connection() as conn, conn.transaction():
@@ -278,11 +260,7 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
             self._ready = True
 
     def check(self, key: str) -> None:
-        """Read ``key`` (see :meth:`LockReads.check`), after one connection
-        of its own: a pool that cannot connect says only that it timed
-        out, where libpq's own error says why (the host, "Name or service
-        not known", "Connection refused").
-        """
+        """:meth:`LockReads.check`, first connecting alone: libpq says why it cannot, a pool only "timeout"."""
         with psycopg.connect(self.conninfo, autocommit=True) as conn:
             conn.execute("SELECT 1")
         self.inspect(key)
@@ -325,9 +303,7 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
         return conn
 
     def _open_pool(self) -> None:
-        """Open this process's pool: at the first call, and again in a
-        forked child, whose parent's connections are not its own.
-        """
+        """Open this process's pool, again in a forked child (the parent's connections are not its own)."""
         with self._pool_lock:
             if self.pool is not None and self._pool_pid == pid():
                 return
@@ -349,11 +325,7 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
         return pool
 
     def _locked(self, keys: Sequence[str], verb: Callable[[LockRules], T]) -> T:
-        """Run ``verb`` on the locked rows of ``keys``, in one transaction
-        of two queries: the opening (begin, settings, row locks) and the
-        closing (writes, deletes, commit), each one message of
-        statements with their parameters bound by psycopg.
-        """
+        """Run ``verb`` on the locked rows of ``keys``: one transaction, two queries."""
         self._ensure_schema()
         payload = json.dumps(sorted(set(keys)))
         for attempt in range(2):
@@ -372,9 +344,8 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
                     cursor.execute(closing, parameters)
                 break
             except psycopg.OperationalError:
-                # A connection that broke before one write was sent: the
-                # transaction rolled back, so it is safe to try again,
-                # once, after the pool dropped its other dead connections
+                # Broken before a write was sent: rolled back, so safe to try
+                # once more, after the pool drops its other dead connections
                 # (a restarted server leaves every idle one dead).
                 if sent or attempt or conn is None or not conn.broken:
                     raise
@@ -405,12 +376,10 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
             logger.warning("Could not sweep expired locks from %s: %r", self.describe(), e)
 
     def sweep(self, *, batches: int = DEFAULT_SWEEP_BATCHES) -> Optional[int]:
-        """Delete expired rows, ``sweep_batch`` per transaction, unless
-        another process sweeps now.
+        """Delete expired rows, ``sweep_batch`` per transaction, unless another process sweeps.
 
         Returns:
-          int: How many rows were deleted, or None when another process
-          was sweeping.
+          int: How many rows were deleted, or None when another was sweeping.
         """
         self._ensure_schema()
         deleted = 0
@@ -426,10 +395,7 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
                 break
         return deleted
 
-    # The verbs -----------------------------------------------------------
-    #
-    # Each runs the rules' own verb, with the same arguments, on the
-    # locked rows of the keys it names (see _in_transaction).
+    # The verbs: each the rules' own, on the locked rows (_in_transaction) --
 
     acquire = _in_transaction("acquire", _key_and_copy)
     start = _in_transaction("start", _start_keys)
@@ -442,8 +408,7 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
     reap = _in_transaction("reap", _key)
     delete = _in_transaction("delete", _key)
 
-    #: Releases go in one transaction, and ride in front of the next
-    #: start: the worker releases run locks in the background.
+    #: Releases go in one transaction, riding in front of the next start.
     batches_releases = True
 
     def release_many(self, locks: Sequence[tuple[Any, ...]]) -> list[Union[Release, Exception]]:
@@ -474,9 +439,7 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
         return self._locked([key for key, _, _ in locks], lambda rules: rules.confirm(locks))
 
     def native_extender(self) -> "NativeExtender":
-        """``extend`` on a libpq connection of its own, for a native OS
-        thread under gevent (see :class:`.native.NativeExtender`).
-        """
+        """``extend`` on a libpq connection of its own (:class:`.native.NativeExtender`)."""
         from .native import NativeExtender
 
         return NativeExtender(self.conninfo, statement_timeout=self.statement_timeout, fence_memory=self.fence_memory)

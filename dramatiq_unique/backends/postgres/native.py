@@ -1,11 +1,7 @@
-"""Lease renewal on a native OS thread, for workers under gevent.
-
-Under gevent an actor that holds the hub (a C call, a CPU loop) stops
-every greenlet, the lease keeper's too.  The keeper then runs on a
-native thread, which must not touch a greenlet-patched socket or pool:
-:class:`NativeExtender` renews on a libpq connection of its own
+"""Lease renewal on a native OS thread, for workers under gevent (see
+:class:`~..capabilities.RenewsNatively`): on a libpq connection of its own
 (``psycopg.pq.PGconn``), whose blocking calls hold only the calling
-thread.  It runs the same transaction as ``PostgresBackend.extend``.
+thread, the same transaction as ``PostgresBackend.extend``.
 """
 
 from __future__ import annotations
@@ -24,8 +20,7 @@ class NativeExtender:
 
     Parameters:
       conninfo(str): The libpq connection string.
-      statement_timeout(str): Milliseconds, the longest a renewal's
-        statements may take when its caller gives more time.
+      statement_timeout(str): The most ms a renewal's statements may take.
       fence_memory(int): As ``PostgresBackend``'s.
     """
 
@@ -36,8 +31,7 @@ class NativeExtender:
         self._conn: Optional[Any] = None
 
     def __call__(self, locks: Sequence[tuple[str, str]], ttl: int, *, timeout: float) -> list[bool]:
-        """Extend each ``(key, owner)`` to ``ttl`` ms from now, the
-        server's statements taking at most ``timeout`` ms.
+        """Extend each ``(key, owner)`` to ``ttl`` ms from now, within ``timeout`` ms.
 
         Raises:
           TimeoutError: no time was left.

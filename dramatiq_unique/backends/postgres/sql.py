@@ -1,15 +1,10 @@
 """The schema and statements of ``PostgresBackend``.
 
-One table holds a row per lock key (a run or enqueue lock's digest key):
-its state as the rules keep it, in JSON (:mod:`.state`), and when the
-last deadline in it passes.  An expired row counts as absent: the rules
-see every deadline in it passed, and the sweep deletes it.
-
-Every statement takes its parameters as text (JSON where it takes
-several values), and returns text, so that the same statements run
-through a psycopg connection and through libpq directly
-(:mod:`.native`).  Placeholders are ``%s``; :func:`numbered` makes them
-``$1``, ``$2``... for libpq.
+One table holds a row per lock key: its state in JSON (:mod:`.state`),
+and when its last deadline passes; an expired row counts as absent
+until the sweep deletes it.  Statements take and return text (JSON for
+several values), so that they run through psycopg and through libpq
+directly (:mod:`.native`, with :func:`numbered` placeholders).
 """
 
 from __future__ import annotations
@@ -17,21 +12,18 @@ from __future__ import annotations
 import functools
 import re
 
-#: The version in the names of everything the backend creates: a change
-#: of layout makes new tables beside the old ones.
+#: In the names of all the backend creates: a new layout makes new tables.
 SCHEMA_VERSION = 1
 
 #: The table of lock state.
 LOCKS = f"dramatiq_unique_v{SCHEMA_VERSION}_locks"
 
-#: Locks and reads this backend's tables for DDL: a transaction-level
-#: advisory lock, so that concurrent first uses create the schema once.
+#: An advisory lock, so that concurrent first uses create the schema once.
 SCHEMA_LOCK = 0x6471_5F75_6E69_7131  # "dq_uniq1"
 #: Held by the one process that sweeps, for the sweep's transaction.
 SWEEP_LOCK = 0x6471_5F75_6E69_7153  # "dq_uniqS"
 
-#: The table's fill factor: room on each page for the updated row, so
-#: that most updates are HOT (no index write, pruned without a vacuum).
+#: Room on each page for the updated row, so that most updates are HOT (no index write, no vacuum).
 FILLFACTOR = 70
 
 CREATE = [
@@ -50,27 +42,23 @@ EXISTS = f"SELECT to_regclass('{LOCKS}')::text"
 #: The server's clock, in Unix microseconds, as text.
 CLOCK = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint::text"
 
-#: Lock the rows of a JSON array of keys, in order, making the missing
-#: ones: each key with its state and the clock read once it is locked.
+#: Lock the rows of a JSON array of keys, in order, making missing ones:
+#: each key, its state, and the clock read once it is locked.
 LOCK = f"""INSERT INTO {LOCKS} AS t (key, state, expires_at)
     SELECT k, '{{}}', '-infinity' FROM jsonb_array_elements_text(%s::jsonb) AS k ORDER BY k COLLATE "C"
     ON CONFLICT (key) DO UPDATE SET key = EXCLUDED.key
     RETURNING t.key, t.state::text, {CLOCK}"""
 
-#: Read the row of a key without locking it; a last row with a NULL key
-#: carries the clock.
+#: Read a key's row without locking it; a last NULL-key row carries the clock.
 READ = f"""SELECT key, state::text, NULL FROM {LOCKS} WHERE key = %s
     UNION ALL SELECT NULL, NULL, {CLOCK}"""
 
-#: The keys starting with a prefix (``LIKE`` pattern), with their state;
-#: the last row carries the clock.
+#: The keys matching a ``LIKE`` prefix, with their state, then the clock.
 SCAN = f"""SELECT key, state::text, NULL FROM {LOCKS}
     WHERE key LIKE %s AND expires_at > clock_timestamp()
     UNION ALL SELECT NULL, NULL, {CLOCK}"""
 
-#: Store a key's state (JSON), and when it expires (server Unix
-#: milliseconds).  One statement per key, each an index lookup: the
-#: calls pipeline them.
+#: Store a key's state (JSON) and expiry (server Unix ms): an index lookup.
 WRITE = f"UPDATE {LOCKS} SET state = %s::jsonb, expires_at = to_timestamp(%s::bigint / 1000.0) WHERE key = %s"
 
 #: Drop a key's row.
@@ -86,8 +74,7 @@ SWEEP = f"""WITH gone AS (
         RETURNING 1)
     SELECT count(*)::text FROM gone"""
 
-#: Bound the wait of the statements that follow in the transaction, in
-#: milliseconds (libpq-level calls have no other timeout).
+#: Bound the following statements' wait, in ms (libpq calls have no other timeout).
 STATEMENT_TIMEOUT = "SELECT set_config('statement_timeout', %s, true)"
 
 #: The same, and the transaction's ``synchronous_commit``.
@@ -97,21 +84,16 @@ STATEMENT_TIMEOUT_AND_COMMIT = (
 
 
 def opening(settings: str) -> str:
-    """The first query of a lock call: open the transaction, set
-    ``settings`` (:data:`STATEMENT_TIMEOUT`...) and lock the rows, as
-    one string of three statements sent in one message; the server
-    times each statement of such a string on its own, so the timeout
-    set covers the row locks.
+    """A lock call's first query, one message: begin, ``settings``, lock
+    the rows.  The server times each statement of it on its own, so the
+    timeout set covers the row locks.
     """
     return f"BEGIN; {settings}; {LOCK}"
 
 
 @functools.lru_cache(maxsize=256)
 def closing(writes: int, deletes: int) -> str:
-    """The last query of a lock call: ``writes`` :data:`WRITE` and
-    ``deletes`` :data:`DELETE` statements, then ``COMMIT``, as one
-    string sent in one message.
-    """
+    """A lock call's last query, one message: the writes, deletes, and ``COMMIT``."""
     statements = [WRITE] * writes + [DELETE] * deletes + ["COMMIT"]
     return "; ".join(statements)
 
@@ -132,10 +114,8 @@ def like_literal(prefix: str) -> str:
 
 
 def like_prefix(pattern: str) -> str:
-    """A ``LIKE`` pattern of the literal start of glob ``pattern``: the
-    keys it can match, to filter further with the glob.  A backslash
-    makes the glob's next character plain, as
-    :func:`~dramatiq_unique.backends.base.glob_pattern` reads it.
+    """A ``LIKE`` pattern of the keys glob ``pattern`` can match (its literal
+    start, as :func:`~dramatiq_unique.backends.base.glob_pattern` reads it).
     """
     literal, escaped = [], False
     for char in pattern:

@@ -1,19 +1,8 @@
-"""The lock rules run on rows: the state :class:`~..rules.LockRules`
-keeps of one key, as JSON, and what one call does to the keys it locked.
-
-``PostgresBackend`` stores one row per key: everything the rules'
-dictionaries hold under that key (the lock entry, its waiters, its
-superseded record, the records of its messages) and the last fence the
-key handed out.  A call locks the rows of its keys (:data:`.sql.LOCK`),
-and :func:`apply` loads their state into a :class:`~..rules.LockRules`
-made for the call at the server's clock (:func:`load`), runs the verb
-on it, and says which rows to write back (:func:`dump`) and which to
-drop.  So the rules of the claim are the in-memory backend's.
-
-The encoding follows each dataclass's type hints: so a field added to
-one of the rules' dataclasses is stored with no change here.  Fields at
-their default value are left out; bytes are base64 text, sets sorted
-lists, tuples lists.
+"""The lock rules run on rows, each a key's :class:`~..keystate.KeyState`
+in JSON: :func:`apply` loads the locked rows into a :class:`~..rules.LockRules`
+at the server's clock, runs the verb, and says what to write back, so
+the rules of the claim are the in-memory backend's.  The encoding follows
+the type hints, so a new field is stored with no change here.
 """
 
 from __future__ import annotations
@@ -31,17 +20,14 @@ from ..rules import LockRules
 
 T = TypeVar("T")
 
-#: How long a key that holds nothing keeps its last fence, in
-#: milliseconds, before the sweep deletes its row: a fence taken later
-#: grows from the server's clock in microseconds instead.
+#: How long, in ms, a key holding nothing keeps its last fence before the
+#: sweep deletes its row (a later fence grows from the server's microseconds).
 DEFAULT_FENCE_MEMORY = 3_600_000
 
-#: A row as the statements return it: key, state (JSON text), clock
-#: (server Unix microseconds, as text).
+#: A row: key, state (JSON text), clock (server Unix microseconds, as text).
 Row = Sequence[Optional[str]]
 
-#: The parts of a row's state that are the rules' dataclasses: the
-#: fields of :class:`~..keystate.KeyState` other than the records and fence.
+#: The fields of :class:`~..keystate.KeyState` but the records and fence.
 _PARTS = ("entry", "waiters", "superseded")
 
 
@@ -64,10 +50,9 @@ def _same(value: Any) -> Any:
 
 @functools.lru_cache(maxsize=None)
 def _codec(hint: Any, store: bool) -> Codec:
-    """The function that turns a value of type ``hint`` into JSON data
-    (``store``), or that JSON data back into the value; made once per
-    type and way, from its hints.  Both ways are spelled side by side,
-    so that one is always the inverse of the other.
+    """The function that turns a ``hint`` value into JSON data (``store``) or
+    back, made once per type and way; both ways side by side, so that one
+    is always the other's inverse.
     """
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is Union:
@@ -104,9 +89,7 @@ def _default(field: dataclasses.Field) -> Any:
 
 @functools.lru_cache(maxsize=None)
 def _layout(cls: Any) -> tuple[tuple[str, Any, Codec, Codec], ...]:
-    """Each field of dataclass ``cls``: its name, its default (MISSING
-    when it has none), its encoder and its decoder.
-    """
+    """Each field of dataclass ``cls``: name, default (or MISSING), encoder, decoder."""
     hints = _hints(cls)
     return tuple(
         (field.name, _default(field), _codec(hints[field.name], True), _codec(hints[field.name], False))
@@ -143,8 +126,7 @@ class Dumped(NamedTuple):
     Attributes:
       state(dict): The JSON object to store; ``{"fence": n}`` alone when
         the key holds nothing.
-      expires_at(int): The latest deadline in it, in server Unix
-        milliseconds; 0 when it holds nothing.
+      expires_at(int): Its latest deadline, in server Unix ms; 0 for none.
     """
 
     state: dict[str, Any]
@@ -168,9 +150,7 @@ def load(rules: LockRules, key: str, state: dict[str, Any]) -> None:
 
 
 def dump(rules: LockRules, key: str, *, fence: int = 0) -> Dumped:
-    """Take the state of ``key`` out of ``rules``, with ``fence`` the last
-    fence of the key known before (kept when the entry is gone).
-    """
+    """Take ``key``'s state out of ``rules``, keeping ``fence`` (its last known) when the entry is gone."""
     kept = rules.key_state(key)
     state: dict[str, Any] = {}
     deadlines = [0]
@@ -195,10 +175,9 @@ class Applied(NamedTuple):
 
     Attributes:
       result: What the verb returned.
-      writes(list): The parameters of :data:`.sql.WRITE` for each row
-        that changed: state (JSON), expires at, key.
-      deletes(list[str]): The keys whose rows hold nothing, not even a
-        fence: rows made for this call.
+      writes(list): :data:`.sql.WRITE`'s parameters for each changed row.
+      deletes(list[str]): The keys whose rows, made for this call, hold
+        nothing, not even a fence.
     """
 
     result: Any
@@ -207,10 +186,7 @@ class Applied(NamedTuple):
 
 
 def loaded(rows: Sequence[Row]) -> tuple[LockRules, dict[str, dict[str, Any]]]:
-    """Rules holding the state of ``rows``, at the latest clock the rows
-    carry (server Unix microseconds; this process's when none does), and
-    each row's state by key.
-    """
+    """Rules holding ``rows`` at their latest clock (else this process's), and each row's state."""
     rules = LockRules(clock=max((int(row[2]) for row in rows if row[2] is not None), default=None))
     states = {}
     for key, text, _ in rows:
@@ -222,16 +198,12 @@ def loaded(rows: Sequence[Row]) -> tuple[LockRules, dict[str, dict[str, Any]]]:
 
 
 def run(rows: Sequence[Row], verb: Callable[[LockRules], T]) -> T:
-    """Run ``verb`` on rules holding ``rows``, at their clock, and
-    return what it returned: for reads, whose changes are not kept.
-    """
+    """``verb``'s result on rules holding ``rows``: for reads, keeping no change."""
     return verb(loaded(rows)[0])
 
 
 def apply(rows: Sequence[Row], verb: Callable[[LockRules], Any], *, fence_memory: int) -> Applied:
-    """Run ``verb`` on rules holding the locked ``rows``, at their
-    clock, and say what to write back.
-    """
+    """Run ``verb`` on rules holding the locked ``rows``; say what to write back."""
     rules, before = loaded(rows)
     result = verb(rules)
     writes, deletes = [], []

@@ -1,8 +1,4 @@
-"""The Redis lock backend: :class:`RedisBackend` (in :mod:`.client`,
-with the operators' reads in :mod:`.reads`), its script calls and their
-group commit (:mod:`.calls`), the Lua scripts (``lua/``, loaded by
-:mod:`.scripts`) and ``min_replicas`` (:mod:`.replicas`).
-"""
+"""The Redis lock backend: :class:`RedisBackend` (:mod:`.client`) and its parts."""
 
 from .client import RedisBackend
 from .replicas import TooFewReplicas

@@ -1,51 +1,8 @@
-"""Cheap script calls on a standalone Redis: the lock I/O of a
-:class:`~dramatiq_unique.backends.redis.RedisBackend`.
-
-redis-py's ``Script.__call__``, its connection pool and its command
-machinery cost more per lock call than the round trip itself on a
-loaded worker.  So each call here is one pre-encoded ``EVALSHA``,
-packed and sent on a connection of a small private pool that mirrors
-the client's own connection parameters, with redis-py's public
-connection methods only (``send_packed_command``, ``read_response``,
-``can_read``): the connection's own parser reads the replies, RESP2 or
-RESP3, push messages included.  What redis-py gives a command is kept:
-the connection's handshake, its retry policy (a blip is retried on a
-fresh connection, exactly as ``execute_command`` retries it), its health
-checks, socket timeouts and error classes, and a reload of the script
-after ``NOSCRIPT``.
-
-Clients this module does not know how to mirror (Sentinel-managed
-pools, client-side caching, a single-connection client, anything that
-is not a plain ``redis.Redis``) go through ``execute_command`` and
-pipelines instead: the same replies, at redis-py's usual cost.
-
-The calls that worker threads make at the same moment share one round
-trip (group commit, :class:`GroupCommit`).  The first caller to find no
-round trip in flight leads: it sends its own commands, and those of
-every caller that queued meanwhile, in one pipeline.  Callers that arrive while a round trip is in flight queue
-and wait on a lock of their own.  When the replies are in, the leader
-hands each caller its own, wakes the first caller queued since to lead
-the next round trip, and returns to its own job.  Under load one round
-trip serves several jobs, and a worker thread that waits for it blocks
-once, on its lock, instead of on a socket; alone, a caller leads at
-once and pays nothing more than a direct call.
-
-What stays true of the group commit:
-
-* Each caller's commands are sent once, in order, and answered with its
-  own replies; a failure of the round trip is raised to every caller in
-  it, as a direct call would raise it.
-* A caller waits at most ``timeout`` seconds, then raises
-  :class:`TimeoutError` as a lost reply would: if its commands were in
-  flight they may have been applied, which every lock call is built to
-  survive (the owner token re-enters, the release checks the owner); if
-  they were still queued they are withdrawn.  A caller that stops
-  waiting for any reason passes on the lead it was handed.
-* An interrupt meant for one thread (a time limit, a shutdown notice)
-  that breaks a round trip it leads is raised in that thread only; the
-  other callers of that round trip get a :class:`TimeoutError`, as for
-  a lost reply.
-* A forked child starts with no round trip in flight.
+"""Cheap script calls on a standalone Redis, the lock I/O of
+:class:`~dramatiq_unique.backends.redis.RedisBackend`: one pre-encoded
+``EVALSHA`` per call on a small private pool that mirrors the client's
+connections, and a group commit (:class:`GroupCommit`) that lets worker
+threads share round trips.  See docs/architecture.md, "The Redis lock I/O".
 """
 
 from __future__ import annotations
@@ -64,12 +21,10 @@ from redis.retry import Retry
 from ...background import DEFAULT_STUCK_AFTER, Interruptible, calls_deadline, interrupt_at_deadline, now_ms, pid
 from ...compat import timeout_in_disguise
 
-#: How long, in seconds, a caller waits for a round trip led by another
-#: thread when the connection has no socket timeout of its own.
+#: The seconds a caller waits for another thread's round trip, without a socket timeout.
 DEFAULT_TIMEOUT = 30.0
 
-#: How often, in seconds, a caller waiting for another thread's round
-#: trip looks at the shutdown's deadline.
+#: How often, in seconds, a waiting caller looks at the shutdown's deadline.
 SLICE = 0.1
 
 RoundTrip = Callable[[list[tuple[Any, ...]]], list[Any]]
@@ -100,10 +55,7 @@ _INTERRUPTED = "the worker's shutdown interrupted this lock call; it may have ap
 
 
 def _interrupted(interrupt: BaseException) -> TimeoutError:
-    """What the other callers of a round trip get when an interrupt (a
-    time limit, a shutdown notice) meant for the leading thread broke it:
-    a lost reply, theirs to retry, not that thread's interrupt.
-    """
+    """A lost reply, not the interrupt, for the others in a round trip its leader's interrupt broke."""
     return TimeoutError(
         f"the round trip carrying this call was interrupted in another thread ({interrupt!r}); "
         "the call may have applied"
@@ -114,10 +66,8 @@ class GroupCommit:
     """Shares round trips between concurrent callers.
 
     Parameters:
-      round_trip(callable): Sends commands in one round trip and returns
-        their replies.
-      timeout(float): The longest a caller waits for a round trip led by
-        another thread, in seconds.
+      round_trip(callable): Sends commands in one round trip, returns replies.
+      timeout(float): The most seconds a caller waits for another thread's round trip.
     """
 
     def __init__(self, round_trip: RoundTrip, *, timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -129,14 +79,12 @@ class GroupCommit:
         self._pid = pid()
 
     def call(self, commands: list[tuple[Any, ...]], *, trailer: Optional[tuple[Any, ...]] = None) -> list[Any]:
-        """Send ``commands`` in the next round trip and return their
-        replies.
+        """Send ``commands`` in the next round trip and return their replies.
 
         Parameters:
-          trailer(tuple): A command sent once after every caller's
-            commands of the round trip (``WAIT``: it covers every write
-            before it on the connection), however many callers name it;
-            its reply comes last, after this caller's own.
+          trailer(tuple): A command sent once after all callers' commands
+            (``WAIT`` covers every write before it on the connection); its
+            reply comes last.
         """
         with self._mutex:
             if self._pid != pid():
@@ -147,8 +95,7 @@ class GroupCommit:
                 caller = _Caller(commands, trailer)
                 self._queue.append(caller)
         if leads:
-            # Nobody is queued (a caller only queues behind a lead): send
-            # this caller's commands alone.
+            # Nobody is queued (a caller only queues behind a lead).
             try:
                 return self.round_trip(commands if trailer is None else [*commands, trailer])
             finally:
@@ -167,12 +114,9 @@ class GroupCommit:
         return caller.result()
 
     def _wait(self, caller: _Caller) -> bool:
-        """Wait for ``caller``'s replies (or the lead) at most
-        ``timeout`` seconds, and never past the deadline of a shutdown
-        (:func:`~dramatiq_unique.background.calls_deadline`), looked at
-        every :data:`SLICE` seconds; a caller that comes after that
-        deadline still waits :data:`~dramatiq_unique.background.DEFAULT_STUCK_AFTER`
-        ms, as long as a call in flight is left before it is broken.
+        """Wait for ``caller``'s replies (or the lead) at most ``timeout`` s,
+        never past a shutdown's deadline, but ``DEFAULT_STUCK_AFTER`` ms at
+        least: as long as a call in flight is left before it is broken.
         """
         end, began = time.monotonic() + self.timeout, now_ms()
         while True:
@@ -186,9 +130,7 @@ class GroupCommit:
                 return True
 
     def _abandon(self, caller: _Caller) -> None:
-        """Take back a caller that stops waiting: out of the queue if it
-        is still there, and the lead passed on if it was handed it.
-        """
+        """Take back a caller that stops waiting: out of the queue, its lead passed on."""
         with self._mutex:
             if caller in self._queue:
                 self._queue.remove(caller)
@@ -203,9 +145,7 @@ class GroupCommit:
             following.ready.release()
 
     def _lead(self, leader: _Caller) -> None:
-        """Send everything queued in one round trip, hand out the
-        replies, and pass the lead to the first caller queued since.
-        """
+        """Send all queued in one round trip, hand out the replies, pass the lead on."""
         with self._mutex:
             batch, self._queue = self._queue, []
         # Each distinct trailer once, after every caller's commands.
@@ -249,22 +189,16 @@ Call = tuple[str, Sequence[Union[str, bytes]], Sequence[Union[str, bytes, int]]]
 _MIRRORED = (Connection, SSLConnection, UnixDomainSocketConnection)
 _EVALSHA = b"EVALSHA"
 
-#: How many times a lock call is sent again, on a fresh connection, when
-#: its connection failed (refused, reset, or closed by the server), by a
-#: client of :class:`~dramatiq_unique.backends.redis.RedisBackend`'s own
-#: making and by the calls here on a client that names no retry policy:
-#: redis-py gives a client made from a URL (the Redis broker's, too) none,
-#: so one dropped connection would fail a send or leave a key held until
-#: its lease ran out.  A timeout is not retried: that would multiply the
-#: socket timeout.
+#: How often a lock call whose connection failed is resent on a fresh one,
+#: where the client names no retry policy: redis-py gives a client from a
+#: URL (the broker's too) none, so one dropped connection would fail a
+#: send or leave a key held.  Never after a timeout, which it would multiply.
 DEFAULT_RETRIES = 3
 
 
 class _Retry(Retry):
-    """A policy that retries failed connections, never timeouts, even
-    those that redis-py reports as a failed connection (see
-    :func:`~dramatiq_unique.compat.timeout_in_disguise`): the
-    connection's own health check and handshake retry with it too.
+    """Retries failed connections, never timeouts, even those redis-py
+    reports as failed connections (``timeout_in_disguise``).
     """
 
     def call_with_retry(self, do: Callable[[], Any], fail: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -272,9 +206,7 @@ class _Retry(Retry):
 
 
 def _unmasked(do: Callable[[], Any]) -> Any:
-    """``do()``, with a timeout that redis-py raised as a
-    ``ConnectionError`` raised as its ``TimeoutError``.
-    """
+    """``do()``, a timeout raised as a ``ConnectionError`` raised as ``TimeoutError``."""
     try:
         return do()
     except redis.ConnectionError as e:
@@ -284,27 +216,21 @@ def _unmasked(do: Callable[[], Any]) -> Any:
 
 
 def default_retry() -> Retry:
-    """:data:`DEFAULT_RETRIES`, after at most 20, 40 and 80 ms (full
-    jitter).  Sending a lock call again is safe: every script survives a
-    lost reply (the owner token re-enters, a release checks the owner, a
-    send finds its message enqueued already).
+    """:data:`DEFAULT_RETRIES`, after at most 20, 40, 80 ms (full jitter): safe,
+    as every script survives a lost reply.
     """
     return _Retry(FullJitterBackoff(cap=1.0, base=0.01), DEFAULT_RETRIES, supported_errors=(redis.ConnectionError,))
 
 
 def _with_retry(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Connection parameters, with :func:`default_retry` where they leave
-    retries to redis-py's default for them, which is none.
-    """
+    """Connection parameters, with :func:`default_retry` where they name none."""
     if kwargs.get("retry") is not None or kwargs.get("retry_on_error") or kwargs.get("retry_on_timeout"):
         return kwargs
     return {**kwargs, "retry": default_retry()}
 
 
 def _pack_in_python(command: tuple[Any, ...]) -> bytes:
-    """One command in RESP, as redis-py's packer writes it for str
-    (UTF-8), int and bytes arguments: the only kinds the scripts take.
-    """
+    """One command in RESP, as redis-py packs str, int and bytes (all the scripts take)."""
     parts = [b"*%d\r\n" % len(command)]
     for arg in command:
         if isinstance(arg, str):
@@ -316,9 +242,7 @@ def _pack_in_python(command: tuple[Any, ...]) -> bytes:
 
 
 def _packer() -> Callable[[tuple[Any, ...]], bytes]:
-    """hiredis's packer, in C, where installed (the redis extra installs
-    it); the same bytes in Python otherwise.
-    """
+    """hiredis's packer, in C, where installed; the same bytes in Python otherwise."""
     try:
         from hiredis import pack_command
     except ImportError:  # pragma: no cover - without hiredis
@@ -331,9 +255,7 @@ _pack = _packer()
 
 
 def _group_timeout(client: Any) -> float:
-    """How long a grouped call waits for another thread's round trip:
-    long enough for that round trip to time out and be retried once.
-    """
+    """Long enough for another thread's round trip to time out and be retried once."""
     timeout = client.connection_pool.connection_kwargs.get("socket_timeout")
     return DEFAULT_TIMEOUT if not timeout else 2 * timeout + 1
 
@@ -346,8 +268,7 @@ def _mirrorable(client: Any) -> bool:
         and pool.connection_class in _MIRRORED
         and getattr(pool, "cache", None) is None
         and pool.connection_kwargs.get("encoding", "utf-8").lower().replace("-", "") == "utf8"
-        # A single-connection client keeps one connection of its own
-        # (public as ``client.connection`` since redis-py 3).
+        # A single-connection client keeps its own ``client.connection``.
         and getattr(client, "connection", None) is None
     )
 
@@ -356,13 +277,11 @@ class ScriptCalls(Interruptible):
     """Calls Lua scripts by SHA1 on ``client``.
 
     Parameters:
-      client(redis.Redis): A standalone client; its connection
-        parameters and retry policy are used, or :func:`default_retry`
-        where it names none.
+      client(redis.Redis): A standalone client, whose connection parameters
+        and retry policy (or :func:`default_retry`) are used.
       sources(dict[str, str]): Script name -> Lua source.
-      group_commit(bool): False sends every grouped call on its own,
-        in its caller's own round trip (for measuring what the group
-        commit buys).
+      group_commit(bool): False sends each grouped call in its own round
+        trip (to measure what the group commit buys).
     """
 
     def __init__(self, client: Any, sources: dict[str, str], *, group_commit: bool = True) -> None:
@@ -392,12 +311,9 @@ class ScriptCalls(Interruptible):
         except IndexError:
             pool = self.client.connection_pool
             return pool.connection_class(**_with_retry(pool.connection_kwargs))
-        # As redis-py's pool does: an idle connection that has data to
-        # read was closed by the server (a restart, an idle timeout);
-        # reconnect before sending, while that is still safe.  (A client
-        # made from a URL does not retry: the check is what saves the
-        # call.)  Only a connection whose last exchange succeeded is
-        # idle, so the check never connects: see _round_trip.
+        # As redis-py's pool: an idle connection with data to read was
+        # closed by the server; reconnect while that is safe (a client from
+        # a URL does not retry).  Idle ones last succeeded: this never connects.
         try:
             if conn.can_read():
                 conn.disconnect()
@@ -410,10 +326,7 @@ class ScriptCalls(Interruptible):
             self._idle.append(conn)
 
     def add(self, name: str, source: str) -> None:
-        """Make one more script callable by ``name``.  Safe beside
-        concurrent calls: callers look for ``name`` in ``sources``, which
-        gets it only once ``shas`` has it.
-        """
+        """Make script ``name`` callable; safe beside calls, which look in ``sources``, set last."""
         with self._adding:  # two names added at once: neither is lost
             self.shas = {**self.shas, name: hashlib.sha1(source.encode()).hexdigest().encode()}
             self.sources = {**self.sources, name: source}
@@ -425,11 +338,7 @@ class ScriptCalls(Interruptible):
             conn.disconnect()
 
     def _exchange(self, conn: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
-        """One round trip: send every command, read every reply; a
-        Redis error reply is returned in its place, not raised.  A
-        timeout is raised as redis-py's ``TimeoutError``, also where
-        redis-py reports it as a failed connection.
-        """
+        """One round trip; error replies returned, not raised; timeouts as :func:`_unmasked`."""
         packed = b"".join(map(_pack, commands))
         replies: list[Any] = _unmasked(lambda: self._send_and_read(conn, packed, len(commands)))
         return replies
@@ -461,14 +370,11 @@ class ScriptCalls(Interruptible):
         try:
             result: list[Any] = conn.retry.call_with_retry(attempt, lambda _error: conn.disconnect())
         except BaseException as e:
-            # Whatever broke the exchange (a time limit's exception too)
-            # may have left replies unread: never reuse the socket, nor
-            # the connection (the next call makes a fresh one).
+            # Whatever broke the exchange (a time limit too) may have left replies unread: never reuse it.
             conn.disconnect()
             if isinstance(e, Exception) and interrupts != self._interrupts:
-                # A shutdown broke it from another thread: redis-py's own
-                # parser then fails on its closed buffer (a ValueError),
-                # hiredis as a lost connection; either way it may have applied.
+                # A shutdown broke it from another thread (redis-py's parser
+                # then raises ValueError, hiredis a lost connection): it may have applied.
                 raise redis.TimeoutError(_INTERRUPTED) from e
             raise
         finally:
@@ -477,10 +383,9 @@ class ScriptCalls(Interruptible):
         return result
 
     def interrupt(self, *, busy_for: float) -> None:
-        """Break every round trip in flight for longer than ``busy_for``
-        milliseconds, from another thread, during a worker's shutdown:
-        its socket is shut down, so it fails at once, as a lost reply
-        does (it may have applied), and is not sent again.
+        """Break, from another thread during a shutdown, every round trip in
+        flight for ``busy_for`` ms or more: it fails at once as a lost reply
+        (it may have applied), and is not sent again.
         """
         now = now_ms()
         stuck = [conn for conn, since in list(self._busy.values()) if now - since >= busy_for]
@@ -510,8 +415,8 @@ class ScriptCalls(Interruptible):
         """Run one script and return its reply.
 
         Raises:
-          redis.RedisError: on a connection failure that outlived the
-            client's retries, or an error reply of the script.
+          redis.RedisError: a connection failure that outlived the retries,
+            or the script's error reply.
         """
         [reply] = self.batch([(name, keys, args)])
         if isinstance(reply, Exception):
@@ -525,15 +430,13 @@ class ScriptCalls(Interruptible):
 
         Parameters:
           grouped(bool): Share the round trip with other threads' grouped
-            calls of the moment (see :mod:`.group`): for the calls that
-            every job makes on its worker thread.
-          trailer(tuple): A command sent after the scripts, on the same
-            connection (``WAIT``: how many replicas have the writes);
-            grouped, once after every caller's scripts.
+            calls (:class:`GroupCommit`): for the calls every job makes.
+          trailer(tuple): A command sent after the scripts on the same
+            connection (``WAIT``); grouped, once after all callers' scripts.
 
         Returns:
-          list: per call, its reply, or the ``ResponseError`` it got; then
-          the trailer's reply (or error), when there is a trailer.
+          list: per call, its reply or ``ResponseError``; then the
+          trailer's reply (or error), if any.
         """
         shas = self.shas
         commands = [(_EVALSHA, shas[name], len(keys), *keys, *args) for name, keys, args in calls]
@@ -553,10 +456,9 @@ class ScriptCalls(Interruptible):
         replies: list[Any],
         trailer: Optional[tuple[Any, ...]] = None,
     ) -> list[Any]:
-        """After a script flush or on a new server: none of the calls that
-        got ``NOSCRIPT`` ran.  Load what is missing and send those calls
-        again, in one round trip, with the trailer again after them (a
-        ``WAIT`` before them did not cover them).
+        """Load the missing scripts and resend the calls that got ``NOSCRIPT``
+        (none ran), then the trailer again: a ``WAIT`` before them did not
+        cover them.
         """
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         loads = [(b"SCRIPT", b"LOAD", self.sources[name]) for name in {calls[i][0] for i in missing}]

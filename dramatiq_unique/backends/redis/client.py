@@ -1,11 +1,9 @@
 """A lock backend on Redis, standalone or Cluster.
 
-Each lock is one hash whose key carries a Cluster hash tag around the
-digest, and every script touches that one digest's keys only.
-Deadlines come from the server's ``TIME``, so worker clocks do not
-matter.  Scripts are called through :mod:`.calls` (one pre-encoded
-``EVALSHA`` per call, reloaded after ``NOSCRIPT``) on a standalone
-client, and through redis-py's ``Script`` on a Cluster.
+Each lock is one hash, its key's hash tag the digest; every script
+touches that digest's keys only.  Deadlines come from the server's
+``TIME``, so worker clocks do not matter.  Scripts go through
+:mod:`.calls` on a standalone client, redis-py's ``Script`` on a Cluster.
 """
 
 from __future__ import annotations
@@ -62,47 +60,34 @@ from .scripts import SCRIPTS, send_script
 
 
 class RedisDispatchFailed(DispatchFailed, redis.ResponseError):
-    """The broker's ``dispatch.lua`` failed inside send.lua: nothing
-    was enqueued, and the lock the call took was dropped.  A
-    ``redis.ResponseError``, as the broker's own enqueue raises it.
-    """
+    """The broker's ``dispatch.lua`` failed inside send.lua (see :class:`DispatchFailed`)."""
 
 
 #: The URL scheme that connects to a Cluster.
 CLUSTER_SCHEME = "redis+cluster://"
 
-#: Socket timeouts, in seconds as redis-py takes them, of the clients
-#: this backend makes itself: a silent Redis must fail a lock call, not
-#: hang a worker thread.
+#: Socket timeouts, in seconds, of the clients this backend makes: a
+#: silent Redis must fail a lock call, not hang a worker thread.
 DEFAULT_SOCKET_TIMEOUT = 5.0
 
 
 def _waiting(key: str) -> list[str]:
-    """The waiters and bodies keys of a run lock key: same hash tag,
-    same Cluster slot.
-    """
+    """The waiters and bodies keys of a run lock key (same hash tag, same slot)."""
     return [wire.waiters_key(key), wire.bodies_key(key)]
 
 
 def _records(copy: Copy) -> list[str]:
-    """The keys a :class:`Copy` is settled on: its message record, then
-    the waiters and bodies of its run lock.
-    """
+    """The keys a :class:`Copy` is settled on: its message record, then :func:`_waiting`."""
     return [wire.message_key(copy.key, copy.message_id), *_waiting(copy.key)]
 
 
 def _message_of(owner: str) -> str:
-    """The message id of a run lock owner (``<message id>/<token>``); an
-    enqueue lock's owner is its message id.
-    """
+    """The message id of a run lock owner (``<message id>/<token>``)."""
     return wire.message_id_of(owner) or ""
 
 
 def _release_keys(key: str, owner: str) -> list[str]:
-    """release.lua's keys: the lock, its waiters and bodies, and the
-    record of the owner's message, whose run the release ends (every
-    job's, so the suffixes spelled out).
-    """
+    """release.lua's keys: lock, waiters, bodies, the owner's message record (spelled out: every job's)."""
     message = f"{key}{wire.MESSAGE_SUFFIX}{_message_of(owner)}"
     return [key, f"{key}{wire.WAIT_SUFFIX}", f"{key}{wire.BODIES_SUFFIX}", message]
 
@@ -118,9 +103,7 @@ def _copy_args(copy: Copy) -> list[Any]:
 
 
 def _start_call(key: str, owner: str, start: StartArgs) -> tuple[list[str], list[Any]]:
-    """start.lua's keys and arguments: every job's, so spelled out
-    rather than built from :func:`_records` and :func:`_copy_args`.
-    """
+    """start.lua's keys and arguments: every job's, so spelled out."""
     ttl, limit, lock, copy, queue_key, order, reserve = start
     message = f"{key}{wire.MESSAGE_SUFFIX}{copy.message_id}"
     keys = [key, message, f"{key}{wire.WAIT_SUFFIX}", f"{key}{wire.BODIES_SUFFIX}"]  # _records(copy), inline
@@ -146,9 +129,8 @@ _REPLACED = {
 _GLOB_SPECIALS = re.compile(r"[*?\[\]\\]")
 
 
-#: A named tuple from a tuple of its fields, built in C: a named tuple's
-#: own constructor runs a Python-level ``__new__``, which costs more than
-#: the rest of reading a reply.  For the replies every job reads.
+#: A named tuple built in C from its fields: its own ``__new__`` runs in
+#: Python, costing more than the rest of reading a reply every job reads.
 _new = tuple.__new__
 
 #: release.lua's two short replies.
@@ -157,8 +139,7 @@ _RELEASES = (Release(False), Release(True))
 
 def _acquisition(reply: Any, owner: str) -> Acquisition:
     """acquire.lua's reply: the fence alone (a fresh, confirmed slot), or
-    {status, holder, fence, provisional}; status 3 names why a copy may
-    not run.
+    {status, holder, fence, provisional}; status 3: a copy that may not run.
     """
     if isinstance(reply, int):
         return Acquisition(True, holder=owner, fence=reply)
@@ -202,9 +183,7 @@ def _release_args(owner: str, hand_over: bool, succeeded: bool, reserve: int) ->
 
 
 def _release_calls(locks: Sequence[tuple[Any, ...]]) -> list[Call]:
-    """release.lua calls that hand each slot over (the keys of
-    :func:`_waiting` spelled out: every job makes one).
-    """
+    """release.lua calls that hand each slot over."""
     return [
         ("release", _release_keys(one.key, one.owner), _release_args(one.owner, True, one.succeeded, one.reserve))
         for one in (Releasing(*lock) for lock in locks)
@@ -216,47 +195,39 @@ def _releases(replies: Sequence[Any]) -> list[Union[Release, Exception]]:
 
 
 class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, BatchedReleases, RenewsNatively):
-    """A lock backend that stores locks in Redis.  It has every
-    capability of :mod:`~dramatiq_unique.backends.capabilities`; on a Cluster,
-    sending with the publish, batched releases and renewal from a
-    native thread are off (:attr:`dispatch_client` and
-    :meth:`native_extender` give None, :attr:`batches_releases` is
-    False).
+    """A lock backend that stores locks in Redis, with every capability; on a
+    Cluster, sending with the publish, batched releases and native renewal
+    are off (:attr:`dispatch_client` and :meth:`native_extender` give None,
+    :attr:`batches_releases` is False).
 
     Parameters:
       client(redis.Redis): A client to use, e.g. a
-        ``redis.cluster.RedisCluster`` or one from a Sentinel.  When
-        given, all other parameters are ignored.
-      url(str): A Redis URL.  ``redis+cluster://host:port`` connects
-        to a Cluster through any one of its nodes (for TLS, pass a
-        ``RedisCluster(..., ssl=True)`` as ``client``).  When given, it
-        wins over ``**parameters``.
-      **parameters: Passed to ``redis.Redis``, or to
-        ``redis.cluster.RedisCluster`` with a cluster URL.  Socket
-        timeouts default to :data:`DEFAULT_SOCKET_TIMEOUT` seconds, and
-        ``retry`` (not on a Cluster) to :func:`~.calls.default_retry`,
-        which sends a call again when its connection failed.
+        ``redis.cluster.RedisCluster`` or one from a Sentinel; all other
+        parameters are then ignored.
+      url(str): A Redis URL, winning over ``**parameters``.
+        ``redis+cluster://host:port`` connects to a Cluster through any
+        node (for TLS, pass ``RedisCluster(..., ssl=True)`` as ``client``).
+      **parameters: Passed to ``redis.Redis`` (``RedisCluster`` with a
+        cluster URL).  Socket timeouts default to
+        :data:`DEFAULT_SOCKET_TIMEOUT`, and ``retry`` (not on a Cluster)
+        to :func:`~.calls.default_retry`.
       min_replicas(int): When above 0, every call that takes a lock is
         followed, in the same round trip, by ``WAIT min_replicas
-        min_replicas_timeout``; a lock that fewer replicas acknowledged
-        is given back and the call raises :class:`TooFewReplicas` (see
+        min_replicas_timeout``; a lock fewer replicas acknowledged is given
+        back and the call raises :class:`TooFewReplicas` (see
         ``docs/reliability.md``, "Failover").  Not on a Cluster.
-      min_replicas_timeout(int): How long ``WAIT`` waits for them, in
-        milliseconds; keep it well under the socket timeout.
-      group_commit(bool): True (the default) lets the run lock calls
-        that worker threads make at the same moment share one round
-        trip (see :mod:`.calls`); False sends each in its own.
-      release_in_background(bool): True (the default) lets the worker
-        release run locks off the worker thread, riding in front of the
-        next run lock call or sent by the releaser thread (see
-        :class:`dramatiq_unique.worker.release.Releaser`); False releases each on
-        the worker thread, in its own round trip.  Both switches are
-        there to measure what each piece buys (``docs/performance.md``,
-        "The throughput layer"); the defaults are the fast ones.
+      min_replicas_timeout(int): How long ``WAIT`` waits, in ms; keep it
+        well under the socket timeout.
+      group_commit(bool): Let concurrent run lock calls of worker threads
+        share one round trip (see :mod:`.calls`).
+      release_in_background(bool): Let the worker release run locks off
+        the worker thread (:class:`dramatiq_unique.worker.release.Releaser`).
+        Both switches exist to measure what each buys
+        (``docs/performance.md``, "The throughput layer").
 
-    Every script touches the keys of one lock only, and they share a
-    hash tag, so each call goes to one Cluster node.  With Sentinel,
-    pass the client of the primary; it follows failovers::
+    Each script touches one lock's keys, which share a hash tag: one
+    Cluster node per call.  With Sentinel, pass the primary's client; it
+    follows failovers::
 
       from redis.sentinel import Sentinel
 
@@ -264,12 +235,11 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
       backend = RedisBackend(client=sentinel.master_for("mymaster", socket_timeout=0.5))
 
     Warning:
-      Redis replicates asynchronously: a lock written to a primary that
-      fails before its replica saw it is gone after the failover, on
-      Sentinel and Cluster alike, and a second holder may take it.
-      Guard writes that must never overlap with
-      :func:`dramatiq_unique.fence_token`.  ``min_replicas`` narrows
-      that window; it does not close it.
+      Redis replicates asynchronously: a lock on a primary that fails
+      before its replica saw it is gone after the failover (Sentinel and
+      Cluster alike), and a second holder may take it.  Guard writes that
+      must never overlap with :func:`dramatiq_unique.fence_token`;
+      ``min_replicas`` narrows that window, it does not close it.
     """
 
     def __init__(
@@ -301,8 +271,7 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         self.min_replicas, self.min_replicas_timeout = replication(min_replicas, min_replicas_timeout, self.cluster)
         #: The command sent after every lock take, or None.
         self.wait_command = (b"WAIT", self.min_replicas, self.min_replicas_timeout) if self.min_replicas else None
-        #: (acked, key, give_back): raises TooFewReplicas after a take that
-        #: too few replicas acknowledged, given back first (see :func:`.replicas.require`).
+        #: (acked, key, give_back): see :func:`.replicas.require`.
         self._require = functools.partial(
             require, wanted=self.min_replicas, within=self.min_replicas_timeout, backend=self.describe
         )
@@ -313,12 +282,11 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         return self.scripts[name](keys=keys, args=args, client=self.client)
 
     def _take(self, name: str, keys: list[str], args: list[Any]) -> tuple[Any, Union[int, Exception, None]]:
-        """A script that may take a lock, then ``WAIT`` on the same
-        connection when ``min_replicas`` asks for it.
+        """A script that may take a lock, then ``WAIT`` under ``min_replicas``.
 
         Returns:
-          tuple: the script's reply, and ``WAIT``'s (the replicas that
-          acknowledged, or its error), or None without ``min_replicas``.
+          tuple: the script's reply, and ``WAIT``'s (a count or an error),
+          or None without ``min_replicas``.
         """
         if self.wait_command is None:
             return self._call(name, keys, args), None
@@ -329,8 +297,7 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         return reply, acked
 
     def _give_back(self, key: str, owner: str) -> Callable[[], Any]:
-        # No hand-over: the waiters' delayed copies come anyway, and a
-        # promoted message could not be enqueued from here.
+        # No hand-over (a promoted message could not be enqueued here): the waiters' delayed copies come anyway.
         return lambda: self.release(key, owner, hand_over=False)
 
     def acquire(self, key: str, owner: str, *, copy: Optional[Copy] = None, **take: Any) -> Acquisition:
@@ -347,22 +314,18 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
 
     @property
     def dispatch_client(self) -> Optional[Any]:
-        """The client, when it is not a Cluster's: one script may then
-        touch the lock's and the broker's keys.
-        """
+        """The client, unless a Cluster's: one script may then touch the lock's and the broker's keys."""
         return None if self.calls is None else self.client
 
     def acquire_and_dispatch(
         self, key: str, owner: str, *, dispatch: str, namespace: str, arguments: Sequence[Any], **take: Any
     ) -> Acquisition:
-        """:meth:`SendsWithPublish.acquire_and_dispatch` in one round trip
-        (send.lua), on a standalone client, the broker's own Redis.
+        """:meth:`SendsWithPublish.acquire_and_dispatch` in one call of send.lua.
 
         Raises:
-          RedisDispatchFailed: ``dispatch`` failed; nothing is locked by
-            this call.
-          redis.RedisError: the call failed; when the reply was lost it
-            may have taken the lock and enqueued.
+          RedisDispatchFailed: ``dispatch`` failed; this call locked nothing.
+          redis.RedisError: the call failed; after a lost reply it may have
+            taken the lock and enqueued.
         """
         assert self.calls is not None, "a Cluster cannot run two slots' keys in one script"
         name = f"send:{hashlib.sha1(dispatch.encode()).hexdigest()}"
@@ -371,8 +334,7 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         args = [*_take_args(owner, TakeArgs(**take)), *arguments]
         reply, acked = self._take(name, [key, namespace], args)
         if isinstance(reply, int):
-            # The same script enqueued the message: its lock is kept, so
-            # that what the lock holds matches the queue (a lost reply's rule).
+            # The script enqueued the message: keep its lock to match the queue (a lost reply's rule).
             self._require(acked, key, None)
             return Acquisition(True, holder=owner, fence=reply)
         status, holder, fence, _ = reply
@@ -383,10 +345,7 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         return Acquisition(status in (1, 2), reentered=status == 2, holder=as_text(holder), fence=int(fence))
 
     def start(self, key: str, owner: str, **options: Any) -> Start:
-        """:meth:`LockBackend.start` (``options`` are its keyword
-        arguments) in one call of start.lua, grouped with the other
-        worker threads' calls of the moment.
-        """
+        """:meth:`LockBackend.start` in one call of start.lua."""
         keys, args = _start_call(key, owner, StartArgs(**options))
         if self.calls is None:
             return _start(self._call("start", keys, args), owner)
@@ -401,8 +360,8 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
 
     def _started_acked(self, started: Start, acked: Any, key: str, owner: str) -> None:
         """Raise :class:`TooFewReplicas` for a run lock taken with too few
-        replicas, given back first.  (An enqueue lock the start released
-        stays released: its message was delivered.)
+        replicas, given back first (a released enqueue lock stays released:
+        its message was delivered).
         """
         if started.acquisition.acquired:
             self._require(acked, key, self._give_back(key, owner))
@@ -448,19 +407,14 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         return self._each("extend", [(key, owner, ttl) for key, owner in locks])
 
     def native_extender(self) -> Optional[NativeExtender]:
-        """``extend.lua`` on a connection of its own that mirrors this
-        client's (:class:`~.native.NativeExtend`), for a standalone
-        client on plain TCP or a Unix socket; None otherwise.
-        """
+        """:class:`~.native.NativeExtend` for a standalone client on TCP or a Unix socket, else None."""
         return None if self.cluster else native_extend(self.client, script=SCRIPTS["extend"])
 
     def confirm(self, locks: Sequence[tuple[str, str, int]]) -> list[bool]:
         return self._each("confirm", locks)
 
     def _each(self, script: str, calls: Sequence[tuple[str, str, int]]) -> list[bool]:
-        """Run a one-key ``script`` once per ``(key, owner, ttl)``, in
-        one round trip.
-        """
+        """Run a one-key ``script`` once per ``(key, owner, ttl)``, in one round trip."""
         if not calls:
             return []
         if self.calls is not None:
@@ -491,9 +445,7 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         return got
 
     def _replaced_back(self, key: str, owner: str, status: ReplaceStatus) -> Optional[Callable[[], Any]]:
-        """How to give back what a replace took: the superseded message
-        current again, then the slot; nothing for a re-entered slot.
-        """
+        """How to give back what a replace took (the superseded one current again, then the slot)."""
         if status is ReplaceStatus.REENTERED:
             return None
         release = self._give_back(key, owner)

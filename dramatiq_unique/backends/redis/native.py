@@ -1,8 +1,6 @@
-"""Lease renewals from a native OS thread under gevent: ``extend.lua``
-on a connection of the backend's own, made with the original
-(unpatched) socket module and speaking RESP2 itself, so that no
-greenlet-patched socket or pool lock of redis-py is touched from
-another OS thread (:class:`~..capabilities.RenewsNatively`).
+"""Lease renewals from a native OS thread under gevent
+(:class:`~..capabilities.RenewsNatively`): ``extend.lua`` over RESP2 on
+an unpatched socket, touching nothing of redis-py's.
 """
 
 from __future__ import annotations
@@ -15,19 +13,15 @@ from ...compat import original
 
 
 class NativeExtend:
-    """``extend`` on a connection of its own, for the lease keeper's
-    native thread under gevent (a :class:`~..capabilities.NativeExtender`).  It
-    sends ``extend.lua``, one ``EVALSHA`` per lock in one write
-    (``EVAL`` after a ``NOSCRIPT``), and reads RESP2 replies.  Used by
-    one thread at a time.
+    """A :class:`~..capabilities.NativeExtender`: one ``EVALSHA`` of
+    ``extend.lua`` per lock in one write (``EVAL`` after ``NOSCRIPT``).
+    Used by one thread at a time.
 
     Parameters:
       address(tuple or str): ``(host, port)``, or a Unix socket path.
       db(int): The database to select.
       username(str), password(str): For ``AUTH``, when set.
-      script(str): The source of ``extend.lua``, whose keys and
-        arguments are ``[key], [owner, ttl]``, as ``RedisBackend.extend``
-        sends them.
+      script(str): The source of ``extend.lua`` (``[key], [owner, ttl]``).
       connect_timeout(float): In seconds.
     """
 
@@ -52,8 +46,7 @@ class NativeExtend:
         self._file: Any = None
 
     def __call__(self, locks: Sequence[tuple[str, str]], ttl: int, *, timeout: float) -> list[bool]:
-        """Extend each ``(key, owner)`` to ``ttl`` ms from now, waiting at
-        most ``timeout`` ms for the whole exchange.
+        """Extend each ``(key, owner)`` to ``ttl`` ms from now, within ``timeout`` ms.
 
         Raises:
           TimeoutError: no answer in time; the connection is closed.
@@ -163,10 +156,8 @@ def _read_reply(file: Any) -> Any:
 
 
 def native_extend(client: Any, *, script: str) -> Optional[NativeExtend]:
-    """A :class:`NativeExtend` that mirrors ``client``'s connection, when
-    it is a plain TCP or Unix connection of a standalone client; None
-    otherwise (TLS, Sentinel, a Cluster, or a connection of someone
-    else's making: not ours to mirror).
+    """A :class:`NativeExtend` mirroring a standalone ``client``'s plain TCP
+    or Unix connection; None for any other (not ours to mirror).
     """
     import redis
 

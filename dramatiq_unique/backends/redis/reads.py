@@ -1,7 +1,4 @@
-"""The operators' reads of :class:`~.client.RedisBackend` (see
-:class:`~..base.LockReads`): straight redis-py commands on its client,
-none of them on a job's path.
-"""
+"""The operators' reads of :class:`~.client.RedisBackend`: plain redis-py commands, none on a job's path."""
 
 from __future__ import annotations
 
@@ -20,8 +17,7 @@ class RedisReads(LockReads):
     ``HGETALL`` at the server's ``TIME``.
     """
 
-    #: The redis-py client, standalone or Cluster, and whether it is this
-    #: backend's own, to close with it.
+    #: The redis-py client (standalone or Cluster), and whether to close it with this backend.
     client: Any
     owns_client: bool
     #: The URL it was made from, if any, and whether it is a Cluster's.

@@ -1,7 +1,4 @@
-"""``min_replicas``: the ``WAIT`` that follows every take of a
-:class:`~.client.RedisBackend` in the same round trip, checked, and
-:class:`TooFewReplicas` when too few replicas acknowledged the take.
-"""
+"""``min_replicas``: the ``WAIT`` after every take of a :class:`~.client.RedisBackend`, checked."""
 
 from __future__ import annotations
 
@@ -11,17 +8,15 @@ from ...errors import ConfigurationError, LockBackendError
 
 
 class TooFewReplicas(LockBackendError):
-    """A lock call took a lock that fewer replicas acknowledged than
-    ``min_replicas`` asked for, within ``min_replicas_timeout``: a
-    failover now could lose it, so the call counts as failed.  A fresh
-    lock it took was given back, unless ``given_back`` is False (the
-    give-back failed too, or the lock guards a message already enqueued):
-    it then lapses by its TTL or lease.
+    """A lock call took a lock that fewer than ``min_replicas`` replicas
+    acknowledged within ``min_replicas_timeout``: a failover now could lose
+    it, so the call failed.  A fresh lock is given back, unless
+    ``given_back`` is False (that failed too, or the lock guards a message
+    already enqueued): it then lapses by its TTL or lease.
 
     Attributes:
       key(str): The lock key.
-      acked(int): How many replicas acknowledged the write (0 when
-        ``WAIT`` itself failed).
+      acked(int): How many replicas acknowledged it (0 when ``WAIT`` failed).
       wanted(int): ``min_replicas``.
       given_back(bool): Whether the lock is known to be given back.
     """
@@ -59,11 +54,9 @@ def require(
     within: int,
     backend: Callable[[], str],
 ) -> None:
-    """Raise :class:`TooFewReplicas` when the take of ``key`` was
-    acknowledged by fewer than ``wanted`` replicas ``within`` ms (``acked``
-    is ``WAIT``'s reply, or its error; None when no ``WAIT`` was sent),
-    after giving back what it took with ``give_back`` (None: nothing to
-    give back).
+    """Raise :class:`TooFewReplicas` when fewer than ``wanted`` replicas
+    acknowledged the take of ``key`` ``within`` ms (``acked``: ``WAIT``'s
+    reply or error, None without ``WAIT``), after ``give_back`` (if any).
 
     Parameters:
       backend(callable): The backend's description, for the error.

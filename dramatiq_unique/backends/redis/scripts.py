@@ -11,11 +11,9 @@ _LUA = resources.files(__package__).joinpath("lua")
 
 
 def source(name: str, *, given: Optional[Mapping[str, str]] = None) -> str:
-    """A script's text, with each ``--@include NAME`` line replaced by
-    the library ``NAME.lua`` (its own includes expanded), or by
-    ``given[NAME]`` (a text from elsewhere, not expanded).  Each
-    library comes once, where it is first included: a later include of
-    it is dropped.
+    """A script's text, each ``--@include NAME`` line replaced by
+    ``NAME.lua`` (expanded) or ``given[NAME]`` (not expanded); a library
+    comes once, where first included.
     """
     included: set[str] = set()
 
@@ -47,7 +45,5 @@ SCRIPTS = {
 
 
 def send_script(dispatch: str) -> str:
-    """send.lua around the Redis broker's ``dispatch`` source, which it
-    includes as a local function of (KEYS, ARGV).
-    """
+    """send.lua around the broker's ``dispatch`` source, as a local function of (KEYS, ARGV)."""
     return source("send", given={"dispatch": dispatch})
