@@ -191,23 +191,13 @@ class SendsWithPublish(Capability):
 
     @abc.abstractmethod
     def acquire_and_dispatch(
-        self,
-        key: str,
-        owner: str,
-        *,
-        ttl: int,
-        limit: int,
-        lock: str,
-        lock_args: Optional[str],
-        where: str,
-        dispatch: str,
-        namespace: str,
-        arguments: Sequence[Any],
+        self, key: str, owner: str, *, dispatch: str, namespace: str, arguments: Sequence[Any], **take: Any
     ) -> Acquisition:
-        """:meth:`~LockBackend.acquire` ``key`` (confirmed, recording
-        ``where``), and only then run the broker's ``dispatch`` script with
-        ``arguments`` under ``namespace``, in one round trip.  Only where
-        :attr:`dispatch_client` is not None.
+        """:meth:`~LockBackend.acquire` ``key`` with ``take``, acquire's keywords
+        (``ttl``, ``limit``, ``lock``, ``lock_args``, and ``where``, which
+        is required: the lock is confirmed), and only then run the broker's
+        ``dispatch`` script with ``arguments`` under ``namespace``, in one
+        round trip.  Only where :attr:`dispatch_client` is not None.
 
         Raises:
           DispatchFailed: ``dispatch`` failed; this call locked nothing.

@@ -21,16 +21,20 @@ from dramatiq.logging import get_logger
 from ..backends.base import LockBackend
 from ..background import BackgroundThread, now_ms, pid
 
-# In ms unless said: locks per round trip; gathering before one (a busy producer shares a round trip
-# and a wake-up among many sends, for this much more crash window); retry wait; how long a call may
-# take before a new thread takes over its locks; most locks waiting (more lapse, logged); an exiting
-# process's wait, in seconds; and how long stop() waits for the thread once it confirmed what it could.
+#: The most locks one round trip confirms.
 DEFAULT_BATCH = 500
+#: How long, in ms, the confirmer gathers locks before a round trip: a busy producer then shares one
+#: round trip, and one wake-up of the thread, among many sends, for this much more crash window.
 DEFAULT_LINGER = 100
+#: The wait, in ms, before a failed confirmation is tried again.
 RETRY_INTERVAL = 500
+#: How long, in ms, a round trip may take before a new thread takes over its locks.
 CALL_TIMEOUT = 5_000
+#: How many locks may wait; more lapse after the provisional window, logged.
 MAX_WAITING = 100_000
+#: How long an exiting process waits for its confirmations, in seconds.
 EXIT_TIMEOUT = 5.0
+#: How long, in ms, :meth:`Confirmer.stop` waits for the thread once it confirmed what it could.
 STOP_TIMEOUT = 1_000
 
 

@@ -34,15 +34,12 @@ from ..capabilities import (
     SendsWithPublish,
     release_then_start,
 )
+from .. import records
 from ..records import (
-    DEFAULT_RESERVE,
     Acquisition,
     Copy,
-    CopyVerdict,
-    CurrentArgs,
     CurrentCheck,
     CurrentStatus,
-    EnqueueRecord,
     Release,
     Releasing,
     ReplaceArgs,
@@ -145,7 +142,7 @@ def _acquisition(reply: Any, owner: str) -> Acquisition:
         return Acquisition(True, holder=owner, fence=reply)
     status, holder, fence, provisional = reply
     if status == 3:
-        return Acquisition(False, refused=CopyVerdict(as_text(holder)))
+        return Acquisition(False, refused=records.CopyVerdict(as_text(holder)))
     return Acquisition(
         status in (1, 2), reentered=status == 2, holder=as_text(holder), fence=int(fence), provisional=provisional == 1
     )
@@ -387,7 +384,13 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         return _releases(replies), started
 
     def release(
-        self, key: str, owner: str, *, hand_over: bool = True, succeeded: bool = False, reserve: int = DEFAULT_RESERVE
+        self,
+        key: str,
+        owner: str,
+        *,
+        hand_over: bool = True,
+        succeeded: bool = False,
+        reserve: int = records.DEFAULT_RESERVE,
     ) -> Release:
         args = _release_args(owner, hand_over, succeeded, reserve)
         return _release(self._call("release", _release_keys(key, owner), args))
@@ -429,7 +432,7 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
             pipe.execute_command("EVAL", SCRIPTS[script], 1, key, owner, ttl)
         return [bool(result) for result in pipe.execute()]
 
-    def reap(self, key: str, owner: str, record: EnqueueRecord) -> bool:
+    def reap(self, key: str, owner: str, record: records.EnqueueRecord) -> bool:
         return bool(self._call("reap", [key], [owner, record.encode()]))
 
     def _replace(self, call: ReplaceArgs) -> Replacement:
@@ -453,7 +456,7 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
             return release
         return lambda: (self.unreplace(key, owner), release())
 
-    def _current(self, call: CurrentArgs) -> CurrentCheck:
+    def _current(self, call: records.CurrentArgs) -> CurrentCheck:
         key, owner, reenter, ttl, lock, copy, where = call
         keys: list[str] = [key, wire.superseded_key(key)]
         args: list[Any] = [owner, "reenter" if reenter else "start", ttl, lock]
