@@ -63,10 +63,13 @@ def _answers(url: str) -> bool:
 
 
 class PostgresServer:
-    """A private cluster: start, stop (or kill) and start it again."""
+    """A private cluster: start, stop (or kill) and start it again;
+    ``settings`` are more ``name=value`` server settings.
+    """
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, *settings: str) -> None:
         self.port = port
+        self.settings = settings
         self.root = Path(tempfile.mkdtemp(prefix="dramatiq-unique-pg-"))
         self.data, self.sockets = self.root / "data", self.root / "run"
         self.url = f"postgresql://postgres@127.0.0.1:{port}/postgres"
@@ -86,6 +89,7 @@ class PostgresServer:
 
     def start(self) -> None:
         options = f"-p {self.port} -k {self.sockets} -c fsync=off -c listen_addresses=127.0.0.1"
+        options += "".join(f" -c {setting}" for setting in self.settings)
         assert self.pg_ctl is not None
         self._run([self.pg_ctl, "-D", str(self.data), "-o", options, "-l", str(self.root / "log"), "-w", "start"])
         deadline = time.monotonic() + 30
