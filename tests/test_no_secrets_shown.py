@@ -12,10 +12,13 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
+import urllib.request
 import uuid
 from typing import Any, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
+import dramatiq
 import pytest
 import redis
 
@@ -23,6 +26,8 @@ from dramatiq_unique import ConfigurationError, UniqueMiddleware
 from dramatiq_unique.backends import from_url
 from dramatiq_unique.dashboard import make_app
 from dramatiq_unique.settings import Settings, from_environment, masked
+from tests.conftest import free_port, wait_for
+from tests.procs import WorkerGroup
 from tests.test_cli import run
 
 PASSWORD = "s3cr3t-" + uuid.uuid4().hex[:8]
@@ -151,3 +156,94 @@ def test_redis_backend_describe_hides_the_password(url: str) -> None:
         assert "***" in backend.describe()
     finally:
         backend.close()
+
+
+# Real workers at DEBUG --------------------------------------------------------------
+
+
+def secret_worker_broker() -> None:
+    """The broker of the worker processes (``dramatiq tests.test_no_secrets_shown:secret_worker_broker``):
+    locks wherever ``dramatiq_unique_url`` says, Dramatiq's ``Prometheus`` and ours, and every lock
+    event printed to the log.
+    """
+    from dramatiq.brokers.redis import RedisBroker
+    from dramatiq.middleware.prometheus import Prometheus
+
+    from dramatiq_unique.ops.prometheus import LockMetrics
+
+    namespace = os.environ["SECRET_NAMESPACE"]
+    broker = RedisBroker(url=os.environ["SECRET_BROKER_URL"], namespace=namespace)
+    broker.add_middleware(Prometheus())
+    middleware = UniqueMiddleware(prefix=namespace, reschedule_delay=100)
+    LockMetrics(middleware)
+    middleware.events.subscribe(lambda event: logging.getLogger("secret.events").info("event %r", event))
+    broker.add_middleware(middleware)
+    done = redis.Redis.from_url(os.environ["SECRET_BROKER_URL"])
+
+    @dramatiq.actor(broker=broker, queue_name=namespace, lock="while_executing", on_conflict="reschedule",
+                    max_retries=0)
+    def sync(account_id: int) -> None:
+        done.rpush(f"{namespace}:done", account_id)
+
+    dramatiq.set_broker(broker)
+
+
+def scrape(url: str, into: list[str]) -> str:
+    """The exposition at ``url`` (also appended to ``into``), or "" while it is not served."""
+    try:
+        into.append(urllib.request.urlopen(url, timeout=10).read().decode())
+    except OSError:
+        return ""
+    return into[-1]
+
+
+def wrong_password(url: str) -> str:
+    return url.replace(PASSWORD, PASSWORD[::-1])  # the same length: a password that fails
+
+
+def unreachable(url: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit(":", 1)[0] + f":{free_port()}"))
+
+
+@pytest.mark.parametrize("case", ["right", "wrong password", "unreachable"])
+def test_a_worker_at_debug_shows_no_password(secret_url, redis_url, redis_client, monkeypatch, tmp_path, case):
+    if case == "wrong password" and secret_url.startswith("postgres"):
+        pytest.skip("the suite's PostgreSQL trusts every password")
+    locks_url = {"right": secret_url, "wrong password": wrong_password(secret_url),
+                 "unreachable": unreachable(secret_url)}[case]
+    # Given worker processes at DEBUG whose lock URL holds the password, with Prometheus metrics
+    namespace, port = f"secret-{uuid.uuid4().hex[:8]}", free_port()
+    env = {"SECRET_NAMESPACE": namespace, "SECRET_BROKER_URL": redis_url, "dramatiq_unique_url": locks_url,
+           "dramatiq_prom_db": str(tmp_path), "dramatiq_prom_host": "127.0.0.1", "dramatiq_prom_port": str(port)}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    secret_worker_broker()
+    sync: Any = dramatiq.get_broker().get_actor("sync")
+    try:
+        with WorkerGroup("tests.test_no_secrets_shown:secret_worker_broker", processes=1, threads=2, env=env,
+                         extra=("--verbose",)) as workers:
+            workers.wait_booted(1)
+            # When jobs run (or fail to take their locks)
+            for account in (1, 1, 2):
+                sync.send(account)
+            if case == "right":
+                wait_for(lambda: redis_client.llen(f"{namespace}:done") == 3, timeout=30, what="three runs")
+            else:
+                wait_for(lambda: workers.output().count("failed to take the run lock") >= 3, timeout=60,
+                         what="three failed lock calls")
+            scraped: list[str] = []
+            wait_for(lambda: "dramatiq_unique_lock_events" in scrape(f"http://127.0.0.1:{port}/metrics", scraped),
+                     timeout=30, what="the metrics to be served")
+            metrics = scraped[-1]
+            assert workers.stop() == 0
+            output = workers.output()
+        # Then the password is in none of the log, at DEBUG, its events, nor the metrics
+        assert PASSWORD not in output and PASSWORD[::-1] not in output
+        assert PASSWORD not in metrics
+        assert "[DEBUG]" in output and "event LockEvent(" in output
+        assert "dramatiq_unique_lock_events" in metrics
+        assert "Backend(" in output or case == "right"  # the failing backend is named, without its password
+    finally:
+        dramatiq.get_broker().close()
+        redis_client.delete(f"{namespace}:done")
