@@ -78,22 +78,26 @@ def test_a_release_owed_at_shutdown_is_written_to_the_broker_and_made_by_the_nex
         broker.close()
 
 
+#: Keys of the middleware's own locks: an owed release names no other.
+KEY, GONE = "dramatiq-unique:once:{k}:queue", "dramatiq-unique:once:{gone}:queue"
+
+
 def test_an_owed_release_the_backend_still_refuses_is_enqueued_again_later_until_its_lock_expires() -> None:
     broker, backend = StubBroker(), FlakyBackend()
     unique, once = setup(broker, backend)
     unique.before_worker_boot(broker, None)
-    assert backend.acquire("k", "m", ttl=60_000).acquired
+    assert backend.acquire(KEY, "m", ttl=60_000).acquired
     backend.down = True
     # When an owed release is made while the backend is still down
-    unique.owed.make([OwedRelease.within("k", "m", 60_000).encode(), OwedRelease.within("gone", "m", -1).encode()])
+    unique.owed.make([OwedRelease.within(KEY, "m", 60_000).encode(), OwedRelease.within(GONE, "m", -1).encode()])
     # Then it is enqueued again with a delay, and the one whose lock expired is dropped
     [again] = list(broker.queues[f"{once.queue_name}.DQ"].queue)
     decoded = dramatiq.Message.decode(again)
-    assert [r["key"] for r in decoded.args[0]] == ["k"] and decoded.kwargs == {"attempt": 1}
+    assert [r["key"] for r in decoded.args[0]] == [KEY] and decoded.kwargs == {"attempt": 1}
     # And made again once the backend is back, the release lands
     backend.down = False
     unique.owed.make(*decoded.args, **decoded.kwargs)
-    assert backend.inspect("k") is None
+    assert backend.inspect(KEY) is None
     broker.close()
 
 
@@ -101,14 +105,14 @@ def test_an_owed_release_made_twice_frees_only_its_own_owner() -> None:
     broker, backend = StubBroker(), FlakyBackend()
     unique, _ = setup(broker, backend)
     unique.before_worker_boot(broker, None)
-    assert backend.acquire("k", "m", ttl=60_000).acquired
-    owed = [OwedRelease.within("k", "m", 60_000).encode()]
+    assert backend.acquire(KEY, "m", ttl=60_000).acquired
+    owed = [OwedRelease.within(KEY, "m", 60_000).encode()]
     unique.owed.make(owed)
     # When another message takes the key, and the same owed release is made again (a duplicate)
-    assert backend.acquire("k", "other", ttl=60_000).acquired
+    assert backend.acquire(KEY, "other", ttl=60_000).acquired
     unique.owed.make(owed)
     # Then the new holder keeps it: the release checks its owner
-    info = backend.inspect("k")
+    info = backend.inspect(KEY)
     assert info is not None and list(info.holders) == ["other"]
     broker.close()
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 # -- Lock keys -------------------------------------------------------------
 
@@ -248,6 +248,33 @@ MESSAGE_OPTIONS = frozenset(
         UNIQUE_REPLACED,
     }
 )
+
+#: The most a count option may say: far beyond what any real message reaches.
+MAX_COUNT = 1_000_000
+_DIGEST = re.compile(f"[0-9a-f]{{{DIGEST_LENGTH}}}")
+
+
+def _count(value: Any) -> bool:
+    return type(value) is int and 0 <= value <= MAX_COUNT
+
+
+#: What each option a delivery reads must be, as this package stamps it: a check and its wording.
+#: A message may be hand-made, or forged by anyone who can write to the broker.
+OPTION_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    UNIQUE_DIGEST: (lambda v: isinstance(v, str) and bool(_DIGEST.fullmatch(v)), f"{DIGEST_LENGTH} hex digits"),
+    UNIQUE_SEQ: (_count, f"an int from 0 to {MAX_COUNT}"),
+    UNIQUE_LOCK_ARGS: (lambda v: isinstance(v, str) and len(v) <= 65_536, "a string of at most 64 KiB"),
+    UNIQUE_RESCHEDULES: (_count, f"an int from 0 to {MAX_COUNT}"),
+    UNIQUE_VIA: (lambda v: v in ("", "delay", "handoff", "retry"), "'delay', 'handoff' or 'retry'"),
+    UNIQUE_WAITS: (_count, f"an int from 0 to {MAX_COUNT}"),
+}
+
+
+def malformed_options(options: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The options that this package would not have stamped so: each name and what it must be."""
+    return [
+        (name, must) for name, (check, must) in OPTION_CHECKS.items() if name in options and not check(options[name])
+    ]
 
 
 # -- Enqueue records -------------------------------------------------------

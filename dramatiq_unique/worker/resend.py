@@ -332,7 +332,9 @@ class OwedReleases:
         assert self.actor is not None
         now = time.time() * 1000
         left, made = [], 0
-        for release in map(OwedRelease.decode, releases):
+        for release in map(self._decoded, releases):
+            if release is None:
+                continue
             if release.until <= now:
                 self.logger.warning("Gave up releasing %r: it has expired by itself.", release.key)
                 continue
@@ -350,6 +352,24 @@ class OwedReleases:
         if left:
             wait = min(self.first_retry * 2**attempt, self.most_between) * JITTER.uniform(0.5, 1.0)
             self.actor.broker.enqueue(self._message(left, attempt=attempt + 1), delay=int(wait))
+
+    def _decoded(self, data: Any) -> Optional[OwedRelease]:
+        """``data`` as an owed release, or None (logged) if this package would not have written it: a
+        hand-made message may name no other keys than this middleware's locks, nor other keywords.
+        """
+        try:
+            release: Optional[OwedRelease] = OwedRelease.decode(data)
+        except (AttributeError, KeyError, TypeError, ValueError):
+            release = None
+        if (
+            release is None
+            or not release.key.startswith(f"{self.service.settings.prefix}:")
+            or not release.key.endswith((":run", ":queue"))
+            or any(name != "succeeded" or not isinstance(value, bool) for name, value in release.options.items())
+        ):
+            self.logger.warning("Ignored an owed release that this package would not have written: %.200r", data)
+            return None
+        return release
 
     def _hand_over(self, key: str, encoded: bytes) -> None:
         assert self.actor is not None

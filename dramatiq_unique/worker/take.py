@@ -24,7 +24,15 @@ from ..background import JITTER, now_ms, pid
 from ..compat import SKIPPED_MESSAGE_LOG, WORKER_THREAD_LOGGER, age_limit_module
 from ..errors import CopySkipped, LockConflict, Rescheduled, Superseded
 from ..model.spec import ActorSpec
-from ..model.wire import UNIQUE_DIGEST, UNIQUE_RESCHEDULES, UNIQUE_VIA, UNIQUE_WAITS, join_owner, message_id_of
+from ..model.wire import (
+    UNIQUE_DIGEST,
+    UNIQUE_RESCHEDULES,
+    UNIQUE_VIA,
+    UNIQUE_WAITS,
+    join_owner,
+    malformed_options,
+    message_id_of,
+)
 from ..send.context import LockContext, copy_of, send_order, store_failure, store_nothing
 from .leases import Delivery, attach, delivery, set_fence, watch
 from .release import HandOff, Unlocker
@@ -87,6 +95,16 @@ class RunLockTaker:
     def take(self, broker: "Broker", message: "MessageProxy", raw: Message, spec: ActorSpec) -> None:
         """Take what the lock type takes before the actor runs (``raw``: the proxied message)."""
         options = raw.options
+        for name, must in malformed_options(options):
+            # Dropped, so that the message runs as if it had none: never a crash, nor another key's lock.
+            self.service.logger.warning(
+                "Ignored option %s=%.80r of %s, message %s: it must be %s.",
+                name,
+                options.pop(name),
+                message,
+                message.message_id,
+                must,
+            )
         stamped = options.get(UNIQUE_DIGEST)
         digest = stamped or spec.digest(raw.args, raw.kwargs)
         options[UNIQUE_DIGEST] = digest  # so a retry re-enters, even if the sender had no middleware
