@@ -121,10 +121,6 @@ class LockBackend(LockReads):
         from now.  The same owner again re-enters, keeping the later deadline.
 
         Parameters:
-          key(str): The lock key.
-          owner(str): The holder's identity.
-          ttl(int): How long the slot is held.
-          limit(int): How many owners may hold the key at once.
           lock(str): The lock type, recorded for operators.
           lock_args(str): JSON of the lock args, recorded if given.
           provisional(int): When above 0 and below ``ttl``, a new or still
@@ -177,15 +173,12 @@ class LockBackend(LockReads):
           succeeded(bool): The run succeeded: it finishes its message, so
             that a later copy with no more retries is skipped as a
             duplicate.  False (failed, or unknown) lets the next copy run.
-          reserve(int): In milliseconds.
         """
 
     def release_many(self, locks: Sequence[tuple[Any, ...]]) -> list[Union[Release, Exception]]:
         """:meth:`release` each ``(key, owner)`` (or :class:`Releasing`), in
-        one round trip each here, one in all with :class:`BatchedReleases`.
-
-        Returns:
-          list: per lock, its :class:`Release`, or the exception it raised.
+        one round trip each here, one in all with :class:`BatchedReleases`:
+        per lock, its :class:`Release`, or the exception it raised.
         """
         outcomes: list[Union[Release, Exception]] = []
         for lock in locks:
@@ -199,19 +192,15 @@ class LockBackend(LockReads):
     @abc.abstractmethod
     def extend(self, locks: Sequence[tuple[str, str]], ttl: int) -> list[bool]:
         """Move each ``(key, owner)``'s deadline to ``ttl`` from now, in one
-        round trip; a slot that lapsed or was taken is not extended.
-
-        Returns:
-          list[bool]: per lock, whether it is still held.
+        round trip; a slot that lapsed or was taken is not extended.  Returns,
+        per lock, whether it is still held.
         """
 
     @abc.abstractmethod
     def confirm(self, locks: Sequence[tuple[str, str, int]]) -> list[bool]:
         """Give each provisional ``(key, owner, ttl)`` slot a deadline of at
         least ``ttl`` from now, in one round trip; never revive a slot.
-
-        Returns:
-          list[bool]: per lock, whether it is still held.
+        Returns, per lock, whether it is still held.
         """
 
     # Operators' writes -----------------------------------------------
@@ -219,10 +208,8 @@ class LockBackend(LockReads):
     @abc.abstractmethod
     def reap(self, key: str, owner: str, record: EnqueueRecord) -> bool:
         """Release ``owner``'s slot of ``key`` if its enqueue record is still
-        ``record``, whose message a reaper found nowhere.
-
-        Returns:
-          bool: True when a live slot was released.
+        ``record``, whose message a reaper found nowhere: True when a live
+        slot was released.
         """
 
     @abc.abstractmethod
@@ -232,10 +219,8 @@ class LockBackend(LockReads):
     @abc.abstractmethod
     def delete_prefix(self, prefix: str) -> int:
         """Drop every key starting with ``prefix`` (not a glob), with what is
-        kept beside it (waiters, records): for tests and operators.
-
-        Returns:
-          int: How many keys were dropped (as the backend counts them).
+        kept beside it (waiters, records): for tests and operators.  Returns
+        how many keys were dropped (as the backend counts them).
         """
 
 
@@ -252,13 +237,9 @@ def call_backend(backend: LockReads, doing: str, call: Callable[..., T], *args: 
 
 
 class PrefixLocks:
-    """The live locks under one prefix, as the reaper checks them and
-    :class:`~dramatiq_unique.ops.admin.LockAdmin` lists them; failures are
-    :class:`LockBackendError` (:func:`call_backend`).
-
-    Parameters:
-      backend(LockBackend): Where the locks live.
-      prefix(str): The middleware's prefix.
+    """The live locks under the middleware's ``prefix``, as the reaper checks
+    them and :class:`~dramatiq_unique.ops.admin.LockAdmin` lists them;
+    failures are :class:`LockBackendError` (:func:`call_backend`).
     """
 
     def __init__(self, backend: LockBackend, *, prefix: str) -> None:

@@ -45,13 +45,9 @@ class Capability(LockBackend):
     def require(cls: type[C], backend: LockBackend, *, feature: str) -> C:
         """``backend``, when it has this capability.
 
-        Parameters:
-          feature(str): What needs it, for the error, e.g.
-            ``"on_conflict='replace' (actor 'sync')"``.
-
         Raises:
           MissingCapability: naming the backend, the capability and
-            ``feature``.
+            ``feature``, what needs it (``"on_conflict='replace'"``).
         """
         if isinstance(backend, cls):
             return backend
@@ -75,15 +71,13 @@ class Reschedules(Capability):
     @abc.abstractmethod
     def join_line(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> int:
         """Register ``copy``'s message as waiting for ``copy.key``, ``message``
-        the encoded copy to hand the key to, lowest ``order`` first.  The
-        caller also enqueues a delayed copy: the first to arrive wins.
+        the encoded copy to hand the key to, lowest ``order`` first, the
+        records kept ``ttl`` ms.  The caller also enqueues a delayed copy:
+        the first to arrive wins.
 
         Returns:
           int: How many waiters are ahead in line (0 when a wait sent again
           after its lost reply changed nothing).
-
-        Parameters:
-          ttl(int): How long the records live, in milliseconds.
         """
 
     @abc.abstractmethod
@@ -117,16 +111,12 @@ class NewestWins(Capability):
         where: str = "",
     ) -> Replacement:
         """Make ``owner`` the current holder of enqueue lock ``key`` (one
-        slot), in one round trip.  The superseded id is recorded
-        ``superseded_ttl`` ms, so that its later copies are skipped.  A
-        started holder keeps its slot (``keep_started``: the send is refused).
-
-        Parameters:
-          debounce(int): When > 0, the message is due ``debounce`` ms from
-            now, but at most ``debounce_max`` (when > 0) after the burst's
-            first send, which the key records.
-          where(str): Where the message is being published, kept in the
-            owner's :class:`EnqueueRecord`.
+        slot), in one round trip, ``where`` as in :meth:`~LockBackend.acquire`.
+        The superseded id is recorded ``superseded_ttl`` ms, so that its later
+        copies are skipped.  A started holder keeps its slot (``keep_started``:
+        the send is refused).  Under ``debounce`` (ms), the message is due
+        that long from now, but at most ``debounce_max`` (when > 0) after the
+        burst's first send, which the key records.
         """
         args = (key, owner, ttl, lock, lock_args, keep_started, debounce, debounce_max, superseded_ttl, where)
         return self._replace(ReplaceArgs(*args))
@@ -151,9 +141,6 @@ class NewestWins(Capability):
         A delivery (no ``reenter``) marks a current message started; a
         re-enqueue re-enters its slot or takes the free key again, as
         :meth:`~LockBackend.acquire` does (``copy``, ``where`` alike).
-
-        Returns:
-          CurrentCheck: what was found, and the message it names.
         """
         return self._current(CurrentArgs(key, owner, reenter, ttl, lock, copy, where))
 
@@ -164,11 +151,9 @@ class NewestWins(Capability):
     @abc.abstractmethod
     def unreplace(self, key: str, owner: str) -> Optional[str]:
         """Undo the :meth:`replace` of ``owner``, whose message was never
-        published: the one it superseded is current again, with ``owner``'s
-        deadline; ``owner``'s slot is left to :meth:`~LockBackend.release`.
-
-        Returns:
-          str: The message made current again, or None.
+        published: the one it superseded (returned; None if none) is current
+        again, with ``owner``'s deadline; ``owner``'s slot is left to
+        :meth:`~LockBackend.release`.
         """
 
 
@@ -219,10 +204,8 @@ class BatchedReleases(Capability):
         self, releases: Sequence[tuple[Any, ...]], key: str, owner: str, **start: Any
     ) -> tuple[list[Union[Release, Exception]], Union[Start, Exception]]:
         """:meth:`~LockBackend.release_many` ``releases``, then
-        :meth:`~LockBackend.start` ``key`` for ``owner``, in one round trip.
-
-        Parameters:
-          **start: The keyword arguments of :meth:`~LockBackend.start`.
+        :meth:`~LockBackend.start` ``key`` for ``owner`` with ``start``, in
+        one round trip.
 
         Returns:
           tuple: each release's outcome, and the :class:`Start` or the
@@ -248,8 +231,7 @@ class NativeExtender(Protocol):
     """
 
     def __call__(self, locks: Sequence[tuple[str, str]], ttl: int, *, timeout: float) -> list[bool]:
-        """:meth:`LockBackend.extend`, waiting at most ``timeout`` ms (the
-        caller's lease deadline) for the whole exchange.
+        """:meth:`LockBackend.extend`, waiting at most ``timeout`` ms (the lease deadline) for the whole exchange.
 
         Raises:
           TimeoutError: no answer in time (or ``timeout`` <= 0); the
