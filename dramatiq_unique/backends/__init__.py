@@ -26,10 +26,8 @@ _EXTRAS = {
 
 
 def _module(extra: str) -> ModuleType:
-    """The backend module of ``extra``, imported on first use.
-
-    Raises:
-      ConfigurationError: its driver is missing, naming the extra to install.
+    """The backend module of ``extra``, imported on first use; a missing
+    driver raises :class:`ConfigurationError` naming the extra to install.
     """
     driver, name, schemes = _EXTRAS[extra]
     try:
@@ -50,7 +48,6 @@ def from_url(url: str, **options: Any) -> LockBackend:
     ``PostgresBackend``.
 
     Parameters:
-      url(str): Where the locks live.
       **options: Passed to the backend's constructor.
 
     Raises:

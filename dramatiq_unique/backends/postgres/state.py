@@ -174,7 +174,6 @@ class Applied(NamedTuple):
     """What a call did.
 
     Attributes:
-      result: What the verb returned.
       writes(list): :data:`.sql.WRITE`'s parameters for each changed row.
       deletes(list[str]): The keys whose rows, made for this call, hold
         nothing, not even a fence.

@@ -197,9 +197,7 @@ DEFAULT_RETRIES = 3
 
 
 class _Retry(Retry):
-    """Retries failed connections, never timeouts, even those redis-py
-    reports as failed connections (``timeout_in_disguise``).
-    """
+    """Retries failed connections, never timeouts, even disguised as one (``timeout_in_disguise``)."""
 
     def call_with_retry(self, do: Callable[[], Any], fail: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return super().call_with_retry(lambda: _unmasked(do), fail, *args, **kwargs)
@@ -216,9 +214,7 @@ def _unmasked(do: Callable[[], Any]) -> Any:
 
 
 def default_retry() -> Retry:
-    """:data:`DEFAULT_RETRIES`, after at most 20, 40, 80 ms (full jitter): safe,
-    as every script survives a lost reply.
-    """
+    """:data:`DEFAULT_RETRIES`, after at most 20, 40, 80 ms (full jitter): safe, as scripts survive lost replies."""
     return _Retry(FullJitterBackoff(cap=1.0, base=0.01), DEFAULT_RETRIES, supported_errors=(redis.ConnectionError,))
 
 
@@ -456,9 +452,8 @@ class ScriptCalls(Interruptible):
         replies: list[Any],
         trailer: Optional[tuple[Any, ...]] = None,
     ) -> list[Any]:
-        """Load the missing scripts and resend the calls that got ``NOSCRIPT``
-        (none ran), then the trailer again: a ``WAIT`` before them did not
-        cover them.
+        """Load the missing scripts, resend the calls that got ``NOSCRIPT``
+        (none ran), then the trailer: a ``WAIT`` before did not cover them.
         """
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         loads = [(b"SCRIPT", b"LOAD", self.sources[name]) for name in {calls[i][0] for i in missing}]

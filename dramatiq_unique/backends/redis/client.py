@@ -209,10 +209,9 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         :data:`DEFAULT_SOCKET_TIMEOUT`, and ``retry`` (not on a Cluster)
         to :func:`~.calls.default_retry`.
       min_replicas(int): When above 0, every call that takes a lock is
-        followed, in the same round trip, by ``WAIT min_replicas
-        min_replicas_timeout``; a lock fewer replicas acknowledged is given
-        back and the call raises :class:`TooFewReplicas` (see
-        ``docs/reliability.md``, "Failover").  Not on a Cluster.
+        followed, in the same round trip, by ``WAIT``; a lock fewer replicas
+        acknowledged is given back and the call raises :class:`TooFewReplicas`
+        (``docs/reliability.md``, "Failover").  Not on a Cluster.
       min_replicas_timeout(int): How long ``WAIT`` waits, in ms; keep it
         well under the socket timeout.
       group_commit(bool): Let concurrent run lock calls of worker threads
@@ -279,11 +278,8 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         return self.scripts[name](keys=keys, args=args, client=self.client)
 
     def _take(self, name: str, keys: list[str], args: list[Any]) -> tuple[Any, Union[int, Exception, None]]:
-        """A script that may take a lock, then ``WAIT`` under ``min_replicas``.
-
-        Returns:
-          tuple: the script's reply, and ``WAIT``'s (a count or an error),
-          or None without ``min_replicas``.
+        """A script that may take a lock, then ``WAIT`` under ``min_replicas``:
+        its reply, and ``WAIT``'s (a count or an error; None without it).
         """
         if self.wait_command is None:
             return self._call(name, keys, args), None
@@ -356,9 +352,8 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         return started
 
     def _started_acked(self, started: Start, acked: Any, key: str, owner: str) -> None:
-        """Raise :class:`TooFewReplicas` for a run lock taken with too few
-        replicas, given back first (a released enqueue lock stays released:
-        its message was delivered).
+        """Raise :class:`TooFewReplicas` for a run lock too few replicas saw,
+        given back first (a released enqueue lock stays so: it was delivered).
         """
         if started.acquisition.acquired:
             self._require(acked, key, self._give_back(key, owner))

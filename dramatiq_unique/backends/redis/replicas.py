@@ -15,7 +15,6 @@ class TooFewReplicas(LockBackendError):
     already enqueued): it then lapses by its TTL or lease.
 
     Attributes:
-      key(str): The lock key.
       acked(int): How many replicas acknowledged it (0 when ``WAIT`` failed).
       wanted(int): ``min_replicas``.
       given_back(bool): Whether the lock is known to be given back.
@@ -56,10 +55,8 @@ def require(
 ) -> None:
     """Raise :class:`TooFewReplicas` when fewer than ``wanted`` replicas
     acknowledged the take of ``key`` ``within`` ms (``acked``: ``WAIT``'s
-    reply or error, None without ``WAIT``), after ``give_back`` (if any).
-
-    Parameters:
-      backend(callable): The backend's description, for the error.
+    reply or error, None without ``WAIT``), after ``give_back`` (if any);
+    ``backend()`` describes the backend for the error.
     """
     if acked is None or (isinstance(acked, int) and acked >= wanted):
         return
