@@ -42,13 +42,10 @@ def _module(extra: str) -> ModuleType:
 
 
 def from_url(url: str, **options: Any) -> LockBackend:
-    """Make a lock backend from ``url``, by its scheme: ``redis://``,
-    ``rediss://``, ``unix://``, ``redis+cluster://`` make a
-    ``RedisBackend``, ``postgresql://`` and ``postgres://`` a
-    ``PostgresBackend``.
-
-    Parameters:
-      **options: Passed to the backend's constructor.
+    """Make a lock backend from ``url``, by its scheme, ``options`` passed
+    to its constructor: ``redis://``, ``rediss://``, ``unix://``,
+    ``redis+cluster://`` make a ``RedisBackend``, ``postgresql://`` and
+    ``postgres://`` a ``PostgresBackend``.
 
     Raises:
       ConfigurationError: naming ``url=``, for a URL that is not one or of
@@ -63,10 +60,9 @@ def from_url(url: str, **options: Any) -> LockBackend:
 
 
 def for_broker(broker: Any, **options: Any) -> Optional[LockBackend]:
-    """The backend a broker lends when no URL is set: a ``RedisBroker``'s client, a ``StubBroker``'s memory, or None.
-
-    Parameters:
-      **options: Passed to ``RedisBackend`` (``min_replicas``, say).
+    """The backend a broker lends when no URL is set: a ``RedisBroker``'s
+    client (``options`` passed to ``RedisBackend``), a ``StubBroker``'s
+    memory, or None.
     """
     from dramatiq.brokers.stub import StubBroker
 

@@ -1,6 +1,5 @@
-"""The core of the lock backend interface: :class:`LockBackend` and the
-operators' reads of :class:`LockReads`.  Capabilities are in
-:mod:`.capabilities`, the verbs' records in :mod:`.records`.
+""":class:`LockBackend`, the lock backend interface's core, and operators'
+reads (:class:`LockReads`); see :mod:`.capabilities` and :mod:`.records`.
 
 A lock is a set of holders under one key, each an owner with its own
 deadline, so ``limit`` holders may share a key and a dead holder frees
@@ -85,15 +84,10 @@ class LockReads(abc.ABC):
         return None
 
     def check(self, key: str) -> None:
-        """Make one read that changes nothing, to find out whether the backend answers.
-
-        Parameters:
-          key(str): A key nobody holds, under the locks' prefix (so that a
-            client allowed only those keys may read it).
-
-        Raises:
-          Exception: What the backend's client raises when it cannot be
-            reached, e.g. redis-py's ``ConnectionError``.
+        """Read ``key``, changing nothing, to find out whether the backend
+        answers: it raises what its client does when unreachable, e.g.
+        redis-py's ``ConnectionError``.  ``key`` is one nobody holds, under
+        the locks' prefix, so that a client allowed only those keys may.
         """
         self.inspect(key)
 
@@ -268,5 +262,4 @@ class PrefixLocks:
                 yield ListedLock(key, actor, parts.digest, parts.phase, info.lock, info.lock_args, holders, info)
 
     def call(self, doing: str, call: Callable[..., T], *args: Any) -> T:
-        """Run one backend call (see :func:`call_backend`)."""
         return call_backend(self.backend, doing, call, *args)

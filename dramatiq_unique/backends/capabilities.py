@@ -1,11 +1,8 @@
-"""The capabilities of a lock backend: what only some backends can do.
-
-Each is an abstract class deriving from :class:`~.base.LockBackend`,
-which a backend inherits when it can; callers check it with
-``isinstance`` (or :meth:`Capability.require`), never by class name or
-``hasattr``.  The middleware refuses, at set-up, an actor whose options
-need one its backend lacks (:class:`MissingCapability`).  See
-docs/architecture.md, "The backend seam".
+"""What only some lock backends can do: abstract subclasses of
+:class:`~.base.LockBackend` that a backend inherits when it can, checked
+with ``isinstance`` (or :meth:`Capability.require`), never a class name or
+``hasattr``.  Set-up refuses an actor that needs one its backend lacks
+(:class:`MissingCapability`); see docs/architecture.md, "The backend seam".
 """
 
 from __future__ import annotations
@@ -73,21 +70,16 @@ class Reschedules(Capability):
         """Register ``copy``'s message as waiting for ``copy.key``, ``message``
         the encoded copy to hand the key to, lowest ``order`` first, the
         records kept ``ttl`` ms.  The caller also enqueues a delayed copy:
-        the first to arrive wins.
-
-        Returns:
-          int: How many waiters are ahead in line (0 when a wait sent again
-          after its lost reply changed nothing).
+        the first to arrive wins.  Returns how many waiters are ahead in line
+        (0 when a wait sent again after its lost reply changed nothing).
         """
 
     @abc.abstractmethod
     def claim(self, copy: Copy) -> bool:
-        """Settle that ``copy`` arrived, without taking a lock.
-
-        Returns:
-          bool: True when it may run: the first of its attempt to arrive
-          (withdrawing the waiter), a retry or redelivery of that one, or a
-          copy with no record; False for an earlier attempt's or the second.
+        """Settle that ``copy`` arrived, without taking a lock: True when it
+        may run (the first of its attempt to arrive, withdrawing the waiter,
+        a retry or redelivery of that one, or a copy with no record), False
+        for an earlier attempt's or the second.
         """
 
 
@@ -178,11 +170,10 @@ class SendsWithPublish(Capability):
     def acquire_and_dispatch(
         self, key: str, owner: str, *, dispatch: str, namespace: str, arguments: Sequence[Any], **take: Any
     ) -> Acquisition:
-        """:meth:`~LockBackend.acquire` ``key`` with ``take``, acquire's keywords
-        (``ttl``, ``limit``, ``lock``, ``lock_args``, and ``where``, which
-        is required: the lock is confirmed), and only then run the broker's
-        ``dispatch`` script with ``arguments`` under ``namespace``, in one
-        round trip.  Only where :attr:`dispatch_client` is not None.
+        """:meth:`~LockBackend.acquire` ``key`` with its keywords ``take``
+        (``where`` required: the lock is confirmed), and only then run the
+        broker's ``dispatch`` script with ``arguments`` under ``namespace``,
+        in one round trip.  Only where :attr:`dispatch_client` is not None.
 
         Raises:
           DispatchFailed: ``dispatch`` failed; this call locked nothing.
@@ -205,11 +196,8 @@ class BatchedReleases(Capability):
     ) -> tuple[list[Union[Release, Exception]], Union[Start, Exception]]:
         """:meth:`~LockBackend.release_many` ``releases``, then
         :meth:`~LockBackend.start` ``key`` for ``owner`` with ``start``, in
-        one round trip.
-
-        Returns:
-          tuple: each release's outcome, and the :class:`Start` or the
-          exception the start raised.
+        one round trip: each release's outcome, and the :class:`Start` or the
+        exception the start raised.
         """
 
 

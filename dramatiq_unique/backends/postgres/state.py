@@ -134,12 +134,10 @@ class Dumped(NamedTuple):
 
 
 def last_fence(state: dict[str, Any]) -> int:
-    """The last fence handed out for the key of ``state``."""
     return max(int(state.get("fence", 0)), int(state.get("entry", {}).get("fence", 0)))
 
 
 def load(rules: LockRules, key: str, state: dict[str, Any]) -> None:
-    """Put a row's ``state`` of ``key`` into ``rules``."""
     hints = _hints(KeyState)
     parts = {
         part: decode_dataclass(state[part], _dataclass_of(hints[part])) if part in state else None for part in _PARTS

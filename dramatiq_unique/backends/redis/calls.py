@@ -246,7 +246,6 @@ def _packer() -> Callable[[tuple[Any, ...]], bytes]:
     return pack_command  # type: ignore[no-any-return]
 
 
-#: Packs one command in RESP.
 _pack = _packer()
 
 

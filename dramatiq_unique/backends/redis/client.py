@@ -60,11 +60,9 @@ class RedisDispatchFailed(DispatchFailed, redis.ResponseError):
     """The broker's ``dispatch.lua`` failed inside send.lua (see :class:`DispatchFailed`)."""
 
 
-#: The URL scheme that connects to a Cluster.
 CLUSTER_SCHEME = "redis+cluster://"
 
-#: Socket timeouts, in seconds, of the clients this backend makes: a
-#: silent Redis must fail a lock call, not hang a worker thread.
+#: Socket timeouts (s) of the clients this backend makes: a silent Redis must fail a lock call, not hang a thread.
 DEFAULT_SOCKET_TIMEOUT = 5.0
 
 
@@ -126,8 +124,7 @@ _REPLACED = {
 _GLOB_SPECIALS = re.compile(r"[*?\[\]\\]")
 
 
-#: A named tuple built in C from its fields: its own ``__new__`` runs in
-#: Python, costing more than the rest of reading a reply every job reads.
+#: Builds a named tuple in C; its own ``__new__``, in Python, costs more than the rest of reading a job's reply.
 _new = tuple.__new__
 
 #: release.lua's two short replies.
@@ -205,9 +202,8 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         ``redis+cluster://host:port`` connects to a Cluster through any
         node (for TLS, pass ``RedisCluster(..., ssl=True)`` as ``client``).
       **parameters: Passed to ``redis.Redis`` (``RedisCluster`` with a
-        cluster URL).  Socket timeouts default to
-        :data:`DEFAULT_SOCKET_TIMEOUT`, and ``retry`` (not on a Cluster)
-        to :func:`~.calls.default_retry`.
+        cluster URL); socket timeouts default to :data:`DEFAULT_SOCKET_TIMEOUT`,
+        and ``retry`` (not on a Cluster) to :func:`~.calls.default_retry`.
       min_replicas(int): When above 0, every call that takes a lock is
         followed, in the same round trip, by ``WAIT``; a lock fewer replicas
         acknowledged is given back and the call raises :class:`TooFewReplicas`
@@ -221,9 +217,7 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         Both switches exist to measure what each buys
         (``docs/performance.md``, "The throughput layer").
 
-    Each script touches one lock's keys, which share a hash tag: one
-    Cluster node per call.  With Sentinel, pass the primary's client; it
-    follows failovers::
+    With Sentinel, pass the primary's client; it follows failovers::
 
       from redis.sentinel import Sentinel
 
@@ -265,7 +259,6 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         self.calls = None if self.cluster else ScriptCalls(self.client, SCRIPTS, group_commit=group_commit)
         self.batches_releases = self.calls is not None and release_in_background
         self.min_replicas, self.min_replicas_timeout = replication(min_replicas, min_replicas_timeout, self.cluster)
-        #: The command sent after every lock take, or None.
         self.wait_command = (b"WAIT", self.min_replicas, self.min_replicas_timeout) if self.min_replicas else None
         #: (acked, key, give_back): see :func:`.replicas.require`.
         self._require = functools.partial(
@@ -313,10 +306,10 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
     def acquire_and_dispatch(
         self, key: str, owner: str, *, dispatch: str, namespace: str, arguments: Sequence[Any], **take: Any
     ) -> Acquisition:
-        """:meth:`SendsWithPublish.acquire_and_dispatch` in one call of send.lua.
+        """:meth:`SendsWithPublish.acquire_and_dispatch` in one call of send.lua,
+        its ``DispatchFailed`` a :class:`RedisDispatchFailed`.
 
         Raises:
-          RedisDispatchFailed: ``dispatch`` failed; this call locked nothing.
           redis.RedisError: the call failed; after a lost reply it may have
             taken the lock and enqueued.
         """

@@ -17,7 +17,6 @@ class TooFewReplicas(LockBackendError):
     Attributes:
       acked(int): How many replicas acknowledged it (0 when ``WAIT`` failed).
       wanted(int): ``min_replicas``.
-      given_back(bool): Whether the lock is known to be given back.
     """
 
     def __init__(self, message: str, *, backend: str, key: str, acked: int, wanted: int, given_back: bool) -> None:
