@@ -61,8 +61,7 @@ def from_url(url: str, **options: Any) -> LockBackend:
 
 def for_broker(broker: Any, **options: Any) -> Optional[LockBackend]:
     """The backend a broker lends when no URL is set: a ``RedisBroker``'s
-    client (``options`` passed to ``RedisBackend``), a ``StubBroker``'s
-    memory, or None.
+    client (``RedisBackend(**options)``), a ``StubBroker``'s memory, or None.
     """
     from dramatiq.brokers.stub import StubBroker
 

@@ -2,9 +2,8 @@
 reads (:class:`LockReads`); see :mod:`.capabilities` and :mod:`.records`.
 
 A lock is a set of holders under one key, each an owner with its own
-deadline, so ``limit`` holders may share a key and a dead holder frees
-only its own slot.  Every verb checks the owner; deadlines follow the
-backend's own clock.
+deadline (by the backend's clock), so ``limit`` holders may share a key
+and a dead holder frees only its own slot.  Every verb checks the owner.
 """
 
 from __future__ import annotations
@@ -146,11 +145,10 @@ class LockBackend(LockReads):
         lock ``queue_key``: one round trip for all a delivery takes.
 
         A slot reserved for another message counts as held.  A free slot
-        goes instead to the oldest waiter sent before ``copy`` (``order``,
-        see :meth:`Reschedules.join_line`; None: after every waiter),
-        reserved ``reserve`` ms, its message in :attr:`Start.promoted`.  A
-        copy still in line for a slot not its own changes nothing
-        (:attr:`Start.in_line`).
+        goes instead to the oldest waiter sent before ``copy`` (``order`` as in
+        :meth:`Reschedules.join_line`; None: after all), reserved ``reserve``
+        ms, its message in :attr:`Start.promoted`.  A copy still in line for a
+        slot not its own changes nothing (:attr:`Start.in_line`).
         """
 
     @abc.abstractmethod
@@ -186,15 +184,13 @@ class LockBackend(LockReads):
     @abc.abstractmethod
     def extend(self, locks: Sequence[tuple[str, str]], ttl: int) -> list[bool]:
         """Move each ``(key, owner)``'s deadline to ``ttl`` from now, in one
-        round trip; a slot that lapsed or was taken is not extended.  Returns,
-        per lock, whether it is still held.
+        round trip (not a lapsed or taken slot's): per lock, whether held.
         """
 
     @abc.abstractmethod
     def confirm(self, locks: Sequence[tuple[str, str, int]]) -> list[bool]:
-        """Give each provisional ``(key, owner, ttl)`` slot a deadline of at
-        least ``ttl`` from now, in one round trip; never revive a slot.
-        Returns, per lock, whether it is still held.
+        """Give each provisional ``(key, owner, ttl)`` slot at least ``ttl``
+        from now, in one round trip, never reviving one: per lock, whether held.
         """
 
     # Operators' writes -----------------------------------------------
@@ -202,8 +198,7 @@ class LockBackend(LockReads):
     @abc.abstractmethod
     def reap(self, key: str, owner: str, record: EnqueueRecord) -> bool:
         """Release ``owner``'s slot of ``key`` if its enqueue record is still
-        ``record``, whose message a reaper found nowhere: True when a live
-        slot was released.
+        ``record``, whose message a reaper found nowhere: True if it was live.
         """
 
     @abc.abstractmethod

@@ -40,11 +40,9 @@ class Capability(LockBackend):
 
     @classmethod
     def require(cls: type[C], backend: LockBackend, *, feature: str) -> C:
-        """``backend``, when it has this capability.
-
-        Raises:
-          MissingCapability: naming the backend, the capability and
-            ``feature``, what needs it (``"on_conflict='replace'"``).
+        """``backend``, when it has this capability; else raises
+        :class:`MissingCapability` naming the backend, the capability and
+        ``feature``, what needs it (``"on_conflict='replace'"``).
         """
         if isinstance(backend, cls):
             return backend
@@ -128,10 +126,9 @@ class NewestWins(Capability):
         copy: Optional[Copy] = None,
         where: Optional[str] = None,
     ) -> CurrentCheck:
-        """Whether message ``owner`` is still current under replace.
-
-        A delivery (no ``reenter``) marks a current message started; a
-        re-enqueue re-enters its slot or takes the free key again, as
+        """Whether message ``owner`` is still current under replace.  A
+        delivery (no ``reenter``) marks a current message started; a re-enqueue
+        re-enters its slot or takes the free key again, as
         :meth:`~LockBackend.acquire` does (``copy``, ``where`` alike).
         """
         return self._current(CurrentArgs(key, owner, reenter, ttl, lock, copy, where))
@@ -143,9 +140,8 @@ class NewestWins(Capability):
     @abc.abstractmethod
     def unreplace(self, key: str, owner: str) -> Optional[str]:
         """Undo the :meth:`replace` of ``owner``, whose message was never
-        published: the one it superseded (returned; None if none) is current
-        again, with ``owner``'s deadline; ``owner``'s slot is left to
-        :meth:`~LockBackend.release`.
+        published: the one it superseded (returned, or None) is current again
+        with ``owner``'s deadline, its slot left to :meth:`~LockBackend.release`.
         """
 
 
@@ -196,8 +192,7 @@ class BatchedReleases(Capability):
     ) -> tuple[list[Union[Release, Exception]], Union[Start, Exception]]:
         """:meth:`~LockBackend.release_many` ``releases``, then
         :meth:`~LockBackend.start` ``key`` for ``owner`` with ``start``, in
-        one round trip: each release's outcome, and the :class:`Start` or the
-        exception the start raised.
+        one round trip: each release's outcome, then the :class:`Start` or error.
         """
 
 
@@ -222,8 +217,7 @@ class NativeExtender(Protocol):
         """:meth:`LockBackend.extend`, waiting at most ``timeout`` ms (the lease deadline) for the whole exchange.
 
         Raises:
-          TimeoutError: no answer in time (or ``timeout`` <= 0); the
-            connection is closed.
+          TimeoutError: no answer in time, or ``timeout`` <= 0; connection closed.
           OSError: the connection failed; it is closed.
           RuntimeError: the backend refused the renewal.
         """

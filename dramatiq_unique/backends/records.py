@@ -71,7 +71,6 @@ class Acquisition(NamedTuple):
     """The outcome of :meth:`LockBackend.acquire`.
 
     Attributes:
-      reentered(bool): True when the owner already held it.
       holder(str): On a conflict, the owner of one of the holders.
       fence(int): A fencing token that grows with every new holder.
       provisional(bool): The slot holds for the provisional window only,
@@ -289,7 +288,6 @@ class ListedLock(NamedTuple):
       actor(str): The key's actor part (``@any`` under ``unique_across_actors``).
       digest(str): The 32 hex characters inside the braces.
       phase(str): ``queue`` for an enqueue lock, ``run`` for a run lock.
-      lock_args(str): JSON of the lock args, when they were recorded.
       holders(tuple[HeldSlot, ...]): Its holders, soonest deadline first.
       info(LockInfo): All that :meth:`~.base.LockReads.inspect` found.
     """

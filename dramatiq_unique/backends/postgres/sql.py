@@ -83,8 +83,7 @@ STATEMENT_TIMEOUT_AND_COMMIT = (
 
 def opening(settings: str) -> str:
     """A lock call's first query, one message: begin, ``settings``, lock
-    the rows.  The server times each statement of it on its own, so the
-    timeout set covers the row locks.
+    the rows, each statement timed alone: the timeout covers the row locks.
     """
     return f"BEGIN; {settings}; {LOCK}"
 

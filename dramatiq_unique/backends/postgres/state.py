@@ -51,8 +51,7 @@ def _same(value: Any) -> Any:
 @functools.lru_cache(maxsize=None)
 def _codec(hint: Any, store: bool) -> Codec:
     """The function that turns a ``hint`` value into JSON data (``store``) or
-    back, made once per type and way; both ways side by side, so that one
-    is always the other's inverse.
+    back, made once per type and way; side by side, so each inverts the other.
     """
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is Union:

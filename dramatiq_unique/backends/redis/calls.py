@@ -79,12 +79,9 @@ class GroupCommit:
         self._pid = pid()
 
     def call(self, commands: list[tuple[Any, ...]], *, trailer: Optional[tuple[Any, ...]] = None) -> list[Any]:
-        """Send ``commands`` in the next round trip and return their replies.
-
-        Parameters:
-          trailer(tuple): A command sent once after all callers' commands
-            (``WAIT`` covers every write before it on the connection); its
-            reply comes last.
+        """Send ``commands`` in the next round trip and return their replies,
+        then ``trailer``'s: a command sent once after all callers' commands
+        (``WAIT`` covers every write before it on the connection).
         """
         with self._mutex:
             if self._pid != pid():
@@ -407,11 +404,8 @@ class ScriptCalls(Interruptible):
     # Calls ----------------------------------------------------------
 
     def call(self, name: str, keys: Sequence[Union[str, bytes]], args: Sequence[Union[str, bytes, int]]) -> Any:
-        """Run one script and return its reply.
-
-        Raises:
-          redis.RedisError: a connection failure that outlived the retries,
-            or the script's error reply.
+        """Run one script and return its reply; raises ``redis.RedisError`` for
+        a connection failure that outlived the retries, or an error reply.
         """
         [reply] = self.batch([(name, keys, args)])
         if isinstance(reply, Exception):
@@ -421,17 +415,14 @@ class ScriptCalls(Interruptible):
     def batch(
         self, calls: Sequence[Call], *, grouped: bool = False, trailer: Optional[tuple[Any, ...]] = None
     ) -> list[Any]:
-        """Run scripts in one round trip (two after ``NOSCRIPT``).
+        """Run scripts in one round trip (two after ``NOSCRIPT``): per call,
+        its reply or ``ResponseError``, then the trailer's reply or error.
 
         Parameters:
           grouped(bool): Share the round trip with other threads' grouped
             calls (:class:`GroupCommit`): for the calls every job makes.
           trailer(tuple): A command sent after the scripts on the same
             connection (``WAIT``); grouped, once after all callers' scripts.
-
-        Returns:
-          list: per call, its reply or ``ResponseError``; then the
-          trailer's reply (or error), if any.
         """
         shas = self.shas
         commands = [(_EVALSHA, shas[name], len(keys), *keys, *args) for name, keys, args in calls]

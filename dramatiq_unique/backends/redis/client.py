@@ -195,9 +195,8 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
     :attr:`batches_releases` is False).
 
     Parameters:
-      client(redis.Redis): A client to use, e.g. a
-        ``redis.cluster.RedisCluster`` or one from a Sentinel; all other
-        parameters are then ignored.
+      client(redis.Redis): A client to use (a ``RedisCluster``, or one from a
+        Sentinel): all other parameters are then ignored.
       url(str): A Redis URL, winning over ``**parameters``.
         ``redis+cluster://host:port`` connects to a Cluster through any
         node (for TLS, pass ``RedisCluster(..., ssl=True)`` as ``client``).

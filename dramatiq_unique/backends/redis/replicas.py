@@ -8,11 +8,10 @@ from ...errors import ConfigurationError, LockBackendError
 
 
 class TooFewReplicas(LockBackendError):
-    """A lock call took a lock that fewer than ``min_replicas`` replicas
-    acknowledged within ``min_replicas_timeout``: a failover now could lose
-    it, so the call failed.  A fresh lock is given back, unless
-    ``given_back`` is False (that failed too, or the lock guards a message
-    already enqueued): it then lapses by its TTL or lease.
+    """A lock call took a lock fewer than ``min_replicas`` replicas acknowledged
+    within ``min_replicas_timeout``, which a failover could lose: it failed.  A
+    fresh lock is given back, unless ``given_back`` is False (that failed too,
+    or it guards a message already enqueued): it then lapses by TTL or lease.
 
     Attributes:
       acked(int): How many replicas acknowledged it (0 when ``WAIT`` failed).
