@@ -1,7 +1,6 @@
 """Lock backends: :class:`StubBackend`, :class:`RedisBackend` (the
-``redis`` extra), ``PostgresBackend`` (the ``postgres`` extra).  Code
-outside this package makes one with :func:`from_url` or
-:func:`for_broker`, never importing a concrete backend's module.
+``redis`` extra), ``PostgresBackend`` (the ``postgres`` extra); other code
+makes one with :func:`from_url` or :func:`for_broker`, never importing its module.
 """
 
 from __future__ import annotations

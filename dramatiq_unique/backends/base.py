@@ -83,10 +83,9 @@ class LockReads(abc.ABC):
         return None
 
     def check(self, key: str) -> None:
-        """Read ``key``, changing nothing, to find out whether the backend
-        answers: it raises what its client does when unreachable, e.g.
-        redis-py's ``ConnectionError``.  ``key`` is one nobody holds, under
-        the locks' prefix, so that a client allowed only those keys may.
+        """Read ``key`` (nobody's, under the locks' prefix, so that a client
+        allowed only those keys may) to find out whether the backend answers;
+        raises what its client does when unreachable (``redis.ConnectionError``).
         """
         self.inspect(key)
 

@@ -123,8 +123,7 @@ class Dumped(NamedTuple):
     """One key's state, taken out of the rules.
 
     Attributes:
-      state(dict): The JSON object to store; ``{"fence": n}`` alone when
-        the key holds nothing.
+      state(dict): The JSON to store; only ``{"fence": n}`` for an empty key.
       expires_at(int): Its latest deadline, in server Unix ms; 0 for none.
     """
 

@@ -1,8 +1,7 @@
-"""Cheap script calls on a standalone Redis, the lock I/O of
-:class:`~dramatiq_unique.backends.redis.RedisBackend`: one pre-encoded
-``EVALSHA`` per call on a small private pool that mirrors the client's
-connections, and a group commit (:class:`GroupCommit`) that lets worker
-threads share round trips.  See docs/architecture.md, "The Redis lock I/O".
+"""Cheap script calls on a standalone Redis, :class:`~.client.RedisBackend`'s
+lock I/O: one pre-encoded ``EVALSHA`` per call on a small private pool that
+mirrors the client's connections, and :class:`GroupCommit`, which lets worker
+threads share round trips (docs/architecture.md, "The Redis lock I/O").
 """
 
 from __future__ import annotations
@@ -266,12 +265,11 @@ def _mirrorable(client: Any) -> bool:
 
 
 class ScriptCalls(Interruptible):
-    """Calls Lua scripts by SHA1 on ``client``.
+    """Calls Lua scripts (``sources``: name -> Lua source) by SHA1 on ``client``.
 
     Parameters:
       client(redis.Redis): A standalone client, whose connection parameters
         and retry policy (or :func:`default_retry`) are used.
-      sources(dict[str, str]): Script name -> Lua source.
       group_commit(bool): False sends each grouped call in its own round
         trip (to measure what the group commit buys).
     """

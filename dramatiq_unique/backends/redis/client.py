@@ -1,9 +1,8 @@
 """A lock backend on Redis, standalone or Cluster.
 
-Each lock is one hash, its key's hash tag the digest; every script
-touches that digest's keys only.  Deadlines come from the server's
-``TIME``, so worker clocks do not matter.  Scripts go through
-:mod:`.calls` on a standalone client, redis-py's ``Script`` on a Cluster.
+Each lock is one hash, its key's hash tag the digest; every script touches
+that digest's keys only.  Deadlines follow the server's ``TIME``, not worker
+clocks.  Scripts run through :mod:`.calls`, on a Cluster redis-py's ``Script``.
 """
 
 from __future__ import annotations
@@ -306,11 +305,8 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         self, key: str, owner: str, *, dispatch: str, namespace: str, arguments: Sequence[Any], **take: Any
     ) -> Acquisition:
         """:meth:`SendsWithPublish.acquire_and_dispatch` in one call of send.lua,
-        its ``DispatchFailed`` a :class:`RedisDispatchFailed`.
-
-        Raises:
-          redis.RedisError: the call failed; after a lost reply it may have
-            taken the lock and enqueued.
+        its ``DispatchFailed`` a :class:`RedisDispatchFailed`; any other
+        ``redis.RedisError``, after a lost reply, may have locked and enqueued.
         """
         assert self.calls is not None, "a Cluster cannot run two slots' keys in one script"
         name = f"send:{hashlib.sha1(dispatch.encode()).hexdigest()}"
