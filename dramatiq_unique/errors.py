@@ -24,7 +24,6 @@ class DuplicateMessage(UniqueError, MiddlewareError):
     """Raised by ``send()`` when ``on_conflict="raise"`` and the key is held.  Nothing was enqueued.
 
     Attributes:
-      key(str): The lock key that is held.
       holder(str): The message id of the message that holds it.
     """
 
@@ -35,9 +34,8 @@ class DuplicateMessage(UniqueError, MiddlewareError):
 
 
 class LockConflict(UniqueError, MiddlewareError):
-    """Raised in the worker when ``on_conflict={"server": "raise"}`` and the run lock is held.
-
-    The delivery fails and goes through Retries.
+    """Raised in the worker when ``on_conflict={"server": "raise"}`` and the run lock is held: the
+    delivery fails and goes through Retries.
     """
 
     def __init__(self, message: str, *, key: str, holder: Optional[str]) -> None:
@@ -47,9 +45,7 @@ class LockConflict(UniqueError, MiddlewareError):
 
 
 class LockBackendError(UniqueError, MiddlewareError):
-    """Raised when the lock backend cannot be reached or fails.
-
-    The message is never enqueued or run without its lock.
+    """Raised when the lock backend cannot be reached or fails: no message is enqueued or run without its lock.
 
     Attributes:
       backend(str): A description of the backend, e.g. its URL.

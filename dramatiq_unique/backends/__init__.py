@@ -1,7 +1,6 @@
 """Lock backends: :class:`StubBackend`, :class:`RedisBackend` (the
-``redis`` extra), ``PostgresBackend`` (the ``postgres`` extra).  Code
-outside this package makes one with :func:`from_url` or
-:func:`for_broker`, never importing a concrete backend's module.
+``redis`` extra), ``PostgresBackend`` (the ``postgres`` extra); other code
+makes one with :func:`from_url` or :func:`for_broker`, never importing its module.
 """
 
 from __future__ import annotations
@@ -26,10 +25,8 @@ _EXTRAS = {
 
 
 def _module(extra: str) -> ModuleType:
-    """The backend module of ``extra``, imported on first use.
-
-    Raises:
-      ConfigurationError: its driver is missing, naming the extra to install.
+    """The backend module of ``extra``, imported on first use; a missing
+    driver raises :class:`ConfigurationError` naming the extra to install.
     """
     driver, name, schemes = _EXTRAS[extra]
     try:
@@ -44,14 +41,10 @@ def _module(extra: str) -> ModuleType:
 
 
 def from_url(url: str, **options: Any) -> LockBackend:
-    """Make a lock backend from ``url``, by its scheme: ``redis://``,
-    ``rediss://``, ``unix://``, ``redis+cluster://`` make a
-    ``RedisBackend``, ``postgresql://`` and ``postgres://`` a
-    ``PostgresBackend``.
-
-    Parameters:
-      url(str): Where the locks live.
-      **options: Passed to the backend's constructor.
+    """Make a lock backend from ``url``, by its scheme, ``options`` passed
+    to its constructor: ``redis://``, ``rediss://``, ``unix://``,
+    ``redis+cluster://`` make a ``RedisBackend``, ``postgresql://`` and
+    ``postgres://`` a ``PostgresBackend``.
 
     Raises:
       ConfigurationError: naming ``url=``, for a URL that is not one or of
@@ -66,10 +59,8 @@ def from_url(url: str, **options: Any) -> LockBackend:
 
 
 def for_broker(broker: Any, **options: Any) -> Optional[LockBackend]:
-    """The backend a broker lends when no URL is set: a ``RedisBroker``'s client, a ``StubBroker``'s memory, or None.
-
-    Parameters:
-      **options: Passed to ``RedisBackend`` (``min_replicas``, say).
+    """The backend a broker lends when no URL is set: a ``RedisBroker``'s
+    client (``RedisBackend(**options)``), a ``StubBroker``'s memory, or None.
     """
     from dramatiq.brokers.stub import StubBroker
 

@@ -1,11 +1,9 @@
-"""The core of the lock backend interface: :class:`LockBackend` and the
-operators' reads of :class:`LockReads`.  Capabilities are in
-:mod:`.capabilities`, the verbs' records in :mod:`.records`.
+""":class:`LockBackend`, the lock backend interface's core, and operators'
+reads (:class:`LockReads`); see :mod:`.capabilities` and :mod:`.records`.
 
 A lock is a set of holders under one key, each an owner with its own
-deadline, so ``limit`` holders may share a key and a dead holder frees
-only its own slot.  Every verb checks the owner; deadlines follow the
-backend's own clock.
+deadline (by the backend's clock), so ``limit`` holders may share a key
+and a dead holder frees only its own slot.  Every verb checks the owner.
 """
 
 from __future__ import annotations
@@ -85,15 +83,9 @@ class LockReads(abc.ABC):
         return None
 
     def check(self, key: str) -> None:
-        """Make one read that changes nothing, to find out whether the backend answers.
-
-        Parameters:
-          key(str): A key nobody holds, under the locks' prefix (so that a
-            client allowed only those keys may read it).
-
-        Raises:
-          Exception: What the backend's client raises when it cannot be
-            reached, e.g. redis-py's ``ConnectionError``.
+        """Read ``key`` (nobody's, under the locks' prefix, so that a client
+        allowed only those keys may) to find out whether the backend answers;
+        raises what its client does when unreachable (``redis.ConnectionError``).
         """
         self.inspect(key)
 
@@ -121,10 +113,6 @@ class LockBackend(LockReads):
         from now.  The same owner again re-enters, keeping the later deadline.
 
         Parameters:
-          key(str): The lock key.
-          owner(str): The holder's identity.
-          ttl(int): How long the slot is held.
-          limit(int): How many owners may hold the key at once.
           lock(str): The lock type, recorded for operators.
           lock_args(str): JSON of the lock args, recorded if given.
           provisional(int): When above 0 and below ``ttl``, a new or still
@@ -156,11 +144,10 @@ class LockBackend(LockReads):
         lock ``queue_key``: one round trip for all a delivery takes.
 
         A slot reserved for another message counts as held.  A free slot
-        goes instead to the oldest waiter sent before ``copy`` (``order``,
-        see :meth:`Reschedules.join_line`; None: after every waiter),
-        reserved ``reserve`` ms, its message in :attr:`Start.promoted`.  A
-        copy still in line for a slot not its own changes nothing
-        (:attr:`Start.in_line`).
+        goes instead to the oldest waiter sent before ``copy`` (``order`` as in
+        :meth:`Reschedules.join_line`; None: after all), reserved ``reserve``
+        ms, its message in :attr:`Start.promoted`.  A copy still in line for a
+        slot not its own changes nothing (:attr:`Start.in_line`).
         """
 
     @abc.abstractmethod
@@ -177,15 +164,12 @@ class LockBackend(LockReads):
           succeeded(bool): The run succeeded: it finishes its message, so
             that a later copy with no more retries is skipped as a
             duplicate.  False (failed, or unknown) lets the next copy run.
-          reserve(int): In milliseconds.
         """
 
     def release_many(self, locks: Sequence[tuple[Any, ...]]) -> list[Union[Release, Exception]]:
         """:meth:`release` each ``(key, owner)`` (or :class:`Releasing`), in
-        one round trip each here, one in all with :class:`BatchedReleases`.
-
-        Returns:
-          list: per lock, its :class:`Release`, or the exception it raised.
+        one round trip each here, one in all with :class:`BatchedReleases`:
+        per lock, its :class:`Release`, or the exception it raised.
         """
         outcomes: list[Union[Release, Exception]] = []
         for lock in locks:
@@ -199,19 +183,13 @@ class LockBackend(LockReads):
     @abc.abstractmethod
     def extend(self, locks: Sequence[tuple[str, str]], ttl: int) -> list[bool]:
         """Move each ``(key, owner)``'s deadline to ``ttl`` from now, in one
-        round trip; a slot that lapsed or was taken is not extended.
-
-        Returns:
-          list[bool]: per lock, whether it is still held.
+        round trip (not a lapsed or taken slot's): per lock, whether held.
         """
 
     @abc.abstractmethod
     def confirm(self, locks: Sequence[tuple[str, str, int]]) -> list[bool]:
-        """Give each provisional ``(key, owner, ttl)`` slot a deadline of at
-        least ``ttl`` from now, in one round trip; never revive a slot.
-
-        Returns:
-          list[bool]: per lock, whether it is still held.
+        """Give each provisional ``(key, owner, ttl)`` slot at least ``ttl``
+        from now, in one round trip, never reviving one: per lock, whether held.
         """
 
     # Operators' writes -----------------------------------------------
@@ -219,10 +197,7 @@ class LockBackend(LockReads):
     @abc.abstractmethod
     def reap(self, key: str, owner: str, record: EnqueueRecord) -> bool:
         """Release ``owner``'s slot of ``key`` if its enqueue record is still
-        ``record``, whose message a reaper found nowhere.
-
-        Returns:
-          bool: True when a live slot was released.
+        ``record``, whose message a reaper found nowhere: True if it was live.
         """
 
     @abc.abstractmethod
@@ -232,10 +207,8 @@ class LockBackend(LockReads):
     @abc.abstractmethod
     def delete_prefix(self, prefix: str) -> int:
         """Drop every key starting with ``prefix`` (not a glob), with what is
-        kept beside it (waiters, records): for tests and operators.
-
-        Returns:
-          int: How many keys were dropped (as the backend counts them).
+        kept beside it (waiters, records): for tests and operators.  Returns
+        how many keys were dropped (as the backend counts them).
         """
 
 
@@ -252,13 +225,9 @@ def call_backend(backend: LockReads, doing: str, call: Callable[..., T], *args: 
 
 
 class PrefixLocks:
-    """The live locks under one prefix, as the reaper checks them and
-    :class:`~dramatiq_unique.ops.admin.LockAdmin` lists them; failures are
-    :class:`LockBackendError` (:func:`call_backend`).
-
-    Parameters:
-      backend(LockBackend): Where the locks live.
-      prefix(str): The middleware's prefix.
+    """The live locks under the middleware's ``prefix``, as the reaper checks
+    them and :class:`~dramatiq_unique.ops.admin.LockAdmin` lists them;
+    failures are :class:`LockBackendError` (:func:`call_backend`).
     """
 
     def __init__(self, backend: LockBackend, *, prefix: str) -> None:
@@ -287,5 +256,4 @@ class PrefixLocks:
                 yield ListedLock(key, actor, parts.digest, parts.phase, info.lock, info.lock_args, holders, info)
 
     def call(self, doing: str, call: Callable[..., T], *args: Any) -> T:
-        """Run one backend call (see :func:`call_backend`)."""
         return call_backend(self.backend, doing, call, *args)

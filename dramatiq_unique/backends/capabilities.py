@@ -1,11 +1,8 @@
-"""The capabilities of a lock backend: what only some backends can do.
-
-Each is an abstract class deriving from :class:`~.base.LockBackend`,
-which a backend inherits when it can; callers check it with
-``isinstance`` (or :meth:`Capability.require`), never by class name or
-``hasattr``.  The middleware refuses, at set-up, an actor whose options
-need one its backend lacks (:class:`MissingCapability`).  See
-docs/architecture.md, "The backend seam".
+"""What only some lock backends can do: abstract subclasses of
+:class:`~.base.LockBackend` that a backend inherits when it can, checked
+with ``isinstance`` (or :meth:`Capability.require`), never a class name or
+``hasattr``.  Set-up refuses an actor that needs one its backend lacks
+(:class:`MissingCapability`); see docs/architecture.md, "The backend seam".
 """
 
 from __future__ import annotations
@@ -43,15 +40,9 @@ class Capability(LockBackend):
 
     @classmethod
     def require(cls: type[C], backend: LockBackend, *, feature: str) -> C:
-        """``backend``, when it has this capability.
-
-        Parameters:
-          feature(str): What needs it, for the error, e.g.
-            ``"on_conflict='replace' (actor 'sync')"``.
-
-        Raises:
-          MissingCapability: naming the backend, the capability and
-            ``feature``.
+        """``backend``, when it has this capability; else raises
+        :class:`MissingCapability` naming the backend, the capability and
+        ``feature``, what needs it (``"on_conflict='replace'"``).
         """
         if isinstance(backend, cls):
             return backend
@@ -75,25 +66,18 @@ class Reschedules(Capability):
     @abc.abstractmethod
     def join_line(self, copy: Copy, message: bytes, *, order: int, ttl: int) -> int:
         """Register ``copy``'s message as waiting for ``copy.key``, ``message``
-        the encoded copy to hand the key to, lowest ``order`` first.  The
-        caller also enqueues a delayed copy: the first to arrive wins.
-
-        Returns:
-          int: How many waiters are ahead in line (0 when a wait sent again
-          after its lost reply changed nothing).
-
-        Parameters:
-          ttl(int): How long the records live, in milliseconds.
+        the encoded copy to hand the key to, lowest ``order`` first, the
+        records kept ``ttl`` ms.  The caller also enqueues a delayed copy:
+        the first to arrive wins.  Returns how many waiters are ahead in line
+        (0 when a wait sent again after its lost reply changed nothing).
         """
 
     @abc.abstractmethod
     def claim(self, copy: Copy) -> bool:
-        """Settle that ``copy`` arrived, without taking a lock.
-
-        Returns:
-          bool: True when it may run: the first of its attempt to arrive
-          (withdrawing the waiter), a retry or redelivery of that one, or a
-          copy with no record; False for an earlier attempt's or the second.
+        """Settle that ``copy`` arrived, without taking a lock: True when it
+        may run (the first of its attempt to arrive, withdrawing the waiter,
+        a retry or redelivery of that one, or a copy with no record), False
+        for an earlier attempt's or the second.
         """
 
 
@@ -117,16 +101,12 @@ class NewestWins(Capability):
         where: str = "",
     ) -> Replacement:
         """Make ``owner`` the current holder of enqueue lock ``key`` (one
-        slot), in one round trip.  The superseded id is recorded
-        ``superseded_ttl`` ms, so that its later copies are skipped.  A
-        started holder keeps its slot (``keep_started``: the send is refused).
-
-        Parameters:
-          debounce(int): When > 0, the message is due ``debounce`` ms from
-            now, but at most ``debounce_max`` (when > 0) after the burst's
-            first send, which the key records.
-          where(str): Where the message is being published, kept in the
-            owner's :class:`EnqueueRecord`.
+        slot), in one round trip, ``where`` as in :meth:`~LockBackend.acquire`.
+        The superseded id is recorded ``superseded_ttl`` ms, so that its later
+        copies are skipped.  A started holder keeps its slot (``keep_started``:
+        the send is refused).  Under ``debounce`` (ms), the message is due
+        that long from now, but at most ``debounce_max`` (when > 0) after the
+        burst's first send, which the key records.
         """
         args = (key, owner, ttl, lock, lock_args, keep_started, debounce, debounce_max, superseded_ttl, where)
         return self._replace(ReplaceArgs(*args))
@@ -146,14 +126,10 @@ class NewestWins(Capability):
         copy: Optional[Copy] = None,
         where: Optional[str] = None,
     ) -> CurrentCheck:
-        """Whether message ``owner`` is still current under replace.
-
-        A delivery (no ``reenter``) marks a current message started; a
-        re-enqueue re-enters its slot or takes the free key again, as
+        """Whether message ``owner`` is still current under replace.  A
+        delivery (no ``reenter``) marks a current message started; a re-enqueue
+        re-enters its slot or takes the free key again, as
         :meth:`~LockBackend.acquire` does (``copy``, ``where`` alike).
-
-        Returns:
-          CurrentCheck: what was found, and the message it names.
         """
         return self._current(CurrentArgs(key, owner, reenter, ttl, lock, copy, where))
 
@@ -164,11 +140,8 @@ class NewestWins(Capability):
     @abc.abstractmethod
     def unreplace(self, key: str, owner: str) -> Optional[str]:
         """Undo the :meth:`replace` of ``owner``, whose message was never
-        published: the one it superseded is current again, with ``owner``'s
-        deadline; ``owner``'s slot is left to :meth:`~LockBackend.release`.
-
-        Returns:
-          str: The message made current again, or None.
+        published: the one it superseded (returned, or None) is current again
+        with ``owner``'s deadline, its slot left to :meth:`~LockBackend.release`.
         """
 
 
@@ -193,11 +166,10 @@ class SendsWithPublish(Capability):
     def acquire_and_dispatch(
         self, key: str, owner: str, *, dispatch: str, namespace: str, arguments: Sequence[Any], **take: Any
     ) -> Acquisition:
-        """:meth:`~LockBackend.acquire` ``key`` with ``take``, acquire's keywords
-        (``ttl``, ``limit``, ``lock``, ``lock_args``, and ``where``, which
-        is required: the lock is confirmed), and only then run the broker's
-        ``dispatch`` script with ``arguments`` under ``namespace``, in one
-        round trip.  Only where :attr:`dispatch_client` is not None.
+        """:meth:`~LockBackend.acquire` ``key`` with its keywords ``take``
+        (``where`` required: the lock is confirmed), and only then run the
+        broker's ``dispatch`` script with ``arguments`` under ``namespace``,
+        in one round trip.  Only where :attr:`dispatch_client` is not None.
 
         Raises:
           DispatchFailed: ``dispatch`` failed; this call locked nothing.
@@ -219,14 +191,8 @@ class BatchedReleases(Capability):
         self, releases: Sequence[tuple[Any, ...]], key: str, owner: str, **start: Any
     ) -> tuple[list[Union[Release, Exception]], Union[Start, Exception]]:
         """:meth:`~LockBackend.release_many` ``releases``, then
-        :meth:`~LockBackend.start` ``key`` for ``owner``, in one round trip.
-
-        Parameters:
-          **start: The keyword arguments of :meth:`~LockBackend.start`.
-
-        Returns:
-          tuple: each release's outcome, and the :class:`Start` or the
-          exception the start raised.
+        :meth:`~LockBackend.start` ``key`` for ``owner`` with ``start``, in
+        one round trip: each release's outcome, then the :class:`Start` or error.
         """
 
 
@@ -248,12 +214,10 @@ class NativeExtender(Protocol):
     """
 
     def __call__(self, locks: Sequence[tuple[str, str]], ttl: int, *, timeout: float) -> list[bool]:
-        """:meth:`LockBackend.extend`, waiting at most ``timeout`` ms (the
-        caller's lease deadline) for the whole exchange.
+        """:meth:`LockBackend.extend`, waiting at most ``timeout`` ms (the lease deadline) for the whole exchange.
 
         Raises:
-          TimeoutError: no answer in time (or ``timeout`` <= 0); the
-            connection is closed.
+          TimeoutError: no answer in time, or ``timeout`` <= 0; connection closed.
           OSError: the connection failed; it is closed.
           RuntimeError: the backend refused the renewal.
         """

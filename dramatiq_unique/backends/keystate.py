@@ -72,9 +72,7 @@ class SupersededBy:
 
 
 class KeyState(NamedTuple):
-    """All a :class:`LockRules` keeps of one key, for a backend that stores
-    it elsewhere (``PostgresBackend``); records by message id.
-    """
+    """All a :class:`LockRules` keeps of one key, for a backend that stores it elsewhere; records by message id."""
 
     entry: Optional[Entry]
     waiters: Optional[Waiters]

@@ -61,12 +61,7 @@ class CurrentStatus(enum.IntEnum):
 
 
 class CurrentCheck(NamedTuple):
-    """The outcome of :meth:`LockBackend.current`.
-
-    Attributes:
-      status(CurrentStatus): What was found.
-      other(str): The message it names (see :class:`CurrentStatus`), or None.
-    """
+    """The outcome of :meth:`LockBackend.current`: the status, and the message it names (``other``) or None."""
 
     status: CurrentStatus
     other: Optional[str] = None
@@ -76,8 +71,6 @@ class Acquisition(NamedTuple):
     """The outcome of :meth:`LockBackend.acquire`.
 
     Attributes:
-      acquired(bool): True when the owner holds the lock now.
-      reentered(bool): True when the owner already held it.
       holder(str): On a conflict, the owner of one of the holders.
       fence(int): A fencing token that grows with every new holder.
       provisional(bool): The slot holds for the provisional window only,
@@ -167,10 +160,8 @@ class Replacement(NamedTuple):
     """The outcome of :meth:`LockBackend.replace`.
 
     Attributes:
-      status(ReplaceStatus): What the replace did.
       holder(str): The message superseded, or the one that refused.
       delay(int): Under debounce, in how many ms the message is due; else 0.
-      fence(int): The key's fencing token.
     """
 
     status: ReplaceStatus
@@ -183,8 +174,6 @@ class LockInfo(NamedTuple):
     """What an operator sees of one lock key.
 
     Attributes:
-      key(str): The full key.
-      lock(str): The lock type that took it.
       holders(dict[str, int]): owner -> deadline in Unix milliseconds.
       lock_args(str): JSON of the lock args, when they were recorded.
       fence(int): The last fencing token handed out.
@@ -204,14 +193,7 @@ class LockInfo(NamedTuple):
 
 
 class Releasing(NamedTuple):
-    """One run lock to release with :meth:`LockBackend.release_many`.
-
-    Attributes:
-      key(str): The lock key.
-      owner(str): Its holder.
-      succeeded(bool): The run succeeded (see :meth:`LockBackend.release`).
-      reserve(int): How long, in ms, a slot handed to a waiter stays reserved.
-    """
+    """One run lock to release with :meth:`LockBackend.release_many`; ``succeeded`` and ``reserve`` as there."""
 
     key: str
     owner: str
@@ -273,7 +255,6 @@ class Waiter(NamedTuple):
     """A message waiting for a run lock (see :meth:`Reschedules.join_line`).
 
     Attributes:
-      message_id(str): The waiting message.
       order(int): Its place in line, lowest first: the Unix ms it was made
         times :data:`SENDS_PER_MS`, plus its rank among its producer's sends.
     """
@@ -291,7 +272,6 @@ class HeldSlot(NamedTuple):
     """One holder of a listed lock (see :class:`ListedLock`).
 
     Attributes:
-      owner(str): The owner string, as the backend stores it.
       deadline(int): When the slot expires, in Unix milliseconds.
       record(EnqueueRecord): Its record, when the lock keeps one.
     """
@@ -305,12 +285,9 @@ class ListedLock(NamedTuple):
     """One live lock key, as :class:`~.base.PrefixLocks` lists it.
 
     Attributes:
-      key(str): The full key.
       actor(str): The key's actor part (``@any`` under ``unique_across_actors``).
       digest(str): The 32 hex characters inside the braces.
       phase(str): ``queue`` for an enqueue lock, ``run`` for a run lock.
-      lock(str): The lock type that took it.
-      lock_args(str): JSON of the lock args, when they were recorded.
       holders(tuple[HeldSlot, ...]): Its holders, soonest deadline first.
       info(LockInfo): All that :meth:`~.base.LockReads.inspect` found.
     """

@@ -74,7 +74,6 @@ class LockRules(Reschedules, NewestWins):
         return KeyState(entry, waiters, superseded, records, self._last_fence)
 
     def load_key_state(self, key: str, state: KeyState) -> None:
-        """Keep ``state`` as what this backend holds of ``key``."""
         if state.entry is not None:
             self._entries[key] = state.entry
         if state.waiters is not None:

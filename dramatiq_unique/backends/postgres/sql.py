@@ -15,7 +15,6 @@ import re
 #: In the names of all the backend creates: a new layout makes new tables.
 SCHEMA_VERSION = 1
 
-#: The table of lock state.
 LOCKS = f"dramatiq_unique_v{SCHEMA_VERSION}_locks"
 
 #: An advisory lock, so that concurrent first uses create the schema once.
@@ -61,7 +60,6 @@ SCAN = f"""SELECT key, state::text, NULL FROM {LOCKS}
 #: Store a key's state (JSON) and expiry (server Unix ms): an index lookup.
 WRITE = f"UPDATE {LOCKS} SET state = %s::jsonb, expires_at = to_timestamp(%s::bigint / 1000.0) WHERE key = %s"
 
-#: Drop a key's row.
 DELETE = f"DELETE FROM {LOCKS} WHERE key = %s"
 
 #: Whether this transaction holds the sweep: one process sweeps at a time.
@@ -85,8 +83,7 @@ STATEMENT_TIMEOUT_AND_COMMIT = (
 
 def opening(settings: str) -> str:
     """A lock call's first query, one message: begin, ``settings``, lock
-    the rows.  The server times each statement of it on its own, so the
-    timeout set covers the row locks.
+    the rows, each statement timed alone: the timeout covers the row locks.
     """
     return f"BEGIN; {settings}; {LOCK}"
 

@@ -51,8 +51,7 @@ def _same(value: Any) -> Any:
 @functools.lru_cache(maxsize=None)
 def _codec(hint: Any, store: bool) -> Codec:
     """The function that turns a ``hint`` value into JSON data (``store``) or
-    back, made once per type and way; both ways side by side, so that one
-    is always the other's inverse.
+    back, made once per type and way; side by side, so each inverts the other.
     """
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is Union:
@@ -124,8 +123,7 @@ class Dumped(NamedTuple):
     """One key's state, taken out of the rules.
 
     Attributes:
-      state(dict): The JSON object to store; ``{"fence": n}`` alone when
-        the key holds nothing.
+      state(dict): The JSON to store; only ``{"fence": n}`` for an empty key.
       expires_at(int): Its latest deadline, in server Unix ms; 0 for none.
     """
 
@@ -134,12 +132,10 @@ class Dumped(NamedTuple):
 
 
 def last_fence(state: dict[str, Any]) -> int:
-    """The last fence handed out for the key of ``state``."""
     return max(int(state.get("fence", 0)), int(state.get("entry", {}).get("fence", 0)))
 
 
 def load(rules: LockRules, key: str, state: dict[str, Any]) -> None:
-    """Put a row's ``state`` of ``key`` into ``rules``."""
     hints = _hints(KeyState)
     parts = {
         part: decode_dataclass(state[part], _dataclass_of(hints[part])) if part in state else None for part in _PARTS
@@ -174,7 +170,6 @@ class Applied(NamedTuple):
     """What a call did.
 
     Attributes:
-      result: What the verb returned.
       writes(list): :data:`.sql.WRITE`'s parameters for each changed row.
       deletes(list[str]): The keys whose rows, made for this call, hold
         nothing, not even a fence.

@@ -1,8 +1,7 @@
-"""Cheap script calls on a standalone Redis, the lock I/O of
-:class:`~dramatiq_unique.backends.redis.RedisBackend`: one pre-encoded
-``EVALSHA`` per call on a small private pool that mirrors the client's
-connections, and a group commit (:class:`GroupCommit`) that lets worker
-threads share round trips.  See docs/architecture.md, "The Redis lock I/O".
+"""Cheap script calls on a standalone Redis, :class:`~.client.RedisBackend`'s
+lock I/O: one pre-encoded ``EVALSHA`` per call on a small private pool that
+mirrors the client's connections, and :class:`GroupCommit`, which lets worker
+threads share round trips (docs/architecture.md, "The Redis lock I/O").
 """
 
 from __future__ import annotations
@@ -79,12 +78,9 @@ class GroupCommit:
         self._pid = pid()
 
     def call(self, commands: list[tuple[Any, ...]], *, trailer: Optional[tuple[Any, ...]] = None) -> list[Any]:
-        """Send ``commands`` in the next round trip and return their replies.
-
-        Parameters:
-          trailer(tuple): A command sent once after all callers' commands
-            (``WAIT`` covers every write before it on the connection); its
-            reply comes last.
+        """Send ``commands`` in the next round trip and return their replies,
+        then ``trailer``'s: a command sent once after all callers' commands
+        (``WAIT`` covers every write before it on the connection).
         """
         with self._mutex:
             if self._pid != pid():
@@ -197,9 +193,7 @@ DEFAULT_RETRIES = 3
 
 
 class _Retry(Retry):
-    """Retries failed connections, never timeouts, even those redis-py
-    reports as failed connections (``timeout_in_disguise``).
-    """
+    """Retries failed connections, never timeouts, even disguised as one (``timeout_in_disguise``)."""
 
     def call_with_retry(self, do: Callable[[], Any], fail: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return super().call_with_retry(lambda: _unmasked(do), fail, *args, **kwargs)
@@ -216,9 +210,7 @@ def _unmasked(do: Callable[[], Any]) -> Any:
 
 
 def default_retry() -> Retry:
-    """:data:`DEFAULT_RETRIES`, after at most 20, 40, 80 ms (full jitter): safe,
-    as every script survives a lost reply.
-    """
+    """:data:`DEFAULT_RETRIES`, after at most 20, 40, 80 ms (full jitter): safe, as scripts survive lost replies."""
     return _Retry(FullJitterBackoff(cap=1.0, base=0.01), DEFAULT_RETRIES, supported_errors=(redis.ConnectionError,))
 
 
@@ -250,7 +242,6 @@ def _packer() -> Callable[[tuple[Any, ...]], bytes]:
     return pack_command  # type: ignore[no-any-return]
 
 
-#: Packs one command in RESP.
 _pack = _packer()
 
 
@@ -274,12 +265,11 @@ def _mirrorable(client: Any) -> bool:
 
 
 class ScriptCalls(Interruptible):
-    """Calls Lua scripts by SHA1 on ``client``.
+    """Calls Lua scripts (``sources``: name -> Lua source) by SHA1 on ``client``.
 
     Parameters:
       client(redis.Redis): A standalone client, whose connection parameters
         and retry policy (or :func:`default_retry`) are used.
-      sources(dict[str, str]): Script name -> Lua source.
       group_commit(bool): False sends each grouped call in its own round
         trip (to measure what the group commit buys).
     """
@@ -412,11 +402,8 @@ class ScriptCalls(Interruptible):
     # Calls ----------------------------------------------------------
 
     def call(self, name: str, keys: Sequence[Union[str, bytes]], args: Sequence[Union[str, bytes, int]]) -> Any:
-        """Run one script and return its reply.
-
-        Raises:
-          redis.RedisError: a connection failure that outlived the retries,
-            or the script's error reply.
+        """Run one script and return its reply; raises ``redis.RedisError`` for
+        a connection failure that outlived the retries, or an error reply.
         """
         [reply] = self.batch([(name, keys, args)])
         if isinstance(reply, Exception):
@@ -426,17 +413,14 @@ class ScriptCalls(Interruptible):
     def batch(
         self, calls: Sequence[Call], *, grouped: bool = False, trailer: Optional[tuple[Any, ...]] = None
     ) -> list[Any]:
-        """Run scripts in one round trip (two after ``NOSCRIPT``).
+        """Run scripts in one round trip (two after ``NOSCRIPT``): per call,
+        its reply or ``ResponseError``, then the trailer's reply or error.
 
         Parameters:
           grouped(bool): Share the round trip with other threads' grouped
             calls (:class:`GroupCommit`): for the calls every job makes.
           trailer(tuple): A command sent after the scripts on the same
             connection (``WAIT``); grouped, once after all callers' scripts.
-
-        Returns:
-          list: per call, its reply or ``ResponseError``; then the
-          trailer's reply (or error), if any.
         """
         shas = self.shas
         commands = [(_EVALSHA, shas[name], len(keys), *keys, *args) for name, keys, args in calls]
@@ -456,9 +440,8 @@ class ScriptCalls(Interruptible):
         replies: list[Any],
         trailer: Optional[tuple[Any, ...]] = None,
     ) -> list[Any]:
-        """Load the missing scripts and resend the calls that got ``NOSCRIPT``
-        (none ran), then the trailer again: a ``WAIT`` before them did not
-        cover them.
+        """Load the missing scripts, resend the calls that got ``NOSCRIPT``
+        (none ran), then the trailer: a ``WAIT`` before did not cover them.
         """
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         loads = [(b"SCRIPT", b"LOAD", self.sources[name]) for name in {calls[i][0] for i in missing}]

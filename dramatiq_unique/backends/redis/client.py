@@ -1,9 +1,8 @@
 """A lock backend on Redis, standalone or Cluster.
 
-Each lock is one hash, its key's hash tag the digest; every script
-touches that digest's keys only.  Deadlines come from the server's
-``TIME``, so worker clocks do not matter.  Scripts go through
-:mod:`.calls` on a standalone client, redis-py's ``Script`` on a Cluster.
+Each lock is one hash, its key's hash tag the digest; every script touches
+that digest's keys only.  Deadlines follow the server's ``TIME``, not worker
+clocks.  Scripts run through :mod:`.calls`, on a Cluster redis-py's ``Script``.
 """
 
 from __future__ import annotations
@@ -60,11 +59,9 @@ class RedisDispatchFailed(DispatchFailed, redis.ResponseError):
     """The broker's ``dispatch.lua`` failed inside send.lua (see :class:`DispatchFailed`)."""
 
 
-#: The URL scheme that connects to a Cluster.
 CLUSTER_SCHEME = "redis+cluster://"
 
-#: Socket timeouts, in seconds, of the clients this backend makes: a
-#: silent Redis must fail a lock call, not hang a worker thread.
+#: Socket timeouts (s) of the clients this backend makes: a silent Redis must fail a lock call, not hang a thread.
 DEFAULT_SOCKET_TIMEOUT = 5.0
 
 
@@ -126,8 +123,7 @@ _REPLACED = {
 _GLOB_SPECIALS = re.compile(r"[*?\[\]\\]")
 
 
-#: A named tuple built in C from its fields: its own ``__new__`` runs in
-#: Python, costing more than the rest of reading a reply every job reads.
+#: Builds a named tuple in C; its own ``__new__``, in Python, costs more than the rest of reading a job's reply.
 _new = tuple.__new__
 
 #: release.lua's two short replies.
@@ -198,21 +194,18 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
     :attr:`batches_releases` is False).
 
     Parameters:
-      client(redis.Redis): A client to use, e.g. a
-        ``redis.cluster.RedisCluster`` or one from a Sentinel; all other
-        parameters are then ignored.
+      client(redis.Redis): A client to use (a ``RedisCluster``, or one from a
+        Sentinel): all other parameters are then ignored.
       url(str): A Redis URL, winning over ``**parameters``.
         ``redis+cluster://host:port`` connects to a Cluster through any
         node (for TLS, pass ``RedisCluster(..., ssl=True)`` as ``client``).
       **parameters: Passed to ``redis.Redis`` (``RedisCluster`` with a
-        cluster URL).  Socket timeouts default to
-        :data:`DEFAULT_SOCKET_TIMEOUT`, and ``retry`` (not on a Cluster)
-        to :func:`~.calls.default_retry`.
+        cluster URL); socket timeouts default to :data:`DEFAULT_SOCKET_TIMEOUT`,
+        and ``retry`` (not on a Cluster) to :func:`~.calls.default_retry`.
       min_replicas(int): When above 0, every call that takes a lock is
-        followed, in the same round trip, by ``WAIT min_replicas
-        min_replicas_timeout``; a lock fewer replicas acknowledged is given
-        back and the call raises :class:`TooFewReplicas` (see
-        ``docs/reliability.md``, "Failover").  Not on a Cluster.
+        followed, in the same round trip, by ``WAIT``; a lock fewer replicas
+        acknowledged is given back and the call raises :class:`TooFewReplicas`
+        (``docs/reliability.md``, "Failover").  Not on a Cluster.
       min_replicas_timeout(int): How long ``WAIT`` waits, in ms; keep it
         well under the socket timeout.
       group_commit(bool): Let concurrent run lock calls of worker threads
@@ -222,9 +215,7 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         Both switches exist to measure what each buys
         (``docs/performance.md``, "The throughput layer").
 
-    Each script touches one lock's keys, which share a hash tag: one
-    Cluster node per call.  With Sentinel, pass the primary's client; it
-    follows failovers::
+    With Sentinel, pass the primary's client; it follows failovers::
 
       from redis.sentinel import Sentinel
 
@@ -266,7 +257,6 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         self.calls = None if self.cluster else ScriptCalls(self.client, SCRIPTS, group_commit=group_commit)
         self.batches_releases = self.calls is not None and release_in_background
         self.min_replicas, self.min_replicas_timeout = replication(min_replicas, min_replicas_timeout, self.cluster)
-        #: The command sent after every lock take, or None.
         self.wait_command = (b"WAIT", self.min_replicas, self.min_replicas_timeout) if self.min_replicas else None
         #: (acked, key, give_back): see :func:`.replicas.require`.
         self._require = functools.partial(
@@ -279,11 +269,8 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         return self.scripts[name](keys=keys, args=args, client=self.client)
 
     def _take(self, name: str, keys: list[str], args: list[Any]) -> tuple[Any, Union[int, Exception, None]]:
-        """A script that may take a lock, then ``WAIT`` under ``min_replicas``.
-
-        Returns:
-          tuple: the script's reply, and ``WAIT``'s (a count or an error),
-          or None without ``min_replicas``.
+        """A script that may take a lock, then ``WAIT`` under ``min_replicas``:
+        its reply, and ``WAIT``'s (a count or an error; None without it).
         """
         if self.wait_command is None:
             return self._call(name, keys, args), None
@@ -317,12 +304,9 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
     def acquire_and_dispatch(
         self, key: str, owner: str, *, dispatch: str, namespace: str, arguments: Sequence[Any], **take: Any
     ) -> Acquisition:
-        """:meth:`SendsWithPublish.acquire_and_dispatch` in one call of send.lua.
-
-        Raises:
-          RedisDispatchFailed: ``dispatch`` failed; this call locked nothing.
-          redis.RedisError: the call failed; after a lost reply it may have
-            taken the lock and enqueued.
+        """:meth:`SendsWithPublish.acquire_and_dispatch` in one call of send.lua,
+        its ``DispatchFailed`` a :class:`RedisDispatchFailed`; any other
+        ``redis.RedisError``, after a lost reply, may have locked and enqueued.
         """
         assert self.calls is not None, "a Cluster cannot run two slots' keys in one script"
         name = f"send:{hashlib.sha1(dispatch.encode()).hexdigest()}"
@@ -356,9 +340,8 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         return started
 
     def _started_acked(self, started: Start, acked: Any, key: str, owner: str) -> None:
-        """Raise :class:`TooFewReplicas` for a run lock taken with too few
-        replicas, given back first (a released enqueue lock stays released:
-        its message was delivered).
+        """Raise :class:`TooFewReplicas` for a run lock too few replicas saw,
+        given back first (a released enqueue lock stays so: it was delivered).
         """
         if started.acquisition.acquired:
             self._require(acked, key, self._give_back(key, owner))

@@ -12,9 +12,8 @@ from .calls import as_text
 
 
 class RedisReads(LockReads):
-    """What operators read of the locks in Redis, for
-    :class:`~.client.RedisBackend`: each lock is one hash, read with
-    ``HGETALL`` at the server's ``TIME``.
+    """What operators read of :class:`~.client.RedisBackend`'s locks: each
+    one hash, read with ``HGETALL`` at the server's ``TIME``.
     """
 
     #: The redis-py client (standalone or Cluster), and whether to close it with this backend.

@@ -8,17 +8,14 @@ from ...errors import ConfigurationError, LockBackendError
 
 
 class TooFewReplicas(LockBackendError):
-    """A lock call took a lock that fewer than ``min_replicas`` replicas
-    acknowledged within ``min_replicas_timeout``: a failover now could lose
-    it, so the call failed.  A fresh lock is given back, unless
-    ``given_back`` is False (that failed too, or the lock guards a message
-    already enqueued): it then lapses by its TTL or lease.
+    """A lock call took a lock fewer than ``min_replicas`` replicas acknowledged
+    within ``min_replicas_timeout``, which a failover could lose: it failed.  A
+    fresh lock is given back, unless ``given_back`` is False (that failed too,
+    or it guards a message already enqueued): it then lapses by TTL or lease.
 
     Attributes:
-      key(str): The lock key.
       acked(int): How many replicas acknowledged it (0 when ``WAIT`` failed).
       wanted(int): ``min_replicas``.
-      given_back(bool): Whether the lock is known to be given back.
     """
 
     def __init__(self, message: str, *, backend: str, key: str, acked: int, wanted: int, given_back: bool) -> None:
@@ -56,10 +53,8 @@ def require(
 ) -> None:
     """Raise :class:`TooFewReplicas` when fewer than ``wanted`` replicas
     acknowledged the take of ``key`` ``within`` ms (``acked``: ``WAIT``'s
-    reply or error, None without ``WAIT``), after ``give_back`` (if any).
-
-    Parameters:
-      backend(callable): The backend's description, for the error.
+    reply or error, None without ``WAIT``), after ``give_back`` (if any);
+    ``backend()`` describes the backend for the error.
     """
     if acked is None or (isinstance(acked, int) and acked >= wanted):
         return
