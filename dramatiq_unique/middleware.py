@@ -94,11 +94,8 @@ class UniqueMiddleware(Middleware):
       url(str): ``redis://``, ``rediss://``, ``unix://``, ``redis+cluster://`` (a ``RedisBackend``),
         ``postgresql://`` or ``postgres://`` (a ``PostgresBackend``); see
         :func:`dramatiq_unique.backends.from_url`.
-      redis_url(str): Another name for ``url``, kept from before it.
-      prefix(str): The prefix of every lock key.
+      redis_url(str): Another name for ``url``.
       lock_ttl(int): Default lifetime of enqueue locks, counted from when the message is due.
-      lease(int): The lease of run locks.
-      reschedule_delay(int): Default delay of a rescheduled message.
       enabled(bool): False turns all locking off.
       on_backend_error(str): ``"fail"`` never runs or enqueues a message without its lock;
         ``"run_unlocked"`` carries on without it.
@@ -214,11 +211,7 @@ class UniqueMiddleware(Middleware):
 
     @staticmethod
     def _check_capabilities(spec: ActorSpec, backend: LockBackend) -> None:
-        """Refuse an actor whose options need a capability ``backend`` lacks.
-
-        Raises:
-          MissingCapability: a ConfigurationError.
-        """
+        """Refuse (``MissingCapability``) an actor whose options need a capability ``backend`` lacks."""
         actor = f"actor {spec.actor_name!r}"
         if spec.server == "reschedule":
             feature = f"{actor}, with on_conflict='reschedule' (the server side's default),"
@@ -351,8 +344,7 @@ class UniqueMiddleware(Middleware):
         except MiddlewareError:
             if fresh:
                 raise
-            # Raising from a re-enqueue (a retry, a delay-queue move) loses
-            # the message; it goes on, like a lapsed lock.
+            # Raising from a re-enqueue (a retry, a delay-queue move) loses the message: go on, like a lapsed lock.
             self.logger.error("Enqueueing %s without its lock: it could not be re-entered.", message, exc_info=True)
         except Exception as e:
             # Dramatiq would log this and enqueue a new message unlocked.
@@ -419,8 +411,7 @@ def digest_for(actor: "Actor[Any, Any]", *args: Any, **kwargs: Any) -> str:
     """The digest that ``actor.send(*args, **kwargs)`` would lock.
 
     Raises:
-      ConfigurationError: when the actor takes no lock, or the
-        arguments give no valid key.
+      ConfigurationError: when the actor takes no lock, or the arguments give no valid key.
     """
     for middleware in actor.broker.middleware:
         if isinstance(middleware, UniqueMiddleware) and actor.actor_name in middleware.specs:
@@ -431,12 +422,8 @@ def digest_for(actor: "Actor[Any, Any]", *args: Any, **kwargs: Any) -> str:
 class WorkerThreads:
     """The background tasks of one middleware in a worker process.
 
-    Each is made on first use, on the current backend; a new backend stops the lock threads.
-
-    Parameters:
-      service(LockContext): The middleware's lock context.
-      reports(Reports): Where releases report their outcomes.
-      troubles(LockTroubles): Where lost leases and stalled releases are told.
+    Each is made on first use, on the current backend; a new backend stops the lock threads.  ``reports``
+    hears the outcome of releases, ``troubles`` lost leases and stalled releases.
     """
 
     def __init__(self, service: LockContext, *, reports: Reports, troubles: LockTroubles) -> None:
@@ -453,8 +440,7 @@ class WorkerThreads:
     def leases(self) -> LeaseKeeper:
         """Renews the run leases of this process."""
         if self._leases is None:
-            # Worker threads ask at once on their first jobs: one keeper, or
-            # a lease held by a second one would be renewed after its release.
+            # Worker threads ask at once: a lease held by a second keeper would be renewed after its release.
             with _MAKING:
                 if self._leases is None:
                     self._leases = LeaseKeeper(
@@ -505,11 +491,7 @@ class WorkerThreads:
                 thread.stop()
 
     def stop(self, left: Callable[[], float]) -> list[OwedRelease]:
-        """Stop every thread within what ``left`` says is left of the bound, in milliseconds.
-
-        Returns:
-          list[OwedRelease]: The releases that could not be sent, for the next worker.
-        """
+        """Stop every thread within ``left()`` ms; return the releases not sent, for the next worker."""
         self.handoffs.stop()
         owed: list[OwedRelease] = []
         if self._releaser is not None:
@@ -525,9 +507,8 @@ class WorkerThreads:
         return owed
 
     def _owed(self, key: str, owner: str, until: float, options: dict[str, Any]) -> OwedRelease:
-        """A release to hand on, from its lock's monotonic expiry.  A run lock's is made even past its
-        lease: it also ends the run in a rescheduled message's record (which lives ``lock_ttl``), so a
-        duplicate of that run is skipped.
+        """A release to hand on, from its lock's monotonic expiry.  A run lock's outlives its lease: it
+        also ends the run in a rescheduled message's record (which lives ``lock_ttl``), skipping duplicates.
         """
         if key.endswith(RUN_SUFFIX):
             until = max(until, now_ms() + self.service.settings.lock_ttl)

@@ -65,11 +65,7 @@ OnConflict = Union[str, Mapping[str, str]]
 
 
 def lock_type(name: object) -> LockType:
-    """Look a lock type up by name.
-
-    Raises:
-      ConfigurationError: listing the valid names.
-    """
+    """Look a lock type up by name; an unknown one raises a ConfigurationError listing the valid names."""
     if not isinstance(name, str) or name not in LOCK_TYPES:
         raise ConfigurationError(f"lock={name!r} is not a lock type. Valid choices: {', '.join(LOCK_TYPES)}.")
     return LOCK_TYPES[name]
@@ -80,9 +76,7 @@ def strategies(lock: LockType, on_conflict: Optional[OnConflict]) -> dict[str, s
 
     A plain name applies to every side the lock type has, so must be valid on each, except
     ``"replace"`` (client only); a ``{"client": ..., "server": ...}`` mapping names sides explicitly.
-
-    Raises:
-      ConfigurationError: for an unknown name or side, listing the valid choices.
+    An unknown name or side raises a ConfigurationError listing the valid choices.
     """
     chosen = {side: STRATEGIES[side][0] for side in lock.sides}
     if on_conflict is None:
@@ -176,8 +170,7 @@ class ActorSpec:
         """The digest of one send: a hash of actor name, queue name and canonical JSON of the lock args.
 
         Raises:
-          ConfigurationError: when the arguments do not fit the signature, or the lock args are not
-            JSON-serialisable.
+          ConfigurationError: when the arguments do not fit the signature, or the lock args are not JSON.
         """
         material = [
             DIGEST_VERSION,
@@ -282,10 +275,7 @@ def _lock_args(options: Mapping[str, Any], signature: Optional[inspect.Signature
 
 
 def actor_spec(actor: "Actor[Any, Any]") -> Optional[ActorSpec]:
-    """Validate an actor's lock options.
-
-    Returns:
-      ActorSpec: or None when the actor takes no lock.
+    """Validate an actor's lock options: its :class:`ActorSpec`, or None when it takes no lock.
 
     Raises:
       ConfigurationError: for any invalid option, naming the actor and the valid choices.

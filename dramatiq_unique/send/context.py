@@ -53,12 +53,7 @@ RESERVE_SLACK = 1_000
 class LockContext:
     """The backend of one middleware, and how its guards report.
 
-    Parameters:
-      settings(Settings): The middleware's settings.
-      logger(logging.Logger): The middleware's logger.
-      events(EventHub): Where lock events go.
-      specs(dict[str, ActorSpec]): The locked actors by name: the middleware's own dict, filled as
-        actors are declared.
+    ``specs`` holds the locked actors by name: the middleware's own dict, filled as actors are declared.
     """
 
     def __init__(
@@ -169,9 +164,7 @@ class Refused(DuplicateMessage):
 
 
 def maybe_applied(error: Exception) -> bool:
-    """Whether a failed call may have taken effect: a timeout may have lost only its reply; a refused
-    connection never sent anything.
-    """
+    """Whether a failed call may have taken effect: a timeout may have lost only its reply."""
     return "timeout" in type(error).__name__.lower()
 
 
@@ -186,9 +179,6 @@ class EnqueueLocks:
     Dramatiq 2.x gives middleware no way to cancel an enqueue, so :meth:`guard` wraps the broker's
     ``enqueue``: a refused duplicate is returned unsent, a failed publish gives back what its call
     took, and provisional locks go to the :class:`~.confirm.Confirmer` once the publish returned.
-
-    Parameters:
-      service(LockContext): The middleware's lock context.
     """
 
     def __init__(self, service: LockContext) -> None:
@@ -448,9 +438,7 @@ def store_nothing(message: Any) -> None:
 
 
 def store_failure(broker: "Broker", message: Any, error: Exception) -> None:
-    """Store ``error`` as the result of ``message`` in every ``Results`` middleware of ``broker`` that
-    stores it, then keep Dramatiq from storing anything else for this delivery.
-    """
+    """Store ``error`` as ``message``'s result in each ``Results`` of ``broker`` that stores it, and nothing else."""
     from dramatiq.results import Results
 
     for middleware in broker.middleware:

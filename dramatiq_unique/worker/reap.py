@@ -80,9 +80,6 @@ def _text(value: Any) -> str:
 class RedisQueues:
     """Looks messages up in a Redis broker's keys (Dramatiq's ``dispatch.lua``): per queue a
     hash of messages until acked and a dead-letter hash, per worker and queue a set of unacked ids.
-
-    Parameters:
-      client(redis.Redis): A client of the broker's Redis.
     """
 
     def __init__(self, client: Any) -> None:
@@ -115,13 +112,9 @@ class RedisQueues:
 
 @dataclass(frozen=True)
 class Suspect:
-    """An enqueue lock holder (``message_id``) whose message was found nowhere.
-
-    Attributes:
-      lock_args(str): JSON of the lock args, when they were recorded.
-      queue(str): The queue the message was last published to.
-      age(int): Milliseconds since the lock was taken.
-      released(bool): Whether this pass released it.
+    """An enqueue lock holder (``message_id``) whose message was found nowhere: its ``lock_args`` JSON
+    when recorded, the ``queue`` it was last published to, the ``age`` of its lock in ms, and whether
+    this pass ``released`` it.
     """
 
     key: str
@@ -154,13 +147,8 @@ class ReapReport:
 
 
 class Reaper:
-    """Finds, and optionally releases, enqueue locks whose message is gone.
-
-    Parameters:
-      admin(LockListing): The locks: a ``LockAdmin``, or a ``PrefixLocks``.
-      queues(RedisQueues): The broker to look messages up in.
-      min_age(int): Leave locks younger than this alone, in ms.
-      batch(int): Holders per broker transaction.
+    """Finds, and optionally releases, enqueue locks whose message is gone: it leaves locks younger
+    than ``min_age`` ms alone, and looks ``batch`` holders up per broker transaction.
     """
 
     def __init__(

@@ -51,14 +51,9 @@ QUIET_AFTER = 50
 
 
 class Releaser(Served[BatchedReleases, ReleaseReports, PendingRelease]):
-    """Releases run locks of one process in the background.
-
-    Parameters:
-      backend(BatchedReleases): Where the locks live.
-      reports(ReleaseReports): Where outcomes are reported.
-      on_stalled(callable): Called, on a worker thread, with a batch that waited past ``stall_after``.
-      batch(int): The most releases per round trip.
-      stall_after, drain_timeout, linger(int): In ms; a ``linger`` of 0 sends every release at once.
+    """Releases run locks of one process in the background.  ``on_stalled`` is called, on a worker
+    thread, with a batch that waited past ``stall_after``; durations are in ms, and a ``linger`` of 0
+    sends every release at once.
     """
 
     def __init__(

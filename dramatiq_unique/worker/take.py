@@ -427,11 +427,8 @@ def _line_factor(ahead: int) -> int:
 
 
 def skip_if_superseded(service: LockContext, broker: "Broker", message: "MessageProxy", state: Delivery) -> None:
-    """Skip this delivery when a newer send superseded its message (not retried; its result is a
-    :class:`Superseded`); else mark it started: a later send leaves it running, a new debounce burst.
-
-    Raises:
-      SkipMessage: when superseded.
+    """Skip this delivery (``SkipMessage``: not retried; its result is a :class:`Superseded`) when a newer
+    send superseded its message; else mark it started: a later send leaves it running, a new debounce burst.
     """
     spec = state.spec
     if spec.client != "replace" or state.queue_released:  # an unstamped message took no lock to lose
