@@ -71,12 +71,10 @@ class Wakeup:
 class BackgroundThread:
     """One background thread of a process, running ``loop`` (a :data:`Loop`, which waits with :meth:`wait`).
 
-    Parameters:
-      native(bool or callable): Whether the loop runs on an OS thread under gevent (asked at
-        each start, so a callable can say whether it can).
-      on_fork(callable): Called in a forked child, to drop what the parent's thread had under way.
-      on_wake(callable): Called by :meth:`wake` and :meth:`stop`, to notify the owner's own
-        condition when the loop waits on that rather than with :meth:`wait`.
+    ``native`` (a bool, or a callable asked at each start) says whether the loop runs on an OS thread
+    under gevent; ``on_fork`` is called in a forked child, to drop what the parent's thread had under
+    way; ``on_wake`` by :meth:`wake` and :meth:`stop`, to notify the owner's condition when the loop
+    waits on that rather than with :meth:`wait`.
     """
 
     def __init__(
@@ -332,8 +330,7 @@ class OneCall(Generic[T]):
 
 # A worker's shutdown: the deadline of lock calls ------------------------------
 
-#: Past the shutdown's deadline for lock calls, calls in flight longer than this (ms) are
-#: interrupted, looked at again as often.
+#: Past the shutdown's deadline, lock calls in flight longer than this (ms) are interrupted; looked at as often.
 DEFAULT_STUCK_AFTER = 500
 
 

@@ -125,7 +125,5 @@ class EventHub:
 
 
 def _value(counter: "itertools.count[int]") -> int:
-    """How many times ``next()`` was called on a ``count()``, from its repr: the one reading that is
-    neither deprecated nor moves it.
-    """
+    """How many ``next()`` calls a ``count()`` had, from its repr: the one reading neither deprecated nor moving it."""
     return int(repr(counter)[len("count(") : -1])

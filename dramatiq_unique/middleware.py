@@ -162,16 +162,13 @@ class UniqueMiddleware(Middleware):
         for listener in listeners:
             self.events.subscribe(listener)
         self.specs: dict[str, ActorSpec] = {}
-        #: What the guards use: the backend, keys, events and errors.
         self.service = LockContext(settings=self.settings, logger=self.logger, events=self.events, specs=self.specs)
         #: Async actors with a run lock, whose coroutines are tracked.
         self.async_actors: set[str] = set()
         troubles = LockTroubles(self.service)
-        #: Releases the locks of each delivery.
         self.unlocker = Unlocker(self.service, troubles=troubles)
         #: The worker's background tasks, which report releases to the unlocker.
         self.threads = self.unlocker.threads = WorkerThreads(self.service, reports=self.unlocker, troubles=troubles)
-        #: Takes the run lock of each delivery.
         self.taker = RunLockTaker(self.service, self.unlocker, async_actors=self.async_actors)
         if backend is None and self.settings.url is not None:
             backend = from_url(self.settings.url, **self._backend_options())
@@ -179,7 +176,6 @@ class UniqueMiddleware(Middleware):
         self._locks = EnqueueLocks(self.service)
         self._guard = EnqueueGuard(self._locks, middleware=self)
         self._retries = True
-        #: Releases a stopping worker could not send, for the next one.
         self.owed = OwedReleases(self.service)
         self._stop_by: Optional[float] = None
 
@@ -234,17 +230,13 @@ class UniqueMiddleware(Middleware):
         self.threads.restart()
         self.service.backend = backend
 
-    #: False turns all locking off.
+    # What each does: see the class docstring.
     enabled = _OnService()
-    #: Store the lock args JSON with each enqueue lock, for operators.
     record_lock_args = _OnService()
 
     def flush_confirmations(self, timeout: float = 5.0) -> bool:
         """Wait at most ``timeout`` seconds until every provisional enqueue lock of this process is
-        confirmed (done at exit too).
-
-        Returns:
-          bool: True when none is left waiting.
+        confirmed (done at exit too); True when none is left waiting.
         """
         return self._locks.flush(timeout)
 

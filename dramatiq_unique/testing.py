@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 
 from .model.wire import UNIQUE_DUPLICATE_OF, check_key
 
-# Loaded as a pytest plugin in every run where dramatiq-unique is installed: import nothing heavy
-# here, so that a broken or partial install can never break an unrelated run.
+# A pytest plugin wherever dramatiq-unique is installed: import nothing heavy, so a broken install breaks no other run.
 if TYPE_CHECKING:
     from dramatiq import Broker, Message
 

@@ -167,10 +167,8 @@ class ActorSpec:
         return escape_actor(self.actor_name)
 
     def digest(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
-        """The digest of one send: a hash of actor name, queue name and canonical JSON of the lock args.
-
-        Raises:
-          ConfigurationError: when the arguments do not fit the signature, or the lock args are not JSON.
+        """The digest of one send: a hash of actor name, queue name and canonical JSON of the lock args;
+        a ConfigurationError when the arguments do not fit the signature, or the lock args are not JSON.
         """
         material = [
             DIGEST_VERSION,
@@ -218,9 +216,7 @@ class ActorSpec:
 
 
 def _require_str_keys(value: Any) -> None:
-    """Raise TypeError for a non-str dict key: JSON would turn ``1``, ``True``, ``None`` into strings,
-    merging keys that differ.
-    """
+    """Raise TypeError for a non-str dict key: JSON makes ``1``, ``True``, ``None`` strings, merging distinct keys."""
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
@@ -275,10 +271,8 @@ def _lock_args(options: Mapping[str, Any], signature: Optional[inspect.Signature
 
 
 def actor_spec(actor: "Actor[Any, Any]") -> Optional[ActorSpec]:
-    """Validate an actor's lock options: its :class:`ActorSpec`, or None when it takes no lock.
-
-    Raises:
-      ConfigurationError: for any invalid option, naming the actor and the valid choices.
+    """Validate an actor's lock options: its :class:`ActorSpec`, or None when it takes no lock.  Any
+    invalid option raises a ConfigurationError naming the actor and the valid choices.
     """
     try:
         return _actor_spec(actor)

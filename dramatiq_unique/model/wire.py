@@ -48,12 +48,9 @@ SUPERSEDED_SUFFIX = ":superseded"
 
 
 class LockKey(NamedTuple):
-    """A lock key, in its parts.
-
-    Attributes:
-      scope(str): The actor name as :func:`escape_actor` writes it (``@any`` across actors).
-      digest(str): The 32 hex characters inside the Cluster hash tag.
-      phase(str): :data:`QUEUE` or :data:`RUN`.
+    """A lock key, in its parts: ``scope`` is the actor name as :func:`escape_actor` writes it (``@any``
+    across actors), ``digest`` the 32 hex characters inside the Cluster hash tag, and ``phase``
+    :data:`QUEUE` or :data:`RUN`.
     """
 
     prefix: str
@@ -183,7 +180,6 @@ def join_owner(message_id: str, token: Optional[str] = None) -> str:
 
 
 def split_owner(owner: str) -> Owner:
-    """The parts of an owner string, split at its first ``/``."""
     message_id, separator, token = owner.partition(OWNER_SEPARATOR)
     return Owner(message_id, token if separator else None)
 
@@ -318,7 +314,6 @@ class EnqueueRecord:
     before: str = ""
 
     def encode(self) -> str:
-        """The text the backend stores."""
         return f"{self.taken_at}|{self.provisional_until}|{self.where}\n{self.before}"
 
     @classmethod

@@ -139,11 +139,7 @@ class LockAdmin:
             yield Lock(key, actor_name, digest, lock_phase, lock, holders, lock_args, *fields)
 
     def inspect(self, digest: str) -> list[Lock]:
-        """The live locks (enqueue, run, or both) of one digest or lock key.
-
-        Raises:
-          UnknownLock: when no live lock has this digest.
-        """
+        """The live locks (enqueue, run, or both) of one digest or lock key; :class:`UnknownLock` if none."""
         digest = digest_of(digest)
         glob = lock_key_glob(prefix=self.prefix, digest=digest)
         found = [lock for lock in self.locks(pattern=glob) if lock.digest == digest]

@@ -61,8 +61,7 @@ class Confirmer:
         self.backend = backend
         self.on_lapsed = on_lapsed
         self._reset()
-        # Each start is a generation: a thread stuck in a call is retired and replaced, and exits,
-        # reporting nothing, once it finds a newer generation.
+        # Each start is a generation: a thread stuck in a call is retired, and exits silently on seeing a newer one.
         self._thread = BackgroundThread(
             name="dramatiq-unique-confirm", loop=self._loop, on_fork=self._reset, on_wake=self._notify
         )

@@ -45,7 +45,8 @@ if TYPE_CHECKING:
     from ..settings import Settings
 
 
-#: A slot handed to a waiter stays reserved this many reschedule delays, plus RESERVE_SLACK ms.
+#: A slot handed to a waiter stays reserved this many reschedule delays (the longest its delayed copy
+#: takes to come if the hand-off copy is lost), plus RESERVE_SLACK ms.
 RESERVE_DELAYS = 2
 RESERVE_SLACK = 1_000
 
@@ -82,9 +83,7 @@ class LockContext:
         return spec.reschedule_delay if spec.reschedule_delay is not None else self.settings.reschedule_delay
 
     def reserve(self, spec: "ActorSpec") -> int:
-        """How long, in ms, a slot handed to a waiter stays reserved: :data:`RESERVE_DELAYS` reschedule
-        delays (the longest its delayed copy takes to come if the hand-off copy is lost), plus slack.
-        """
+        """How long, in ms, a slot handed to a waiter stays reserved (see :data:`RESERVE_DELAYS`)."""
         return RESERVE_DELAYS * self.reschedule_delay(spec) + RESERVE_SLACK
 
     def key(self, spec: "ActorSpec", digest: str, phase: str) -> str:
@@ -126,7 +125,6 @@ class LockContext:
         return (delay or 0) + self.queue_lock_ttl(spec)
 
     def queue_lock_ttl(self, spec: "ActorSpec") -> int:
-        """The ``lock_ttl`` of ``spec``'s enqueue locks, in ms."""
         return spec.lock_ttl if spec.lock_ttl is not None else self.settings.lock_ttl
 
 
@@ -247,13 +245,11 @@ class EnqueueLocks:
 
     @property
     def newest_wins(self) -> NewestWins:
-        """The backend's verbs of ``on_conflict="replace"``."""
         return NewestWins.require(self.service.locks, feature="on_conflict='replace'")
 
     def _restore(self, message: Any, taken: list[tuple[str, str]]) -> None:
-        """After a failed publish, make the message this send superseded current again, so it runs; the
-        guard then releases this send's slot.  On a backend failure it stays superseded, as the
-        send's error tells its caller.
+        """After a failed publish, make the message this send superseded current again, so it runs (the
+        guard then releases this send's slot); on a backend failure it stays superseded, as the error says.
         """
         service = self.service
         spec = service.specs.get(message.actor_name)
@@ -283,7 +279,6 @@ class EnqueueLocks:
 
     @property
     def confirmer(self) -> Confirmer:
-        """This process's confirmer for the middleware's backend."""
         backend = self.service.locks
         confirmer = self._confirmer
         if confirmer is not None and confirmer.backend is backend:
@@ -341,7 +336,6 @@ class EnqueueLocks:
             call.taken.append((key, owner))
 
     def locked(self, message: Any, spec: "ActorSpec", key: str) -> None:
-        """A new lock was taken for ``message``: record and tell it."""
         self.record(key, message.message_id)
         self.service.emit("locked", spec, key, message)
 

@@ -85,7 +85,6 @@ def same_redis(backend: Optional[LockBackend], broker: Any) -> bool:
 
 
 def _later_hooks(broker: "Broker", middleware: Any) -> bool:
-    """Whether a middleware after ``middleware`` has a ``before_enqueue``."""
     stack = broker.middleware
     later = stack[stack.index(middleware) + 1 :] if middleware in stack else stack
     return any(type(m).before_enqueue is not Middleware.before_enqueue for m in later)

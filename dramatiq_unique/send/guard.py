@@ -47,10 +47,9 @@ class EnqueueGuard:
     def take(
         self, message: Any, delay: Optional[int], spec: ActorSpec, *, fresh: bool, broker: Optional["Broker"] = None
     ) -> None:
-        """Take or re-enter the enqueue lock of a stamped message; a re-enqueue never raises here.
-
-        In a guarded call a new lock holds for the provisional window until the publish returns;
-        replacing actors take theirs for the full lifetime at once.
+        """Take or re-enter the enqueue lock of a stamped message; a re-enqueue never raises here.  In a
+        guarded call a new lock holds for the provisional window until the publish returns; replacing
+        actors take theirs for the full lifetime at once.
         """
         if self.send_path.defer(message, delay, spec, fresh, broker):
             return

@@ -128,7 +128,6 @@ class ReleaseReports(Protocol):
 
 
 def delivery(message: "MessageProxy") -> Optional[Delivery]:
-    """The middleware's state for ``message``, if it has any."""
     return getattr(message, "_unique_delivery", None)
 
 
@@ -138,14 +137,12 @@ def attach(message: "MessageProxy", state: Delivery) -> Delivery:
 
 
 def fence_token(message: Any = None) -> Optional[int]:
-    """The fencing token of the run lock held for the current message, or for ``message``.
+    """The fencing token of the run lock held for the current message, or for ``message``; None when
+    no run lock is held.
 
     The token grows with every new holder of the key.  Have the system you write to
     refuse tokens lower than one it has seen: a paused or partitioned holder whose
     lease ran out then cannot overwrite newer work.
-
-    Returns:
-      int: or None when no run lock is held.
     """
     if message is None:
         return _fence.get()

@@ -27,8 +27,7 @@ T = TypeVar("T")
 #: How many enqueue locks one transaction on the broker checks.
 DEFAULT_BATCH = 100
 
-#: Locks younger than this (ms) are not checked: without a provisional window, a lock is
-#: written a moment before its message is published.
+#: Locks younger than this (ms) go unchecked: without a provisional window, a lock is written just before its publish.
 DEFAULT_MIN_AGE = 10_000
 
 #: How many lock keys one pass of the periodic reaper looks at at most.
@@ -129,14 +128,10 @@ class Suspect:
 
 @dataclass
 class ReapReport:
-    """What one reap found.
-
-    Attributes:
-      checked(int): Enqueue-lock holders looked up on the broker.
-      skipped(int): Holders not looked up: provisional, too young, or kept after their run.
-      unknown(int): Holders with no Redis place (RabbitMQ, the stub broker, older locks).
-      suspects(list[Suspect]): Holders whose message was found nowhere.
-      complete(bool): False when the pass stopped at its key budget.
+    """What one reap found: how many enqueue-lock holders were ``checked`` on the broker, ``skipped``
+    (provisional, too young, or kept after their run) or ``unknown`` (no Redis place: RabbitMQ, the
+    stub broker, older locks); the ``suspects``; and whether it was ``complete`` (not stopped at its
+    key budget).
     """
 
     checked: int = 0

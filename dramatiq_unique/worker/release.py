@@ -172,7 +172,6 @@ class Releaser(Served[BatchedReleases, ReleaseReports, PendingRelease]):
             self._wakeup.notify_all()
 
     def _reports(self, riders: Sequence[PendingRelease], outcomes: Sequence[Outcome]) -> list[FollowUp]:
-        """Report each release; return what the reports left to do."""
         follow_ups: list[FollowUp] = []
         for pending, outcome in zip(riders, outcomes):
             handoff = self._report(pending, outcome)
@@ -420,7 +419,6 @@ class Unlocker:
 
 
 def _handoff(lock: LockToRelease, outcome: Release) -> Optional[HandOff]:
-    """The hand-off a release left to do, if it handed the key over."""
     if outcome.promoted is None or lock.broker is None:
         return None
     return HandOff(lock.broker, lock.key, outcome.promoted)

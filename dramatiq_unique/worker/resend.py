@@ -371,7 +371,6 @@ class LockTroubles:
         self.service.events.emit(LockEvent("backend_error", lease.actor, lease.key, message_id_of(lease.owner)))
 
     def releases_stalled(self, batch: list[PendingRelease]) -> None:
-        """Report releases still waiting for the backend."""
         self.service.logger.error(
             "Lock backend %s has not answered %d release(s) for %.0f ms; the keys stay held until it does "
             "or their leases expire.",

@@ -275,7 +275,6 @@ class Conflict(NamedTuple):
 
 
 def on_conflict(conflict: Conflict) -> NoReturn:
-    """Do what the actor's server strategy says."""
     strategy = conflict.state.spec.server
     ON_CONFLICT[strategy if strategy is not None else "log"](conflict)
     raise AssertionError(f"strategy {strategy!r} returned")  # pragma: no cover: every strategy raises
@@ -350,7 +349,6 @@ def stand_in(message: "MessageProxy", state: Delivery, attempt: int) -> None:
 
 
 def _conflict_error(conflict: Conflict) -> LockConflict:
-    """Emit the conflict; return its error."""
     service, _, message, state, key, holder = conflict
     service.emit("conflict", state.spec, key, message, holder)
     holder_id = message_id_of(holder)
