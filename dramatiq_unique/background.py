@@ -34,7 +34,6 @@ _pid = os.getpid()
 
 
 def pid() -> int:
-    """This process's id."""
     return _pid
 
 #: How long, in ms, :meth:`BackgroundThread.stop` waits for the loop to end.
@@ -59,7 +58,6 @@ class Wakeup:
         self._lock.acquire()  # held: the next wait blocks until set()
 
     def set(self) -> None:
-        """Wake the waiter."""
         try:
             self._lock.release()
         except RuntimeError:  # set already, not waited for yet
@@ -71,17 +69,12 @@ class Wakeup:
 
 
 class BackgroundThread:
-    """One background thread of a process, running ``loop``.
+    """One background thread of a process, running ``loop`` (a :data:`Loop`, which waits with :meth:`wait`).
 
-    Parameters:
-      name(str): The thread's name, e.g. ``"dramatiq-unique-leases"``.
-      loop(callable): Called with this object on the thread; it waits
-        with :meth:`wait` and returns when :attr:`stopping` is set.
-      native(bool or callable): Whether the loop runs on an OS thread under gevent (asked at
-        each start, so a callable can say whether it can).
-      on_fork(callable): Called in a forked child, to drop what the parent's thread had under way.
-      on_wake(callable): Called by :meth:`wake` and :meth:`stop`, to notify the owner's own
-        condition when the loop waits on that rather than with :meth:`wait`.
+    ``native`` (a bool, or a callable asked at each start) says whether the loop runs on an OS thread
+    under gevent; ``on_fork`` is called in a forked child, to drop what the parent's thread had under
+    way; ``on_wake`` by :meth:`wake` and :meth:`stop`, to notify the owner's condition when the loop
+    waits on that rather than with :meth:`wait`.
     """
 
     def __init__(
@@ -327,12 +320,7 @@ class OneCall(Generic[T]):
             self.done.set()
 
     def result(self, timeout: float) -> T:
-        """What the call returned, waiting at most ``timeout`` ms.
-
-        Raises:
-          TimeoutError: when it has not returned by then.
-          BaseException: what the call raised.
-        """
+        """What the call returned, waiting at most ``timeout`` ms; else TimeoutError, or what the call raised."""
         if not self.done.wait(max(timeout, 0) / 1000):
             raise TimeoutError(f"the lock backend did not answer within {max(timeout, 0):.0f} ms")
         if self.error is not None:
@@ -342,8 +330,7 @@ class OneCall(Generic[T]):
 
 # A worker's shutdown: the deadline of lock calls ------------------------------
 
-#: Past the shutdown's deadline for lock calls, calls in flight longer than this (ms) are
-#: interrupted, looked at again as often.
+#: Past the shutdown's deadline, lock calls in flight longer than this (ms) are interrupted; looked at as often.
 DEFAULT_STUCK_AFTER = 500
 
 

@@ -34,12 +34,9 @@ SKIPPED_MESSAGE_LOG = "Message %s was skipped."
 
 
 class RedisDispatch(NamedTuple):
-    """What the send fast path calls of a ``RedisBroker`` to run its ``dispatch.lua`` itself.
-
-    Attributes:
-      enqueue(callable): ``broker._dispatch("enqueue")``, what ``do_enqueue`` resolves to.
-      maintenance(callable): ``broker._should_do_maintenance(command)`` (the 1-in-N lottery).
-      max_unpack_size(callable): ``broker._max_unpack_size()``, the Lua unpack limit.
+    """What the send fast path calls of a ``RedisBroker`` to run its ``dispatch.lua`` itself:
+    ``broker._dispatch("enqueue")`` (what ``do_enqueue`` resolves to), ``_should_do_maintenance(command)``
+    (the 1-in-N lottery) and ``_max_unpack_size()`` (the Lua unpack limit).
     """
 
     enqueue: Callable[..., Any]

@@ -62,9 +62,6 @@ class LockEvent:
 
     Attributes:
       name(str): One of :data:`EVENTS`.
-      actor(str): The actor's name.
-      key(str): The lock key.
-      message_id(str): The message concerned.
       holder(str): For conflicts, the holder's message id; for a ``skipped`` duplicate of a run that
         succeeded, that run's lock owner (``<message id>/<token>``).
       reason(str): For ``skipped``, why: ``"done"`` (that run succeeded), ``"stale"`` or ``"lost"``
@@ -128,7 +125,5 @@ class EventHub:
 
 
 def _value(counter: "itertools.count[int]") -> int:
-    """How many times ``next()`` was called on a ``count()``, from its repr: the one reading that is
-    neither deprecated nor moves it.
-    """
+    """How many ``next()`` calls a ``count()`` had, from its repr: the one reading neither deprecated nor moving it."""
     return int(repr(counter)[len("count(") : -1])

@@ -94,11 +94,8 @@ class UniqueMiddleware(Middleware):
       url(str): ``redis://``, ``rediss://``, ``unix://``, ``redis+cluster://`` (a ``RedisBackend``),
         ``postgresql://`` or ``postgres://`` (a ``PostgresBackend``); see
         :func:`dramatiq_unique.backends.from_url`.
-      redis_url(str): Another name for ``url``, kept from before it.
-      prefix(str): The prefix of every lock key.
+      redis_url(str): Another name for ``url``.
       lock_ttl(int): Default lifetime of enqueue locks, counted from when the message is due.
-      lease(int): The lease of run locks.
-      reschedule_delay(int): Default delay of a rescheduled message.
       enabled(bool): False turns all locking off.
       on_backend_error(str): ``"fail"`` never runs or enqueues a message without its lock;
         ``"run_unlocked"`` carries on without it.
@@ -165,16 +162,13 @@ class UniqueMiddleware(Middleware):
         for listener in listeners:
             self.events.subscribe(listener)
         self.specs: dict[str, ActorSpec] = {}
-        #: What the guards use: the backend, keys, events and errors.
         self.service = LockContext(settings=self.settings, logger=self.logger, events=self.events, specs=self.specs)
         #: Async actors with a run lock, whose coroutines are tracked.
         self.async_actors: set[str] = set()
         troubles = LockTroubles(self.service)
-        #: Releases the locks of each delivery.
         self.unlocker = Unlocker(self.service, troubles=troubles)
         #: The worker's background tasks, which report releases to the unlocker.
         self.threads = self.unlocker.threads = WorkerThreads(self.service, reports=self.unlocker, troubles=troubles)
-        #: Takes the run lock of each delivery.
         self.taker = RunLockTaker(self.service, self.unlocker, async_actors=self.async_actors)
         if backend is None and self.settings.url is not None:
             backend = from_url(self.settings.url, **self._backend_options())
@@ -182,7 +176,6 @@ class UniqueMiddleware(Middleware):
         self._locks = EnqueueLocks(self.service)
         self._guard = EnqueueGuard(self._locks, middleware=self)
         self._retries = True
-        #: Releases a stopping worker could not send, for the next one.
         self.owed = OwedReleases(self.service)
         self._stop_by: Optional[float] = None
 
@@ -214,11 +207,7 @@ class UniqueMiddleware(Middleware):
 
     @staticmethod
     def _check_capabilities(spec: ActorSpec, backend: LockBackend) -> None:
-        """Refuse an actor whose options need a capability ``backend`` lacks.
-
-        Raises:
-          MissingCapability: a ConfigurationError.
-        """
+        """Refuse (``MissingCapability``) an actor whose options need a capability ``backend`` lacks."""
         actor = f"actor {spec.actor_name!r}"
         if spec.server == "reschedule":
             feature = f"{actor}, with on_conflict='reschedule' (the server side's default),"
@@ -241,17 +230,13 @@ class UniqueMiddleware(Middleware):
         self.threads.restart()
         self.service.backend = backend
 
-    #: False turns all locking off.
+    # What each does: see the class docstring.
     enabled = _OnService()
-    #: Store the lock args JSON with each enqueue lock, for operators.
     record_lock_args = _OnService()
 
     def flush_confirmations(self, timeout: float = 5.0) -> bool:
         """Wait at most ``timeout`` seconds until every provisional enqueue lock of this process is
-        confirmed (done at exit too).
-
-        Returns:
-          bool: True when none is left waiting.
+        confirmed (done at exit too); True when none is left waiting.
         """
         return self._locks.flush(timeout)
 
@@ -351,8 +336,7 @@ class UniqueMiddleware(Middleware):
         except MiddlewareError:
             if fresh:
                 raise
-            # Raising from a re-enqueue (a retry, a delay-queue move) loses
-            # the message; it goes on, like a lapsed lock.
+            # Raising from a re-enqueue (a retry, a delay-queue move) loses the message: go on, like a lapsed lock.
             self.logger.error("Enqueueing %s without its lock: it could not be re-entered.", message, exc_info=True)
         except Exception as e:
             # Dramatiq would log this and enqueue a new message unlocked.
@@ -419,8 +403,7 @@ def digest_for(actor: "Actor[Any, Any]", *args: Any, **kwargs: Any) -> str:
     """The digest that ``actor.send(*args, **kwargs)`` would lock.
 
     Raises:
-      ConfigurationError: when the actor takes no lock, or the
-        arguments give no valid key.
+      ConfigurationError: when the actor takes no lock, or the arguments give no valid key.
     """
     for middleware in actor.broker.middleware:
         if isinstance(middleware, UniqueMiddleware) and actor.actor_name in middleware.specs:
@@ -431,12 +414,8 @@ def digest_for(actor: "Actor[Any, Any]", *args: Any, **kwargs: Any) -> str:
 class WorkerThreads:
     """The background tasks of one middleware in a worker process.
 
-    Each is made on first use, on the current backend; a new backend stops the lock threads.
-
-    Parameters:
-      service(LockContext): The middleware's lock context.
-      reports(Reports): Where releases report their outcomes.
-      troubles(LockTroubles): Where lost leases and stalled releases are told.
+    Each is made on first use, on the current backend; a new backend stops the lock threads.  ``reports``
+    hears the outcome of releases, ``troubles`` lost leases and stalled releases.
     """
 
     def __init__(self, service: LockContext, *, reports: Reports, troubles: LockTroubles) -> None:
@@ -453,8 +432,7 @@ class WorkerThreads:
     def leases(self) -> LeaseKeeper:
         """Renews the run leases of this process."""
         if self._leases is None:
-            # Worker threads ask at once on their first jobs: one keeper, or
-            # a lease held by a second one would be renewed after its release.
+            # Worker threads ask at once: a lease held by a second keeper would be renewed after its release.
             with _MAKING:
                 if self._leases is None:
                     self._leases = LeaseKeeper(
@@ -505,11 +483,7 @@ class WorkerThreads:
                 thread.stop()
 
     def stop(self, left: Callable[[], float]) -> list[OwedRelease]:
-        """Stop every thread within what ``left`` says is left of the bound, in milliseconds.
-
-        Returns:
-          list[OwedRelease]: The releases that could not be sent, for the next worker.
-        """
+        """Stop every thread within ``left()`` ms; return the releases not sent, for the next worker."""
         self.handoffs.stop()
         owed: list[OwedRelease] = []
         if self._releaser is not None:
@@ -525,9 +499,8 @@ class WorkerThreads:
         return owed
 
     def _owed(self, key: str, owner: str, until: float, options: dict[str, Any]) -> OwedRelease:
-        """A release to hand on, from its lock's monotonic expiry.  A run lock's is made even past its
-        lease: it also ends the run in a rescheduled message's record (which lives ``lock_ttl``), so a
-        duplicate of that run is skipped.
+        """A release to hand on, from its lock's monotonic expiry.  A run lock's outlives its lease: it
+        also ends the run in a rescheduled message's record (which lives ``lock_ttl``), skipping duplicates.
         """
         if key.endswith(RUN_SUFFIX):
             until = max(until, now_ms() + self.service.settings.lock_ttl)

@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 
 from .model.wire import UNIQUE_DUPLICATE_OF, check_key
 
-# Loaded as a pytest plugin in every run where dramatiq-unique is installed: import nothing heavy
-# here, so that a broken or partial install can never break an unrelated run.
+# A pytest plugin wherever dramatiq-unique is installed: import nothing heavy, so a broken install breaks no other run.
 if TYPE_CHECKING:
     from dramatiq import Broker, Message
 
@@ -50,9 +49,6 @@ def disabled(target: Union["UniqueMiddleware", "Broker"]) -> Iterator[None]:
 
     Sends inside take no lock and are never refused; messages that start running inside neither
     take nor release locks.  Nested blocks restore what was there before.
-
-    Parameters:
-      target(UniqueMiddleware|Broker): The middleware, or its broker.
 
     Raises:
       ConfigurationError: when a broker has no ``UniqueMiddleware``.
@@ -128,11 +124,7 @@ def redis_backend_for_tests(url: Optional[str] = None) -> "LockBackend":
 
 
 def delete_prefix(backend: "LockBackend", prefix: str) -> int:
-    """Delete every key under ``prefix``: locks, waiters and message records.
-
-    Returns:
-      int: How many keys were deleted.
-    """
+    """Delete every key under ``prefix`` (locks, waiters and message records); return how many."""
     return backend.delete_prefix(f"{prefix}:")
 
 

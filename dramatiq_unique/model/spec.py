@@ -65,11 +65,7 @@ OnConflict = Union[str, Mapping[str, str]]
 
 
 def lock_type(name: object) -> LockType:
-    """Look a lock type up by name.
-
-    Raises:
-      ConfigurationError: listing the valid names.
-    """
+    """Look a lock type up by name; an unknown one raises a ConfigurationError listing the valid names."""
     if not isinstance(name, str) or name not in LOCK_TYPES:
         raise ConfigurationError(f"lock={name!r} is not a lock type. Valid choices: {', '.join(LOCK_TYPES)}.")
     return LOCK_TYPES[name]
@@ -80,9 +76,7 @@ def strategies(lock: LockType, on_conflict: Optional[OnConflict]) -> dict[str, s
 
     A plain name applies to every side the lock type has, so must be valid on each, except
     ``"replace"`` (client only); a ``{"client": ..., "server": ...}`` mapping names sides explicitly.
-
-    Raises:
-      ConfigurationError: for an unknown name or side, listing the valid choices.
+    An unknown name or side raises a ConfigurationError listing the valid choices.
     """
     chosen = {side: STRATEGIES[side][0] for side in lock.sides}
     if on_conflict is None:
@@ -173,11 +167,8 @@ class ActorSpec:
         return escape_actor(self.actor_name)
 
     def digest(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
-        """The digest of one send: a hash of actor name, queue name and canonical JSON of the lock args.
-
-        Raises:
-          ConfigurationError: when the arguments do not fit the signature, or the lock args are not
-            JSON-serialisable.
+        """The digest of one send: a hash of actor name, queue name and canonical JSON of the lock args;
+        a ConfigurationError when the arguments do not fit the signature, or the lock args are not JSON.
         """
         material = [
             DIGEST_VERSION,
@@ -225,9 +216,7 @@ class ActorSpec:
 
 
 def _require_str_keys(value: Any) -> None:
-    """Raise TypeError for a non-str dict key: JSON would turn ``1``, ``True``, ``None`` into strings,
-    merging keys that differ.
-    """
+    """Raise TypeError for a non-str dict key: JSON makes ``1``, ``True``, ``None`` strings, merging distinct keys."""
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
@@ -282,13 +271,8 @@ def _lock_args(options: Mapping[str, Any], signature: Optional[inspect.Signature
 
 
 def actor_spec(actor: "Actor[Any, Any]") -> Optional[ActorSpec]:
-    """Validate an actor's lock options.
-
-    Returns:
-      ActorSpec: or None when the actor takes no lock.
-
-    Raises:
-      ConfigurationError: for any invalid option, naming the actor and the valid choices.
+    """Validate an actor's lock options: its :class:`ActorSpec`, or None when it takes no lock.  Any
+    invalid option raises a ConfigurationError naming the actor and the valid choices.
     """
     try:
         return _actor_spec(actor)

@@ -37,8 +37,8 @@ _KEY = re.compile(rf"(?P<scope>[^:]+):\{{(?P<digest>[0-9a-f]{{{DIGEST_LENGTH}}})
 _DIGEST = re.compile(rf"[0-9a-f]{{{DIGEST_LENGTH}}}")
 _GLOB_SPECIALS = re.compile(r"[*?\[\]\\]")
 
-#: A run lock key's companions: its waiters (zset of message ids by send order), their encoded bodies
-#: (hash), and each message's record (hash, ``<key>:m:<message id>``).
+#: A run lock key's companions (see the ``*_key`` functions): its waiters (zset of message ids by send
+#: order), their encoded bodies (hash), and each message's record of its copies (hash, ``<key>:m:<message id>``).
 WAIT_SUFFIX = ":wait"
 BODIES_SUFFIX = ":bodies"
 MESSAGE_SUFFIX = ":m:"
@@ -48,13 +48,9 @@ SUPERSEDED_SUFFIX = ":superseded"
 
 
 class LockKey(NamedTuple):
-    """A lock key, in its parts.
-
-    Attributes:
-      prefix(str): The middleware's prefix.
-      scope(str): The actor name as :func:`escape_actor` writes it (``@any`` across actors).
-      digest(str): The 32 hex characters inside the Cluster hash tag.
-      phase(str): :data:`QUEUE` or :data:`RUN`.
+    """A lock key, in its parts: ``scope`` is the actor name as :func:`escape_actor` writes it (``@any``
+    across actors), ``digest`` the 32 hex characters inside the Cluster hash tag, and ``phase``
+    :data:`QUEUE` or :data:`RUN`.
     """
 
     prefix: str
@@ -138,22 +134,18 @@ def lock_key_glob(
 
 
 def waiters_key(key: str) -> str:
-    """The waiters zset of run lock ``key``."""
     return f"{key}{WAIT_SUFFIX}"
 
 
 def bodies_key(key: str) -> str:
-    """The hash of the waiters' encoded messages of run lock ``key``."""
     return f"{key}{BODIES_SUFFIX}"
 
 
 def message_key(key: str, message_id: str) -> str:
-    """The record of message ``message_id``'s copies under run lock ``key``."""
     return f"{key}{MESSAGE_SUFFIX}{message_id}"
 
 
 def superseded_key(key: str) -> str:
-    """The superseded record of enqueue lock ``key``."""
     return f"{key}{SUPERSEDED_SUFFIX}"
 
 
@@ -174,12 +166,7 @@ OWNER_SEPARATOR = "/"
 
 
 class Owner(NamedTuple):
-    """A lock owner, in its parts.
-
-    Attributes:
-      message_id(str): The message that holds the slot.
-      token(str): The execution's token (a run lock); None for an enqueue lock.
-    """
+    """A lock owner, in its parts: ``token`` is the execution's (a run lock), None for an enqueue lock."""
 
     message_id: str
     token: Optional[str] = None
@@ -193,7 +180,6 @@ def join_owner(message_id: str, token: Optional[str] = None) -> str:
 
 
 def split_owner(owner: str) -> Owner:
-    """The parts of an owner string, split at its first ``/``."""
     message_id, separator, token = owner.partition(OWNER_SEPARATOR)
     return Owner(message_id, token if separator else None)
 
@@ -302,7 +288,6 @@ def join_place(namespace: str, queue: str, redis_id: str) -> str:
 
 
 def _canonical_queue(queue: str) -> str:
-    """``queue`` without a delay queue's ``.DQ``."""
     return queue[:-3] if queue.endswith(".DQ") else queue
 
 
@@ -356,7 +341,6 @@ class EnqueueRecord:
     before: str = ""
 
     def encode(self) -> str:
-        """The text the backend stores."""
         return f"{self.taken_at}|{self.provisional_until}|{self.where}\n{self.before}"
 
     @classmethod

@@ -96,11 +96,7 @@ def _decoded(lock_args: Optional[str]) -> Any:
 
 
 def digest_of(text: str) -> str:
-    """The digest named by ``text``: a digest itself, or a lock key.
-
-    Raises:
-      UnknownLock: when ``text`` is neither.
-    """
+    """The digest named by ``text``: a digest itself, or a lock key; :class:`UnknownLock` if neither."""
     found = digest_in(text)
     if found is None:
         raise UnknownLock(
@@ -110,11 +106,7 @@ def digest_of(text: str) -> str:
 
 
 class LockAdmin:
-    """Lists, inspects and releases the locks under one prefix.
-
-    Parameters:
-      backend(LockBackend): Where the locks live.
-      prefix(str): The prefix the middleware was given.
+    """Lists, inspects and releases the locks under one prefix: the one the middleware was given.
 
     Every method raises :class:`LockBackendError` when the backend fails.
 
@@ -147,11 +139,7 @@ class LockAdmin:
             yield Lock(key, actor_name, digest, lock_phase, lock, holders, lock_args, *fields)
 
     def inspect(self, digest: str) -> list[Lock]:
-        """The live locks (enqueue, run, or both) of one digest or lock key.
-
-        Raises:
-          UnknownLock: when no live lock has this digest.
-        """
+        """The live locks (enqueue, run, or both) of one digest or lock key; :class:`UnknownLock` if none."""
         digest = digest_of(digest)
         glob = lock_key_glob(prefix=self.prefix, digest=digest)
         found = [lock for lock in self.locks(pattern=glob) if lock.digest == digest]

@@ -39,14 +39,8 @@ STOP_TIMEOUT = 1_000
 
 
 class Pending(NamedTuple):
-    """A provisional lock awaiting confirmation.
-
-    Attributes:
-      key(str): The lock key.
-      owner(str): Its holder: the message id.
-      ttl(int): The full lifetime to give it, in milliseconds.
-      actor(str): The actor, for events and logs.
-      lapses_at(float): Monotonic ms after which the slot is gone, and confirming it pointless.
+    """A provisional lock awaiting confirmation: ``owner`` is the message id, ``ttl`` the full lifetime
+    to give it (ms), ``lapses_at`` the monotonic ms after which the slot is gone and confirming it pointless.
     """
 
     key: str
@@ -59,9 +53,7 @@ class Pending(NamedTuple):
 class Confirmer:
     """One background thread per process that confirms provisional locks (a greenlet under gevent).
 
-    Parameters:
-      backend(LockBackend): Where the locks live.
-      on_lapsed(callable): Called with each :class:`Pending` not confirmed before its window ran out.
+    ``on_lapsed`` is called with each :class:`Pending` not confirmed before its window ran out.
     """
 
     def __init__(self, backend: LockBackend, *, on_lapsed: Optional[Callable[[Pending], None]] = None) -> None:
@@ -69,8 +61,7 @@ class Confirmer:
         self.backend = backend
         self.on_lapsed = on_lapsed
         self._reset()
-        # Each start is a generation: a thread stuck in a call is retired and replaced, and exits,
-        # reporting nothing, once it finds a newer generation.
+        # Each start is a generation: a thread stuck in a call is retired, and exits silently on seeing a newer one.
         self._thread = BackgroundThread(
             name="dramatiq-unique-confirm", loop=self._loop, on_fork=self._reset, on_wake=self._notify
         )
@@ -130,11 +121,7 @@ class Confirmer:
             return len(self._waiting) + len(self._inflight)
 
     def flush(self, timeout: float = EXIT_TIMEOUT) -> bool:
-        """Wait at most ``timeout`` seconds until every submitted lock was confirmed (or gave up).
-
-        Returns:
-          bool: True when nothing is left waiting.
-        """
+        """Wait at most ``timeout`` seconds until every submitted lock was confirmed (or gave up); True if none left."""
         deadline = mod_time.monotonic() + timeout
         with self._wakeup:
             self._hurry = True

@@ -45,7 +45,8 @@ if TYPE_CHECKING:
     from ..settings import Settings
 
 
-#: A slot handed to a waiter stays reserved this many reschedule delays, plus RESERVE_SLACK ms.
+#: A slot handed to a waiter stays reserved this many reschedule delays (the longest its delayed copy
+#: takes to come if the hand-off copy is lost), plus RESERVE_SLACK ms.
 RESERVE_DELAYS = 2
 RESERVE_SLACK = 1_000
 
@@ -53,12 +54,7 @@ RESERVE_SLACK = 1_000
 class LockContext:
     """The backend of one middleware, and how its guards report.
 
-    Parameters:
-      settings(Settings): The middleware's settings.
-      logger(logging.Logger): The middleware's logger.
-      events(EventHub): Where lock events go.
-      specs(dict[str, ActorSpec]): The locked actors by name: the middleware's own dict, filled as
-        actors are declared.
+    ``specs`` holds the locked actors by name: the middleware's own dict, filled as actors are declared.
     """
 
     def __init__(
@@ -87,9 +83,7 @@ class LockContext:
         return spec.reschedule_delay if spec.reschedule_delay is not None else self.settings.reschedule_delay
 
     def reserve(self, spec: "ActorSpec") -> int:
-        """How long, in ms, a slot handed to a waiter stays reserved: :data:`RESERVE_DELAYS` reschedule
-        delays (the longest its delayed copy takes to come if the hand-off copy is lost), plus slack.
-        """
+        """How long, in ms, a slot handed to a waiter stays reserved (see :data:`RESERVE_DELAYS`)."""
         return RESERVE_DELAYS * self.reschedule_delay(spec) + RESERVE_SLACK
 
     def key(self, spec: "ActorSpec", digest: str, phase: str) -> str:
@@ -131,7 +125,6 @@ class LockContext:
         return (delay or 0) + self.queue_lock_ttl(spec)
 
     def queue_lock_ttl(self, spec: "ActorSpec") -> int:
-        """The ``lock_ttl`` of ``spec``'s enqueue locks, in ms."""
         return spec.lock_ttl if spec.lock_ttl is not None else self.settings.lock_ttl
 
 
@@ -169,9 +162,7 @@ class Refused(DuplicateMessage):
 
 
 def maybe_applied(error: Exception) -> bool:
-    """Whether a failed call may have taken effect: a timeout may have lost only its reply; a refused
-    connection never sent anything.
-    """
+    """Whether a failed call may have taken effect: a timeout may have lost only its reply."""
     return "timeout" in type(error).__name__.lower()
 
 
@@ -186,9 +177,6 @@ class EnqueueLocks:
     Dramatiq 2.x gives middleware no way to cancel an enqueue, so :meth:`guard` wraps the broker's
     ``enqueue``: a refused duplicate is returned unsent, a failed publish gives back what its call
     took, and provisional locks go to the :class:`~.confirm.Confirmer` once the publish returned.
-
-    Parameters:
-      service(LockContext): The middleware's lock context.
     """
 
     def __init__(self, service: LockContext) -> None:
@@ -257,13 +245,11 @@ class EnqueueLocks:
 
     @property
     def newest_wins(self) -> NewestWins:
-        """The backend's verbs of ``on_conflict="replace"``."""
         return NewestWins.require(self.service.locks, feature="on_conflict='replace'")
 
     def _restore(self, message: Any, taken: list[tuple[str, str]]) -> None:
-        """After a failed publish, make the message this send superseded current again, so it runs; the
-        guard then releases this send's slot.  On a backend failure it stays superseded, as the
-        send's error tells its caller.
+        """After a failed publish, make the message this send superseded current again, so it runs (the
+        guard then releases this send's slot); on a backend failure it stays superseded, as the error says.
         """
         service = self.service
         spec = service.specs.get(message.actor_name)
@@ -293,7 +279,6 @@ class EnqueueLocks:
 
     @property
     def confirmer(self) -> Confirmer:
-        """This process's confirmer for the middleware's backend."""
         backend = self.service.locks
         confirmer = self._confirmer
         if confirmer is not None and confirmer.backend is backend:
@@ -351,7 +336,6 @@ class EnqueueLocks:
             call.taken.append((key, owner))
 
     def locked(self, message: Any, spec: "ActorSpec", key: str) -> None:
-        """A new lock was taken for ``message``: record and tell it."""
         self.record(key, message.message_id)
         self.service.emit("locked", spec, key, message)
 
@@ -448,9 +432,7 @@ def store_nothing(message: Any) -> None:
 
 
 def store_failure(broker: "Broker", message: Any, error: Exception) -> None:
-    """Store ``error`` as the result of ``message`` in every ``Results`` middleware of ``broker`` that
-    stores it, then keep Dramatiq from storing anything else for this delivery.
-    """
+    """Store ``error`` as ``message``'s result in each ``Results`` of ``broker`` that stores it, and nothing else."""
     from dramatiq.results import Results
 
     for middleware in broker.middleware:

@@ -85,20 +85,13 @@ def same_redis(backend: Optional[LockBackend], broker: Any) -> bool:
 
 
 def _later_hooks(broker: "Broker", middleware: Any) -> bool:
-    """Whether a middleware after ``middleware`` has a ``before_enqueue``."""
     stack = broker.middleware
     later = stack[stack.index(middleware) + 1 :] if middleware in stack else stack
     return any(type(m).before_enqueue is not Middleware.before_enqueue for m in later)
 
 
 class SendPath:
-    """The fast path of one middleware's enqueue guard.
-
-    Parameters:
-      locks(EnqueueLocks): What taking an enqueue lock shares.
-      middleware(Middleware): The middleware, as it stands in a broker's stack: a later
-        ``before_enqueue`` turns the path off.
-    """
+    """The fast path of one middleware's enqueue guard: the module docstring says when it applies."""
 
     def __init__(self, locks: EnqueueLocks, *, middleware: Any) -> None:
         self.locks = locks
@@ -139,11 +132,8 @@ class SendPath:
         return verdict
 
     def defer(self, message: Any, delay: Optional[int], spec: ActorSpec, fresh: bool, broker: Any) -> bool:
-        """Note the enqueue lock of a new send for the broker's publish to take, in one round trip.
-
-        Returns:
-          bool: False when the two-step path applies (re-enqueue, replacing actor, no guarded call,
-          a broker the fast path does not serve).
+        """Note a new send's enqueue lock for the broker's publish to take, in one round trip; False when
+        the two-step path applies (re-enqueue, replacing actor, no guarded call, a broker it does not serve).
         """
         call = CURRENT_CALL.get()
         redis_message_id = message.options.get("redis_message_id")

@@ -30,13 +30,7 @@ if TYPE_CHECKING:
 
 
 class EnqueueGuard:
-    """Takes enqueue locks for one middleware and guards its brokers.
-
-    Parameters:
-      locks(EnqueueLocks): What taking an enqueue lock shares, and the guarded enqueue call.
-      middleware(Middleware): The middleware, as it stands in a broker's stack: the fast path checks
-        what comes after it.
-    """
+    """Takes enqueue locks for one middleware and guards its brokers (``middleware`` as it stands in their stacks)."""
 
     def __init__(self, locks: EnqueueLocks, *, middleware: Any) -> None:
         self.service = locks.service
@@ -53,10 +47,9 @@ class EnqueueGuard:
     def take(
         self, message: Any, delay: Optional[int], spec: ActorSpec, *, fresh: bool, broker: Optional["Broker"] = None
     ) -> None:
-        """Take or re-enter the enqueue lock of a stamped message; a re-enqueue never raises here.
-
-        In a guarded call a new lock holds for the provisional window until the publish returns;
-        replacing actors take theirs for the full lifetime at once.
+        """Take or re-enter the enqueue lock of a stamped message; a re-enqueue never raises here.  In a
+        guarded call a new lock holds for the provisional window until the publish returns; replacing
+        actors take theirs for the full lifetime at once.
         """
         if self.send_path.defer(message, delay, spec, fresh, broker):
             return
@@ -69,8 +62,7 @@ class EnqueueGuard:
         call = CURRENT_CALL.get()
         window = service.settings.provisional_window if call is not None else 0
         started = time.monotonic() * 1000
-        # A re-enqueued copy of a message that a reschedule doubled may not run (see Copy): it must
-        # not take the lock back.
+        # A re-enqueued copy of a message a reschedule doubled may not run (see Copy): it must not take the lock back.
         copy = None if fresh or not spec.lock.run_lock else copy_of(message, service.key(spec, digest, RUN))
         try:
             got = service.locks.acquire(

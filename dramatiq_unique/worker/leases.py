@@ -128,7 +128,6 @@ class ReleaseReports(Protocol):
 
 
 def delivery(message: "MessageProxy") -> Optional[Delivery]:
-    """The middleware's state for ``message``, if it has any."""
     return getattr(message, "_unique_delivery", None)
 
 
@@ -138,14 +137,12 @@ def attach(message: "MessageProxy", state: Delivery) -> Delivery:
 
 
 def fence_token(message: Any = None) -> Optional[int]:
-    """The fencing token of the run lock held for the current message, or for ``message``.
+    """The fencing token of the run lock held for the current message, or for ``message``; None when
+    no run lock is held.
 
     The token grows with every new holder of the key.  Have the system you write to
     refuse tokens lower than one it has seen: a paused or partitioned holder whose
     lease ran out then cannot overwrite newer work.
-
-    Returns:
-      int: or None when no run lock is held.
     """
     if message is None:
         return _fence.get()
@@ -171,13 +168,9 @@ class Lease:
 
 class LeaseKeeper(ThreadOwner[LockBackend]):
     """Renews leases of ``lease`` milliseconds on ``backend``; under gevent on a
-    native thread, see docs/reliability.md, "Green threads (gevent)".
-
-    Parameters:
-      backend(LockBackend): Where the leases live.
-      lease(int): The lease, in milliseconds.
-      on_lost(callable): Called once with each lost :class:`Lease`.
-      on_error(callable): Called with each :class:`Lease` whose renewal failed.
+    native thread, see docs/reliability.md, "Green threads (gevent)".  ``on_lost``
+    is called once with each lost :class:`Lease`, ``on_error`` with each whose
+    renewal failed.
     """
 
     def __init__(
@@ -215,15 +208,13 @@ class LeaseKeeper(ThreadOwner[LockBackend]):
     def hold(self, key: str, owner: str, taken_at: float, *, actor: str = "") -> Lease:
         """Start renewing a lease taken at monotonic ``taken_at`` ms."""
         lease = Lease(key, owner, actor, taken_at + self.lease, taken_at + self.lease / 3)
-        # One atomic dict store: no lock per job.  It falls due after every
-        # held lease, so the keeper's wait needs no wake-up.
+        # One atomic dict store: no lock per job.  It falls due after every held lease, so the keeper needs no wake-up.
         self._leases[id(lease)] = lease
         if self._thread.running_in != pid():
             self._thread.ensure_started()
         return lease
 
     def drop(self, lease: Lease) -> None:
-        """Stop renewing ``lease``."""
         self._leases.pop(id(lease), None)
 
     def count(self, actor: Optional[str] = None) -> int:
@@ -303,7 +294,7 @@ class LeaseKeeper(ThreadOwner[LockBackend]):
         if self._thread.native:
             self._thread.report(call)
         else:
-            call()  # on the keeper's own thread, as before: its errors reach the loop
+            call()  # on the keeper's own thread: its errors reach the loop
 
 
 def native_extend(backend: LockBackend) -> Optional[NativeExtender]:
@@ -367,11 +358,8 @@ def track(actor: "Actor[Any, Any]") -> bool:
 
 
 class HandoffPolls:
-    """Speeds up this process's Redis consumers after a hand-off.
-
-    Parameters:
-      poll(int): The backoff cap while a hand-off may follow, in ms.
-      hold(int): How long it lasts after the last hand-off, in ms.
+    """Speeds up this process's Redis consumers after a hand-off: the backoff is capped at ``poll`` ms
+    until ``hold`` ms after the last one.
     """
 
     def __init__(self, *, poll: int = DEFAULT_POLL, hold: int = DEFAULT_HOLD) -> None:

@@ -27,8 +27,7 @@ T = TypeVar("T")
 #: How many enqueue locks one transaction on the broker checks.
 DEFAULT_BATCH = 100
 
-#: Locks younger than this (ms) are not checked: without a provisional window, a lock is
-#: written a moment before its message is published.
+#: Locks younger than this (ms) go unchecked: without a provisional window, a lock is written just before its publish.
 DEFAULT_MIN_AGE = 10_000
 
 #: How many lock keys one pass of the periodic reaper looks at at most.
@@ -80,9 +79,6 @@ def _text(value: Any) -> str:
 class RedisQueues:
     """Looks messages up in a Redis broker's keys (Dramatiq's ``dispatch.lua``): per queue a
     hash of messages until acked and a dead-letter hash, per worker and queue a set of unacked ids.
-
-    Parameters:
-      client(redis.Redis): A client of the broker's Redis.
     """
 
     def __init__(self, client: Any) -> None:
@@ -115,13 +111,9 @@ class RedisQueues:
 
 @dataclass(frozen=True)
 class Suspect:
-    """An enqueue lock holder (``message_id``) whose message was found nowhere.
-
-    Attributes:
-      lock_args(str): JSON of the lock args, when they were recorded.
-      queue(str): The queue the message was last published to.
-      age(int): Milliseconds since the lock was taken.
-      released(bool): Whether this pass released it.
+    """An enqueue lock holder (``message_id``) whose message was found nowhere: its ``lock_args`` JSON
+    when recorded, the ``queue`` it was last published to, the ``age`` of its lock in ms, and whether
+    this pass ``released`` it.
     """
 
     key: str
@@ -136,14 +128,10 @@ class Suspect:
 
 @dataclass
 class ReapReport:
-    """What one reap found.
-
-    Attributes:
-      checked(int): Enqueue-lock holders looked up on the broker.
-      skipped(int): Holders not looked up: provisional, too young, or kept after their run.
-      unknown(int): Holders with no Redis place (RabbitMQ, the stub broker, older locks).
-      suspects(list[Suspect]): Holders whose message was found nowhere.
-      complete(bool): False when the pass stopped at its key budget.
+    """What one reap found: how many enqueue-lock holders were ``checked`` on the broker, ``skipped``
+    (provisional, too young, or kept after their run) or ``unknown`` (no Redis place: RabbitMQ, the
+    stub broker, older locks); the ``suspects``; and whether it was ``complete`` (not stopped at its
+    key budget).
     """
 
     checked: int = 0
@@ -154,13 +142,8 @@ class ReapReport:
 
 
 class Reaper:
-    """Finds, and optionally releases, enqueue locks whose message is gone.
-
-    Parameters:
-      admin(LockListing): The locks: a ``LockAdmin``, or a ``PrefixLocks``.
-      queues(RedisQueues): The broker to look messages up in.
-      min_age(int): Leave locks younger than this alone, in ms.
-      batch(int): Holders per broker transaction.
+    """Finds, and optionally releases, enqueue locks whose message is gone: it leaves locks younger
+    than ``min_age`` ms alone, and looks ``batch`` holders up per broker transaction.
     """
 
     def __init__(

@@ -51,14 +51,9 @@ QUIET_AFTER = 50
 
 
 class Releaser(Served[BatchedReleases, ReleaseReports, PendingRelease]):
-    """Releases run locks of one process in the background.
-
-    Parameters:
-      backend(BatchedReleases): Where the locks live.
-      reports(ReleaseReports): Where outcomes are reported.
-      on_stalled(callable): Called, on a worker thread, with a batch that waited past ``stall_after``.
-      batch(int): The most releases per round trip.
-      stall_after, drain_timeout, linger(int): In ms; a ``linger`` of 0 sends every release at once.
+    """Releases run locks of one process in the background.  ``on_stalled`` is called, on a worker
+    thread, with a batch that waited past ``stall_after``; durations are in ms, and a ``linger`` of 0
+    sends every release at once.
     """
 
     def __init__(
@@ -177,7 +172,6 @@ class Releaser(Served[BatchedReleases, ReleaseReports, PendingRelease]):
             self._wakeup.notify_all()
 
     def _reports(self, riders: Sequence[PendingRelease], outcomes: Sequence[Outcome]) -> list[FollowUp]:
-        """Report each release; return what the reports left to do."""
         follow_ups: list[FollowUp] = []
         for pending, outcome in zip(riders, outcomes):
             handoff = self._report(pending, outcome)
@@ -425,7 +419,6 @@ class Unlocker:
 
 
 def _handoff(lock: LockToRelease, outcome: Release) -> Optional[HandOff]:
-    """The hand-off a release left to do, if it handed the key over."""
     if outcome.promoted is None or lock.broker is None:
         return None
     return HandOff(lock.broker, lock.key, outcome.promoted)

@@ -71,16 +71,10 @@ class LandedReports(Protocol):
 
 
 class FailedReleases(Served[LockBackend, "LandedReports", FailedRelease]):
-    """Sends failed releases of one process again, in the background.
-
-    Parameters:
-      backend(LockBackend): Where the locks live.
-      reports(LandedReports): Where the releases that landed are reported.
-      first_retry(int): Milliseconds before the first retry.
-      most_between(int): The longest wait between retries, in ms.
-      drain_timeout(int): How long ``stop`` waits, in ms.
-      record_ttl(int): How long past its lease a run lock's release is still sent, in ms (0: not at
-        all); the middleware passes ``lock_ttl``, the life of a message record.
+    """Sends failed releases of one process again, in the background (``first_retry``, ``most_between``,
+    ``drain_timeout``: see their ``DEFAULT_*``).  ``record_ttl`` is how long past its lease a run lock's
+    release is still sent, in ms (0: not at all); the middleware passes ``lock_ttl``, the life of a
+    message record.
     """
 
     def __init__(
@@ -246,12 +240,8 @@ class OwedRelease:
 
 
 class OwedReleases:
-    """Writes what a stopping process owes, and makes what another owed.
-
-    Parameters:
-      service(LockContext): The middleware's lock context, whose backend makes them.
-      first_retry(int): Milliseconds before the first retry.
-      most_between(int): The longest wait between retries, in ms.
+    """Writes what a stopping process owes, and makes what another owed, on ``service``'s backend
+    (``first_retry``, ``most_between``: see :data:`OWED_FIRST_RETRY`, :data:`OWED_MOST_BETWEEN`).
     """
 
     def __init__(
@@ -401,7 +391,6 @@ class LockTroubles:
         self.service.events.emit(LockEvent("backend_error", lease.actor, lease.key, message_id_of(lease.owner)))
 
     def releases_stalled(self, batch: list[PendingRelease]) -> None:
-        """Report releases still waiting for the backend."""
         self.service.logger.error(
             "Lock backend %s has not answered %d release(s) for %.0f ms; the keys stay held until it does "
             "or their leases expire.",

@@ -293,7 +293,6 @@ class Conflict(NamedTuple):
 
 
 def on_conflict(conflict: Conflict) -> NoReturn:
-    """Do what the actor's server strategy says."""
     strategy = conflict.state.spec.server
     ON_CONFLICT[strategy if strategy is not None else "log"](conflict)
     raise AssertionError(f"strategy {strategy!r} returned")  # pragma: no cover: every strategy raises
@@ -368,7 +367,6 @@ def stand_in(message: "MessageProxy", state: Delivery, attempt: int) -> None:
 
 
 def _conflict_error(conflict: Conflict) -> LockConflict:
-    """Emit the conflict; return its error."""
     service, _, message, state, key, holder = conflict
     service.emit("conflict", state.spec, key, message, holder)
     holder_id = message_id_of(holder)
@@ -445,11 +443,8 @@ def _line_factor(ahead: int) -> int:
 
 
 def skip_if_superseded(service: LockContext, broker: "Broker", message: "MessageProxy", state: Delivery) -> None:
-    """Skip this delivery when a newer send superseded its message (not retried; its result is a
-    :class:`Superseded`); else mark it started: a later send leaves it running, a new debounce burst.
-
-    Raises:
-      SkipMessage: when superseded.
+    """Skip this delivery (``SkipMessage``: not retried; its result is a :class:`Superseded`) when a newer
+    send superseded its message; else mark it started: a later send leaves it running, a new debounce burst.
     """
     spec = state.spec
     if spec.client != "replace" or state.queue_released:  # an unstamped message took no lock to lose
