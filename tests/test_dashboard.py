@@ -138,7 +138,7 @@ def test_can_be_mounted_under_a_path_with_strict_headers(redis_backend):
     # Then I expect a redirect to the slash, the page, its API, and headers
     # that forbid framing and foreign scripts
     assert (moved.value.code, moved.value.headers["Location"]) == (301, "/ops/locks/")
-    assert status == 200 and '<script src="dashboard.js" defer>' in page
+    assert status == 200 and '<script src="dashboard.js" defer>' in page and "no authentication of its own" in page
     assert "frame-ancestors 'none'" in headers["Content-Security-Policy"] and "script-src" not in page
     assert [lock["digest"] for lock in listed["locks"]] == [f"{3:032x}"]
 
@@ -193,7 +193,7 @@ def test_with_a_password_every_request_and_the_release_need_it(redis_backend, re
         for user in ("admin", "", "someone else"):
             assert all(request(url + path, headers=basic(user, PASSWORD))[0] == 200 for path in paths)
         status, _, page = request(url, headers=basic("admin", PASSWORD))
-        assert f'data-key="{key}"' in page
+        assert f'data-key="{key}"' in page and "This dashboard asks for its password." in page
         listed = request(url + "api/locks", headers=basic("admin", PASSWORD))[2]
         assert [lock["key"] for lock in listed["locks"]] == [key]
         status, _, body = release(url, {"digest": digest}, **release_headers, **basic("ops", PASSWORD))

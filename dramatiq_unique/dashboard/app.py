@@ -62,6 +62,8 @@ _SECURITY_HEADERS = [
     ("Content-Security-Policy", "default-src 'self'; frame-ancestors 'none'; form-action 'none'; base-uri 'none'"),
 ]
 
+_UNPROTECTED = "This dashboard has no authentication of its own: set a password, or mount it behind yours."
+
 StartResponse = Callable[..., Any]
 
 
@@ -219,7 +221,8 @@ class Dashboard:
         except LockBackendError as e:
             # The page still loads, says why it is empty, and retries.
             data, error = self._view(parsed, failed=True), f"Could not list the locks: {e}"
-        page = view.page_html(self.template, data["html"], parsed, data["now"], error=error)
+        footer = "This dashboard asks for its password." if self.protected else _UNPROTECTED
+        page = view.page_html(self.template, {**data["html"], "footer": footer}, parsed, data["now"], error=error)
         return Response("200 OK", "text/html; charset=utf-8", page.encode())
 
     def _locks(self, query: view.Query) -> Response:
