@@ -66,7 +66,7 @@ ALIASES = {"redis_url": "url"}
 
 @dataclass(frozen=True)
 class Settings:
-    """The middleware's resolved configuration; its repr masks the password, so no log leaks it."""
+    """The resolved configuration; its repr masks the passwords, so no log leaks them."""
 
     url: Optional[str] = None
     prefix: str = DEFAULT_PREFIX
@@ -81,10 +81,12 @@ class Settings:
     min_replicas: int = DEFAULT_MIN_REPLICAS
     min_replicas_timeout: int = DEFAULT_MIN_REPLICAS_TIMEOUT
     shutdown_timeout: int = DEFAULT_SHUTDOWN_TIMEOUT
+    dashboard_password: Optional[str] = None
 
     def __repr__(self) -> str:
         shown = {field.name: getattr(self, field.name) for field in fields(self)}
         shown["url"] = masked(self.url)
+        shown["dashboard_password"] = self.dashboard_password and "***"
         return f"Settings({', '.join(f'{name}={value!r}' for name, value in shown.items())})"
 
     @property
@@ -205,6 +207,16 @@ def _parse_postgres_url(url: str) -> None:
         raise ValueError(" ".join(str(e).split())) from None
 
 
+def check_password(what: str, value: Any) -> str:
+    """``value`` when it is non-empty UTF-8 text; the error does not show it."""
+    try:
+        if isinstance(value, str) and value and value.encode():
+            return value
+    except UnicodeEncodeError:
+        pass
+    raise ConfigurationError(f"{what}(not shown) is invalid: expected a non-empty string of UTF-8 text.")
+
+
 def _flag(what: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ConfigurationError(f"{what}{value!r} is invalid: expected True or False.")
@@ -231,6 +243,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "min_replicas": _replicas,
     "min_replicas_timeout": _positive_int,
     "shutdown_timeout": _positive_int,
+    "dashboard_password": check_password,
 }
 
 _TRUE = {"1", "true", "yes", "on"}

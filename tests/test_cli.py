@@ -4,6 +4,7 @@ Redis.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -204,12 +205,12 @@ def test_missing_or_bad_settings_are_one_line_errors(redis_url):
     assert usage.returncode == 2 and "one of a DIGEST, --actor NAME or --queue NAME" in usage.stderr
 
 
-def serve_dashboard(*args: str) -> subprocess.Popen:
-    """Start ``python -m dramatiq_unique dashboard ARGS``; the caller stops it."""
+def serve_dashboard(*args: str, env: Optional[dict] = None) -> subprocess.Popen:
+    """Start ``python -m dramatiq_unique dashboard ARGS``, with ``env`` added; the caller stops it."""
     return subprocess.Popen(
         [sys.executable, "-m", "dramatiq_unique", "dashboard", *args],
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -279,6 +280,43 @@ def test_the_dashboard_off_loopback_serves_only_its_allowed_hosts(locks):
     finally:
         server.terminate()
         server.wait(10)
+
+
+def test_the_dashboard_asks_for_the_password_of_its_variable_and_never_shows_it(locks):
+    prefix, url, keys = locks
+    password = f"pw-{uuid.uuid4().hex}"
+    env = {"DRAMATIQ_UNIQUE_DASHBOARD_PASSWORD": password}
+    args = ("--redis", url, "--prefix", prefix, "--port", "0", "--host", "0.0.0.0", "--allowed-host", "127.0.0.1")
+    server = serve_dashboard(*args, env=env)
+    try:
+        page_url = read_served_url(server).replace("0.0.0.0", "127.0.0.1")
+
+        def fetch(path: str, password: Optional[str], method: str = "GET") -> tuple[int, str]:
+            headers = {"Content-Type": "application/json", "X-Dramatiq-Unique": "1"}
+            if password is not None:
+                headers["Authorization"] = "Basic " + base64.b64encode(f"admin:{password}".encode()).decode()
+            body = json.dumps({"digest": "a" * 32}).encode() if method == "POST" else None
+            request = urllib.request.Request(page_url + path, body, headers, method=method)
+            try:
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    return response.status, response.read().decode()
+            except urllib.error.HTTPError as e:
+                return e.code, e.read().decode()
+
+        for path, method in (("", "GET"), ("api/view", "GET"), ("api/locks", "GET"), ("api/release", "POST")):
+            for wrong in (None, "guess", password[:-1]):
+                status, body = fetch(path, wrong, method)
+                assert status == 401 and prefix not in body and password not in body, (path, wrong, status, body)
+        status, body = fetch("api/locks", password)
+        assert status == 200 and sorted(lock["key"] for lock in json.loads(body)["locks"]) == sorted(keys.values())
+        status, body = fetch("api/release", password, "POST")
+        assert status == 200 and sorted(json.loads(body)["released"]) == sorted([keys["sync_run"], keys["sync_queue"]])
+    finally:
+        server.terminate()
+        server.wait(10)
+    said = server.stderr.read() + server.stdout.read()
+    assert "asks for the password of dramatiq_unique_dashboard_password" in said and "HTTPS" in said
+    assert "no authentication" not in said and password not in said
 
 
 def test_demo_still_runs():

@@ -4,6 +4,7 @@ page end to end in Debian's headless ``chromium`` driven by Playwright.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -14,12 +15,13 @@ import urllib.request
 import uuid
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
+from urllib.parse import quote
 from wsgiref.util import shift_path_info
 
 import dramatiq
 import pytest
 
-from dramatiq_unique import UniqueMiddleware
+from dramatiq_unique import ConfigurationError, UniqueMiddleware
 from dramatiq_unique.ops.admin import LockAdmin
 from dramatiq_unique.backends.redis import RedisBackend
 from dramatiq_unique.dashboard import CSRF_HEADER, make_app
@@ -136,7 +138,7 @@ def test_can_be_mounted_under_a_path_with_strict_headers(redis_backend):
     # Then I expect a redirect to the slash, the page, its API, and headers
     # that forbid framing and foreign scripts
     assert (moved.value.code, moved.value.headers["Location"]) == (301, "/ops/locks/")
-    assert status == 200 and '<script src="dashboard.js" defer>' in page
+    assert status == 200 and '<script src="dashboard.js" defer>' in page and "no authentication of its own" in page
     assert "frame-ancestors 'none'" in headers["Content-Security-Policy"] and "script-src" not in page
     assert [lock["digest"] for lock in listed["locks"]] == [f"{3:032x}"]
 
@@ -153,6 +155,68 @@ def test_listing_is_capped_at_the_limit(redis_backend):
     with serving(make_app(redis_backend, prefix=prefix, limit=3)) as url:
         listed = request(url + "api/locks")[2]
     assert (len(listed["locks"]), listed["truncated"]) == (3, True)
+
+
+PASSWORD = "pw:" + uuid.uuid4().hex[:8] + "-\u00e9"  # a colon and a non-ASCII letter too
+
+
+def basic(user: str, password: str) -> dict:
+    """The ``Authorization`` header of HTTP Basic auth, in UTF-8."""
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+
+def test_with_a_password_every_request_and_the_release_need_it(redis_backend, redis_client):
+    # Given a lock and the dashboard with a password
+    prefix = new_prefix()
+    key = run_key(prefix, "sync", 4)
+    redis_backend.acquire(key, "m1/n", ttl=MINUTE)
+    digest = f"{4:032x}"
+    release_headers = {"Content-Type": "application/json", CSRF_HEADER: "1", "Sec-Fetch-Site": "same-origin"}
+    paths = ["", "api/view", "api/locks", f"api/locks/{digest}", "dashboard.js", "dashboard.css"]
+    with serving(make_app(redis_backend, prefix=prefix, password=PASSWORD)) as url:
+        # When a request has no password, a wrong one, or not as Basic auth, then I expect a 401 that
+        # asks for it and shows no lock, and the lock kept
+        wrong = [{}, basic("admin", "guess"), basic("admin", PASSWORD + "x"), basic(PASSWORD, ""),
+                 {"Authorization": f"Bearer {PASSWORD}"}, {"Authorization": "Basic not-base64!"}]
+        for headers in wrong:
+            for path in paths:
+                status, got, body = request(url + path, headers=headers)
+                assert status == 401, (path, headers, status)
+                assert got["WWW-Authenticate"] == 'Basic realm="dramatiq-unique", charset="UTF-8"'
+                assert body == {"error": "This dashboard needs its password (HTTP Basic auth)."}
+            status, got, body = release(url, {"digest": digest}, **release_headers, **headers)
+            assert status == 401 and got["WWW-Authenticate"].startswith("Basic ") and "released" not in body
+        assert redis_client.exists(key) == 1
+        # And the icon, which shows nothing, needs none
+        assert request(url + "favicon.ico")[0] == 200
+        # When it has the password, with any user name, then I expect the page, the API and the release
+        for user in ("admin", "", "someone else"):
+            assert all(request(url + path, headers=basic(user, PASSWORD))[0] == 200 for path in paths)
+        status, _, page = request(url, headers=basic("admin", PASSWORD))
+        assert f'data-key="{key}"' in page and "This dashboard asks for its password." in page
+        listed = request(url + "api/locks", headers=basic("admin", PASSWORD))[2]
+        assert [lock["key"] for lock in listed["locks"]] == [key]
+        status, _, body = release(url, {"digest": digest}, **release_headers, **basic("ops", PASSWORD))
+    assert (status, body) == (200, {"released": [key]})
+    assert redis_client.exists(key) == 0
+
+
+def test_the_password_comes_from_the_environment_unless_given(redis_backend, monkeypatch):
+    monkeypatch.setenv("DRAMATIQ_UNIQUE_DASHBOARD_PASSWORD", "from-env")
+    prefix = new_prefix()
+    with serving(make_app(redis_backend, prefix=prefix)) as url:
+        assert request(url + "api/locks")[0] == 401
+        assert request(url + "api/locks", headers=basic("admin", "from-env"))[0] == 200
+    with serving(make_app(redis_backend, prefix=prefix, password=PASSWORD)) as url:
+        assert request(url + "api/locks", headers=basic("admin", "from-env"))[0] == 401
+        assert request(url + "api/locks", headers=basic("admin", PASSWORD))[0] == 200
+    monkeypatch.delenv("DRAMATIQ_UNIQUE_DASHBOARD_PASSWORD")
+    with serving(make_app(redis_backend, prefix=prefix)) as url:
+        assert request(url + "api/locks")[0] == 200  # unset: no password, as before
+    for bad in ("", "\udcff" + PASSWORD, b"bytes"):
+        with pytest.raises(ConfigurationError) as refused:
+            make_app(redis_backend, password=bad)
+        assert "password=(not shown) is invalid" in str(refused.value) and PASSWORD not in str(refused.value)
 
 
 # The page, in a real browser -----------------------------------------------
@@ -804,3 +868,63 @@ def test_a_run_lock_shows_its_age_when_its_holders_record_when_they_took_it(redi
     assert "1 min 30 s" in rows[1][1]
     assert 'title="published to default"' in html
     assert [lock["digest"] for lock in listing["locks"]] == [f"{n:032x}" for n in (2, 1, 3, 4)]
+
+
+def test_the_page_asks_for_the_password_and_keeps_refreshing_with_it(redis_backend, redis_client, browser):
+    from playwright.sync_api import Error, expect
+
+    prefix = new_prefix()
+    first, second = run_key(prefix, "sync", 1), run_key(prefix, "sync", 2)
+    redis_backend.acquire(first, "m/n", ttl=MINUTE)
+    with serving(make_app(redis_backend, prefix=prefix, password=PASSWORD)) as url:
+        port = url.split(":")[-1].rstrip("/")
+        logins = {
+            # The browser answers the 401 with the password it is given, as after its own prompt
+            "prompt": ({"http_credentials": {"username": "admin", "password": PASSWORD}}, url),
+            # A link with the password in it: the page's own requests go without it in their URL
+            "link": ({}, f"http://admin:{quote(PASSWORD, safe='')}@127.0.0.1:{port}/"),
+        }
+        for n, (login, (options, address)) in enumerate(logins.items()):
+            context = browser.new_context(**options)
+            try:
+                page = context.new_page()
+                page.set_default_timeout(15_000)
+                statuses: list[int] = []
+                page.on("response", lambda response, seen=statuses: seen.append(response.status))
+                page.goto(address)
+                expect(page.locator(f'tr.lock[data-key="{first}"]')).to_have_count(1)
+                # When a lock is taken, then the auto-refresh shows it: its requests carry the password
+                key = run_key(prefix, "sync", 10 + n)
+                redis_backend.acquire(key, "m/n", ttl=MINUTE)
+                expect(page.locator(f'tr.lock[data-key="{key}"]')).to_have_count(1, timeout=8_000)
+                # And the release does too
+                if login == "link":
+                    redis_backend.acquire(second, "m/n", ttl=MINUTE)
+                    row = page.locator(f'tr.lock[data-key="{second}"]')
+                    expect(row).to_have_count(1, timeout=8_000)
+                    row.get_by_role("button", name="Release lock").click()
+                    page.locator("dialog#confirm").get_by_role("button", name="Release", exact=True).click()
+                    expect(page.locator("#notice")).to_contain_text(f"Released {second}")
+                expect(page.locator("#error")).to_have_text("")
+                assert all(status < 400 for status in statuses), (login, statuses)
+            finally:
+                context.close()
+        assert redis_client.exists(second) == 0
+        # Given a browser with a wrong password, or none, then I expect no lock shown
+        context = browser.new_context(http_credentials={"username": "admin", "password": "guess"})
+        try:
+            page = context.new_page()
+            response = page.goto(url)
+            assert response is not None and response.status == 401
+            assert first not in page.content() and "needs its password" in page.content()
+            expect(page.locator("tr.lock")).to_have_count(0)
+        finally:
+            context.close()
+        context = browser.new_context()
+        try:
+            page = context.new_page()
+            with pytest.raises(Error, match="ERR_INVALID_AUTH_CREDENTIALS"):
+                page.goto(url)  # no password to answer the 401 with: headless Chromium, asking no one, gives up
+            expect(page.locator("tr.lock")).to_have_count(0)
+        finally:
+            context.close()

@@ -247,3 +247,23 @@ def test_a_worker_at_debug_shows_no_password(secret_url, redis_url, redis_client
     finally:
         dramatiq.get_broker().close()
         redis_client.delete(f"{namespace}:done")
+
+
+def test_the_dashboard_password_is_shown_nowhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dramatiq_unique import StubBackend
+
+    monkeypatch.setenv("dramatiq_unique_dashboard_password", PASSWORD)
+    settings = from_environment()
+    assert settings.dashboard_password == PASSWORD  # still usable: only its showing is masked
+    middleware = UniqueMiddleware(backend=StubBackend())
+    app = make_app(StubBackend())
+    shown = [repr(settings), str(settings), repr(middleware.settings), repr(vars(middleware)), repr(vars(app))]
+    shown += [repr(Settings(dashboard_password=PASSWORD)), repr(Settings().merge(dashboard_password=PASSWORD))]
+    assert all(PASSWORD not in text for text in shown), shown
+    assert "dashboard_password='***'" in repr(settings) and "dashboard_password=None" in repr(Settings())
+    assert app.protected
+    for bad in (" ", "\udcff" + PASSWORD):
+        with pytest.raises(ConfigurationError) as refused:
+            from_environment({"DRAMATIQ_UNIQUE_DASHBOARD_PASSWORD": bad})
+        assert "DRAMATIQ_UNIQUE_DASHBOARD_PASSWORD=(not shown) is invalid" in str(refused.value)
+        assert PASSWORD not in str(refused.value)

@@ -29,12 +29,14 @@ def test_every_variable_is_read():
             "dramatiq_unique_enabled": "false",
             "dramatiq_unique_on_backend_error": "run_unlocked",
             "dramatiq_unique_record_lock_args": "yes",
+            "dramatiq_unique_dashboard_password": " pass word ",
         }
     )
     expected = ("redis://example:1/2", "p", 1000, 2000)
     assert (settings.redis_url, settings.prefix, settings.lock_ttl, settings.lease) == expected
     assert (settings.reschedule_delay, settings.enabled, settings.on_backend_error) == (0, False, "run_unlocked")
     assert settings.record_lock_args is True
+    assert settings.dashboard_password == "pass word"  # stripped, as every value
 
 
 def test_a_dotted_path_middleware_records_lock_args_from_the_environment(monkeypatch):

@@ -4,8 +4,9 @@ It lists and filters locks, shows holders with deadlines counting down, and rele
 holder after a confirmation; standard library only, nothing from a CDN.
 
 Warning:
-  It has no authentication of its own: anyone who can reach it can release any lock under its
-  prefix.  Mount it behind yours, or bind it to 127.0.0.1 (the command's default).
+  Without a password (``dramatiq_unique_dashboard_password``) it has no authentication: anyone who
+  can reach it can release any lock under its prefix.  Set one, mount it behind yours, or bind it to
+  127.0.0.1 (the command's default).
 
 Examples:
   >>> from dramatiq_unique.backends import from_url

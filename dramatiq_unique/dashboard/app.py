@@ -4,11 +4,15 @@ releasing locks.
 Release is a JSON ``POST`` with the :data:`CSRF_HEADER` header: another site's page cannot send
 either without a CORS preflight, which this app never approves, and an HTML form can send neither.
 A browser reporting ``Sec-Fetch-Site`` must report same-origin.  Against DNS rebinding,
-``allowed_hosts`` limits the ``Host`` header.
+``allowed_hosts`` limits the ``Host`` header.  With a password, every request but the icon's needs
+it, by HTTP Basic auth.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import json
 import time
 from dataclasses import dataclass, field
@@ -19,7 +23,7 @@ from urllib.parse import parse_qs
 from ..backends.base import LockBackend
 from ..errors import LockBackendError
 from ..ops.admin import PHASES, LockAdmin, UnknownLock
-from ..settings import DEFAULT_PREFIX
+from ..settings import DEFAULT_PREFIX, check_password, from_environment
 from . import view
 
 #: How many locks one listing shows at most.
@@ -47,6 +51,9 @@ FAVICON = (
 )
 FAVICON_PATHS = ("/favicon.svg", "/favicon.ico")
 
+#: The challenge of a request without the password: browsers then ask for it, and send it on.
+CHALLENGE = ("WWW-Authenticate", 'Basic realm="dramatiq-unique", charset="UTF-8"')
+
 _SECURITY_HEADERS = [
     ("Cache-Control", "no-store"),
     ("X-Content-Type-Options", "nosniff"),
@@ -54,6 +61,8 @@ _SECURITY_HEADERS = [
     ("Referrer-Policy", "no-referrer"),
     ("Content-Security-Policy", "default-src 'self'; frame-ancestors 'none'; form-action 'none'; base-uri 'none'"),
 ]
+
+_UNPROTECTED = "This dashboard has no authentication of its own: set a password, or mount it behind yours."
 
 StartResponse = Callable[..., Any]
 
@@ -99,14 +108,21 @@ class Dashboard:
       allowed_hosts(Collection[str]): Host names the ``Host`` header may carry, or None for any.  Set
         it when the app is reachable on a loopback address, so a DNS-rebinding page cannot use it.
       limit(int): How many locks one listing shows at most.
-
-    Warning:
-      It has no authentication of its own.  Mount it behind yours.
+      password(str): The password every request needs (HTTP Basic auth, any user name); None:
+        ``dramatiq_unique_dashboard_password``, and when that is unset, none (mount it behind yours).
     """
 
     def __init__(
-        self, admin: LockAdmin, *, allowed_hosts: Optional[Collection[str]] = None, limit: int = DEFAULT_LIMIT
+        self,
+        admin: LockAdmin,
+        *,
+        allowed_hosts: Optional[Collection[str]] = None,
+        limit: int = DEFAULT_LIMIT,
+        password: Optional[str] = None,
     ) -> None:
+        password = from_environment().dashboard_password if password is None else check_password("password=", password)
+        # Only its digest is kept, and compared: in constant time, whatever the length given.
+        self._digest = hashlib.sha256(password.encode()).digest() if password is not None else None
         self.admin = admin
         self.allowed_hosts = {host.lower() for host in allowed_hosts} if allowed_hosts is not None else None
         self.limit = limit
@@ -117,6 +133,7 @@ class Dashboard:
     def __call__(self, environ: Mapping[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         try:
             self._check_host(environ)
+            self._check_password(environ)
             response = self._route(environ)
         except HTTPError as e:
             response = _json(e.status, {"error": e.message}, e.headers)
@@ -134,6 +151,22 @@ class Dashboard:
         host = _host_name(environ.get("HTTP_HOST") or environ.get("SERVER_NAME", ""))
         if host not in self.allowed_hosts:
             raise HTTPError("400 Bad Request", f"Host {host!r} is not allowed.")
+
+    @property
+    def protected(self) -> bool:
+        """Whether every request needs the password."""
+        return self._digest is not None
+
+    def _check_password(self, environ: Mapping[str, Any]) -> None:
+        if self._digest is None or environ.get("PATH_INFO") in FAVICON_PATHS:
+            return
+        scheme, _, credentials = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
+        try:
+            given = base64.b64decode(credentials.strip(), validate=True).partition(b":")[2]
+        except ValueError:  # not base64
+            given = b""
+        if not hmac.compare_digest(hashlib.sha256(given).digest(), self._digest) or scheme.lower() != "basic":
+            raise HTTPError("401 Unauthorized", "This dashboard needs its password (HTTP Basic auth).", [CHALLENGE])
 
     def _route(self, environ: Mapping[str, Any]) -> Response:
         path = environ.get("PATH_INFO", "")
@@ -188,7 +221,8 @@ class Dashboard:
         except LockBackendError as e:
             # The page still loads, says why it is empty, and retries.
             data, error = self._view(parsed, failed=True), f"Could not list the locks: {e}"
-        page = view.page_html(self.template, data["html"], parsed, data["now"], error=error)
+        footer = "This dashboard asks for its password." if self.protected else _UNPROTECTED
+        page = view.page_html(self.template, {**data["html"], "footer": footer}, parsed, data["now"], error=error)
         return Response("200 OK", "text/html; charset=utf-8", page.encode())
 
     def _locks(self, query: view.Query) -> Response:
@@ -245,9 +279,11 @@ def make_app(
     prefix: str = DEFAULT_PREFIX,
     allowed_hosts: Optional[Collection[str]] = None,
     limit: int = DEFAULT_LIMIT,
+    password: Optional[str] = None,
 ) -> Dashboard:
     """Build the :class:`Dashboard` for the locks of ``backend`` under the middleware's ``prefix``.
 
-    It has no authentication of its own: mount it behind yours.
+    Without ``password`` or ``dramatiq_unique_dashboard_password`` it has no authentication: mount it behind yours.
     """
-    return Dashboard(LockAdmin(backend, prefix=prefix), allowed_hosts=allowed_hosts, limit=limit)
+    admin = LockAdmin(backend, prefix=prefix)
+    return Dashboard(admin, allowed_hosts=allowed_hosts, limit=limit, password=password)

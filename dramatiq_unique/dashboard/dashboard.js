@@ -13,6 +13,9 @@
   // The release endpoint refuses requests without this header, which
   // other sites' pages cannot send (see dashboard/app.py).
   const CSRF_HEADER = "X-Dramatiq-Unique";
+  // The page's URL without the user:password@ a link may carry, which
+  // fetch() refuses; the browser still sends the password it was given.
+  const api = (path) => new URL(path, location.origin + location.pathname);
 
   // The server's clock at the last listing, and when it arrived by
   // this page's monotonic clock: countdowns ignore the browser's clock.
@@ -76,7 +79,7 @@
     const params = query();
     history.replaceState(null, "", params.toString() ? "?" + params : location.pathname);
     try {
-      const response = await fetch("api/view?" + params, { headers: { Accept: "application/json" } });
+      const response = await fetch(api("api/view?" + params), { headers: { Accept: "application/json" } });
       const data = await response.json();
       if (!response.ok) throw new Error(data.error || response.statusText);
       clock.now = data.now;
@@ -139,7 +142,7 @@
 
   async function release(request) {
     try {
-      const response = await fetch("api/release", {
+      const response = await fetch(api("api/release"), {
         method: "POST",
         headers: { "Content-Type": "application/json", [CSRF_HEADER]: "1" },
         body: JSON.stringify(request),

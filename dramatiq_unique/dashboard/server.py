@@ -9,7 +9,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 from wsgiref.simple_server import make_server as wsgiref_server
 
 #: Where ``dramatiq-unique dashboard`` listens by default: this machine
-#: only, since the dashboard has no authentication of its own.
+#: only, since without a password the dashboard has no authentication.
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8642
 

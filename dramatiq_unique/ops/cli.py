@@ -241,20 +241,28 @@ def _dashboard(args: argparse.Namespace) -> int:
         # Off loopback, an unchecked Host header lets any web page reach it through DNS rebinding.
         raise CommandError(
             f"--host {args.host} is not a loopback address: name the host names that clients reach the "
-            "dashboard by with --allowed-host NAME (once per name), and put it behind your own authentication: "
-            "anyone who reaches it can release locks.",
+            "dashboard by with --allowed-host NAME (once per name), and set dramatiq_unique_dashboard_password "
+            "or put it behind your own authentication: anyone who reaches it can release locks.",
             status=2,
         )
     admin = _admin(args)
     allowed_hosts = named | (LOOPBACK_HOSTS | {args.host} if is_loopback(args.host) else set())
+    dashboard = Dashboard(admin, allowed_hosts=allowed_hosts)
     try:
-        server = make_server(Dashboard(admin, allowed_hosts=allowed_hosts), host=args.host, port=args.port)
+        server = make_server(dashboard, host=args.host, port=args.port)
     except OSError as e:
         raise CommandError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{server.server_port}/"
     print(f"Serving the locks under prefix {admin.prefix!r} at {url}", file=sys.stderr)
-    print("The dashboard has no authentication: anyone who reaches it can release locks.", file=sys.stderr, flush=True)
+    if dashboard.protected:
+        # Plain HTTP: off this machine, the password crosses the network in clear.
+        warning = "The dashboard asks for the password of dramatiq_unique_dashboard_password (any user name)"
+        warning += "." if is_loopback(args.host) else "; put it behind HTTPS: over plain HTTP the password is in clear."
+    else:
+        warning = "The dashboard has no authentication: anyone who reaches it can release locks "
+        warning += "(set dramatiq_unique_dashboard_password to ask for a password)."
+    print(warning, file=sys.stderr, flush=True)
     with server:
         try:
             server.serve_forever()
@@ -319,7 +327,7 @@ def parser() -> argparse.ArgumentParser:
     option("--broker-redis", metavar="URL", help="the Redis broker's Redis (default: the locks' Redis)")
     option("--min-age", type=int, default=None, metavar="MS", help="leave younger locks alone (default: 10000)")
     option("--batch", type=int, default=None, metavar="N", help="locks per broker lookup (default: 100)")
-    dashboard_help = "serve the lock dashboard (no authentication: binds 127.0.0.1 by default)"
+    dashboard_help = "serve the lock dashboard (password: $dramatiq_unique_dashboard_password; binds 127.0.0.1)"
     option = command("dashboard", _dashboard, dashboard_help, [connection])
     option("--host", default=DEFAULT_HOST, help=f"the address to listen on (default: {DEFAULT_HOST})")
     option("--port", type=int, default=DEFAULT_PORT, help=f"0: any free port (default: {DEFAULT_PORT})")
