@@ -626,6 +626,8 @@ def read_setting(name: str, value: Any, *, text: bool) -> tuple[bool, Any]:
         return False, None
     if name == "prefix":
         return "{" not in value and "}" not in value, value
+    if name == "dashboard_password":
+        return True, value  # any text: the README asks for no form
     return url_accepts(value), value
 
 

@@ -4,8 +4,7 @@ releasing locks.
 Release is a JSON ``POST`` with the :data:`CSRF_HEADER` header: another site's page cannot send
 either without a CORS preflight, which this app never approves, and an HTML form can send neither.
 A browser reporting ``Sec-Fetch-Site`` must report same-origin.  Against DNS rebinding,
-``allowed_hosts`` limits the ``Host`` header.  With a password, every request but the icon's needs
-it, by HTTP Basic auth.
+``allowed_hosts`` limits the ``Host`` header, and a password (Basic auth) every request but the icon's.
 """
 
 from __future__ import annotations
@@ -154,7 +153,6 @@ class Dashboard:
 
     @property
     def protected(self) -> bool:
-        """Whether every request needs the password."""
         return self._digest is not None
 
     def _check_password(self, environ: Mapping[str, Any]) -> None:
@@ -281,9 +279,5 @@ def make_app(
     limit: int = DEFAULT_LIMIT,
     password: Optional[str] = None,
 ) -> Dashboard:
-    """Build the :class:`Dashboard` for the locks of ``backend`` under the middleware's ``prefix``.
-
-    Without ``password`` or ``dramatiq_unique_dashboard_password`` it has no authentication: mount it behind yours.
-    """
-    admin = LockAdmin(backend, prefix=prefix)
-    return Dashboard(admin, allowed_hosts=allowed_hosts, limit=limit, password=password)
+    """The :class:`Dashboard` of the locks of ``backend`` under ``prefix``; see it for ``password``."""
+    return Dashboard(LockAdmin(backend, prefix=prefix), allowed_hosts=allowed_hosts, limit=limit, password=password)

@@ -9,7 +9,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Union
 
 import dramatiq
 from dramatiq import Message
@@ -19,7 +19,7 @@ from ..backends.base import LockBackend
 from ..backends.records import Release
 from ..background import JITTER, BackgroundThread, OneCall, Served, now_ms, pid
 from ..events import LockEvent
-from ..model.wire import message_id_of
+from ..model.wire import is_count, message_id_of
 from ..send.context import LockContext
 from .leases import HandOff, Lease, LockToRelease, PendingRelease
 
@@ -239,6 +239,10 @@ class OwedRelease:
         return cls(str(data["key"]), str(data["owner"]), int(data["until"]), dict(data.get("options") or {}))
 
 
+#: The keywords an owed release may pass to ``release``, and what each must be.
+_OWED_KEYWORDS: dict[str, Callable[[Any], bool]] = {"succeeded": lambda v: isinstance(v, bool), "reserve": is_count}
+
+
 class OwedReleases:
     """Writes what a stopping process owes, and makes what another owed, on ``service``'s backend
     (``first_retry``, ``most_between``: see :data:`OWED_FIRST_RETRY`, :data:`OWED_MOST_BETWEEN`).
@@ -344,9 +348,7 @@ class OwedReleases:
             self.actor.broker.enqueue(self._message(left, attempt=attempt + 1), delay=int(wait))
 
     def _decoded(self, data: Any) -> Optional[OwedRelease]:
-        """``data`` as an owed release, or None (logged) if this package would not have written it: a
-        hand-made message may name no other keys than this middleware's locks, nor other keywords.
-        """
+        """``data`` as an owed release, or None (logged) if it names a key or keyword not of this middleware."""
         try:
             release: Optional[OwedRelease] = OwedRelease.decode(data)
         except (AttributeError, KeyError, TypeError, ValueError):
@@ -355,7 +357,7 @@ class OwedReleases:
             release is None
             or not release.key.startswith(f"{self.service.settings.prefix}:")
             or not release.key.endswith((":run", ":queue"))
-            or any(name != "succeeded" or not isinstance(value, bool) for name, value in release.options.items())
+            or not all(_OWED_KEYWORDS.get(name, lambda _: False)(value) for name, value in release.options.items())
         ):
             self.logger.warning("Ignored an owed release that this package would not have written: %.200r", data)
             return None

@@ -24,15 +24,8 @@ from ..background import JITTER, now_ms, pid
 from ..compat import SKIPPED_MESSAGE_LOG, WORKER_THREAD_LOGGER, age_limit_module
 from ..errors import CopySkipped, LockConflict, Rescheduled, Superseded
 from ..model.spec import ActorSpec
-from ..model.wire import (
-    UNIQUE_DIGEST,
-    UNIQUE_RESCHEDULES,
-    UNIQUE_VIA,
-    UNIQUE_WAITS,
-    join_owner,
-    malformed_options,
-    message_id_of,
-)
+from ..model.wire import UNIQUE_DIGEST, UNIQUE_RESCHEDULES, UNIQUE_VIA, UNIQUE_WAITS, join_owner, message_id_of
+from ..model.wire import malformed_options
 from ..send.context import LockContext, copy_of, send_order, store_failure, store_nothing
 from .leases import Delivery, attach, delivery, set_fence, watch
 from .release import HandOff, Unlocker

@@ -279,21 +279,14 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
             with self.pool.connection(timeout=self.timeout) as conn:
                 yield conn
         except psycopg_pool.PoolTimeout:
-            # A pool that could not grow to its size could not connect.
-            # It retries with a backoff that doubles (1, 2, 4, 8 s...), so
-            # after a restart it may reconnect many seconds late, and every
-            # call meanwhile waits out the timeout: connect directly instead
-            # until the server answers (see docs/postgres.md, "Restarts").
+            # A pool short of its size could not connect; its backoff doubles, so after a restart it may
+            # come back many seconds late: connect directly until the server answers (docs/postgres.md).
             if self._own_pool and self.pool.get_stats().get("pool_size", 0) < self._max_size:
                 self._pool_lost = True
             raise
 
     def _connect_past_the_pool(self) -> Any:
-        """One connection of its own, while the pool cannot connect:
-        it fails at once while the server refuses connections.  The first
-        that succeeds replaces the pool with a new one, which connects
-        at once; the old pool closes in the background.
-        """
+        """A connection of its own, while the pool cannot connect; the first that succeeds replaces the pool."""
         conn = psycopg.connect(self.conninfo, **self._kwargs)
         with self._pool_lock:
             if self._pool_lost:
@@ -361,9 +354,7 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
         return run(rows, verb)
 
     def _maybe_sweep(self) -> None:
-        """Start a sweep when one is due, on a thread of its own: no lock
-        call waits for one.
-        """
+        """Start a sweep when one is due, on a thread of its own: no lock call waits for one."""
         if time.monotonic() < self._next_sweep:
             return
         self._next_sweep = time.monotonic() + self.sweep_interval / 1000

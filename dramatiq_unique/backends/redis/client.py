@@ -35,6 +35,7 @@ from ..capabilities import (
 )
 from .. import records
 from ..records import (
+    DEFAULT_RESERVE,
     Acquisition,
     Copy,
     CurrentCheck,
@@ -367,13 +368,7 @@ class RedisBackend(RedisReads, Reschedules, NewestWins, SendsWithPublish, Batche
         return _releases(replies), started
 
     def release(
-        self,
-        key: str,
-        owner: str,
-        *,
-        hand_over: bool = True,
-        succeeded: bool = False,
-        reserve: int = records.DEFAULT_RESERVE,
+        self, key: str, owner: str, *, hand_over: bool = True, succeeded: bool = False, reserve: int = DEFAULT_RESERVE
     ) -> Release:
         args = _release_args(owner, hand_over, succeeded, reserve)
         return _release(self._call("release", _release_keys(key, owner), args))
