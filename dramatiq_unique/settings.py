@@ -208,13 +208,11 @@ def _parse_postgres_url(url: str) -> None:
 
 
 def check_password(what: str, value: Any) -> str:
-    """``value`` when it is non-empty UTF-8 text; the error does not show it."""
+    """:func:`_text`, with an error that does not show the value."""
     try:
-        if isinstance(value, str) and value and value.encode():
-            return value
-    except UnicodeEncodeError:
-        pass
-    raise ConfigurationError(f"{what}(not shown) is invalid: expected a non-empty string of UTF-8 text.")
+        return _text(what, value)
+    except ConfigurationError:
+        raise ConfigurationError(f"{what}(not shown) is invalid: expected a non-empty string of UTF-8 text.") from None
 
 
 def _flag(what: str, value: Any) -> bool:

@@ -117,16 +117,17 @@ def test_a_forged_digest_runs_under_that_key_and_releases_no_other_messages_lock
     assert info is not None and list(info.holders) == ["victim-message"]
     # And a forged run-lock digest serializes with that key's runs instead of its own: no overlap on the key
     rig.runs.clear()
-    holder = rig.sync.send(1, hold=True)
+    rig.sync.send(1, hold=True)
     wait_for(lambda: rig.backend.inspect(rig.key(rig.sync, 1, "run")) is not None, what="the holder to take key 1")
-    rig.hand_made(rig.sync, 3, unique_digest=rig.unique.specs[rig.sync.actor_name].digest((1,), {}))
-    time.sleep(0.3)  # it meets key 1 held, and is rescheduled: nothing to poll for but its absence
+    forged = rig.hand_made(rig.sync, 3, unique_digest=rig.unique.specs[rig.sync.actor_name].digest((1,), {}))
+    # it meets key 1 held, and waits in key 1's line
+    wait_for(lambda: [w.message_id for w in rig.backend.waiters(rig.key(rig.sync, 1, "run"))] == [forged.message_id],
+             what="the forged message to wait for key 1")
     assert rig.runs == []
     rig.gate.set()
     wait_for(lambda: len(rig.runs) == 2, timeout=15, what="the holder, then the forged message")
     first, second = sorted(rig.runs, key=lambda run: run[2])
     assert first[1] == 1 and second[1] == 3 and first[3] <= second[2]
-    assert holder.message_id and forged.message_id
 
 
 def test_a_hand_made_owed_release_releases_nothing_outside_the_middlewares_locks(rig: Rig, caplog,

@@ -136,3 +136,14 @@ def test_when_the_broker_refuses_too_each_owed_release_is_named_in_an_error(capl
     assert len(errors) == 1 and ":once:" in errors[0].getMessage()
     assert "the broker did not take them" in errors[0].getMessage()
     broker.close()
+
+
+def test_an_owed_release_with_a_long_reserve_is_made() -> None:
+    # A reschedule delay of 10 minutes reserves a handed slot for 20: its owed release carries that reserve
+    broker, backend = StubBroker(), FlakyBackend()
+    unique, _ = setup(broker, backend)
+    unique.before_worker_boot(broker, None)
+    assert backend.acquire(KEY, "m", ttl=60_000).acquired
+    unique.owed.make([OwedRelease.within(KEY, "m", 60_000, {"succeeded": True, "reserve": 1_201_000}).encode()])
+    assert backend.inspect(KEY) is None
+    broker.close()

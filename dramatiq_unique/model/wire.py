@@ -240,18 +240,18 @@ MAX_COUNT = 1_000_000
 _DIGEST = re.compile(f"[0-9a-f]{{{DIGEST_LENGTH}}}")
 
 
-def is_count(value: Any) -> bool:
+def _count(value: Any) -> bool:
     return type(value) is int and 0 <= value <= MAX_COUNT  # bool is an int, and no count
 
 
 #: What each option a delivery reads must be (a check, its wording): a message may be hand-made.
 OPTION_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     UNIQUE_DIGEST: (lambda v: isinstance(v, str) and bool(_DIGEST.fullmatch(v)), f"{DIGEST_LENGTH} hex digits"),
-    UNIQUE_SEQ: (is_count, f"an int from 0 to {MAX_COUNT}"),
+    UNIQUE_SEQ: (_count, f"an int from 0 to {MAX_COUNT}"),
     UNIQUE_LOCK_ARGS: (lambda v: isinstance(v, str) and len(v) <= 65_536, "a string of at most 64 KiB"),
-    UNIQUE_RESCHEDULES: (is_count, f"an int from 0 to {MAX_COUNT}"),
+    UNIQUE_RESCHEDULES: (_count, f"an int from 0 to {MAX_COUNT}"),
     UNIQUE_VIA: (lambda v: v in ("", "delay", "handoff", "retry"), "'delay', 'handoff' or 'retry'"),
-    UNIQUE_WAITS: (is_count, f"an int from 0 to {MAX_COUNT}"),
+    UNIQUE_WAITS: (_count, f"an int from 0 to {MAX_COUNT}"),
 }
 
 

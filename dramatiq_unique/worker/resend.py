@@ -19,8 +19,9 @@ from ..backends.base import LockBackend
 from ..backends.records import Release
 from ..background import JITTER, BackgroundThread, OneCall, Served, now_ms, pid
 from ..events import LockEvent
-from ..model.wire import is_count, message_id_of
-from ..send.context import LockContext
+from ..model.wire import message_id_of
+from ..send.context import RESERVE_DELAYS, RESERVE_SLACK, LockContext
+from ..settings import MAX_DURATION
 from .leases import HandOff, Lease, LockToRelease, PendingRelease
 
 if TYPE_CHECKING:
@@ -240,7 +241,10 @@ class OwedRelease:
 
 
 #: The keywords an owed release may pass to ``release``, and what each must be.
-_OWED_KEYWORDS: dict[str, Callable[[Any], bool]] = {"succeeded": lambda v: isinstance(v, bool), "reserve": is_count}
+_OWED_KEYWORDS: dict[str, Callable[[Any], bool]] = {
+    "succeeded": lambda v: isinstance(v, bool),
+    "reserve": lambda v: type(v) is int and 0 <= v <= RESERVE_DELAYS * MAX_DURATION + RESERVE_SLACK,  # as reserve()
+}
 
 
 class OwedReleases:

@@ -271,12 +271,8 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
     def _connection(self) -> Iterator[Any]:
         if self._own_pool and (self.pool is None or self._pool_pid != pid()):
             self._open_pool()
-        if self._pool_lost:
-            with self._connect_past_the_pool() as conn:
-                yield conn
-            return
         try:
-            with self.pool.connection(timeout=self.timeout) as conn:
+            with self._direct_connection() if self._pool_lost else self.pool.connection(timeout=self.timeout) as conn:
                 yield conn
         except psycopg_pool.PoolTimeout:
             # A pool short of its size could not connect; its backoff doubles, so after a restart it may
@@ -285,7 +281,7 @@ class PostgresBackend(Reschedules, NewestWins, BatchedReleases, RenewsNatively):
                 self._pool_lost = True
             raise
 
-    def _connect_past_the_pool(self) -> Any:
+    def _direct_connection(self) -> Any:
         """A connection of its own, while the pool cannot connect; the first that succeeds replaces the pool."""
         conn = psycopg.connect(self.conninfo, **self._kwargs)
         with self._pool_lock:
